@@ -1,0 +1,392 @@
+"""Qwen2 decoder as pure functions of a params pytree, with LoRA as a separate subtree.
+
+Shape legend (einsum letters; array names carry them as suffixes, e.g. ``x_BTD``):
+    B batch            T query positions        S key positions (T, or the KV-cache length)
+    D hidden (embed)   H query heads            K key/value heads        G query heads per KV head (H = K*G)
+    E head dim         F MLP hidden             V vocabulary             R LoRA rank
+    L layers (leading axis of every stacked layer weight)
+
+Params are ``{"base": ..., "lora": ...}``. Everything about them (shape, dtype, logical axes, initialiser)
+is written once in ``param_specs``; init, abstract shapes and logical axes for sharding derive from it.
+Layer weights are stacked on a leading L axis and the decoder is a ``jax.lax.scan`` over them, so
+compile time does not grow with depth.
+
+LoRA on a projection ``y = x W`` adds ``c * (x A) B`` with ``c = (alpha / rank) * lora_scale``; A has
+the input dims of W followed by R, B has R followed by the output dims of W, so ``A B`` has W's shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lspo_jax.config import ModelConfig
+
+Params = dict[str, Any]
+
+# (input dims, output dims) of each LoRA-able projection, as names of ModelConfig sizes.
+_PROJ_DIMS = {
+    "q": (("embed",), ("heads", "head_dim")),
+    "k": (("embed",), ("kv_heads", "head_dim")),
+    "v": (("embed",), ("kv_heads", "head_dim")),
+    "o": (("heads", "head_dim"), ("embed",)),
+    "gate": (("embed",), ("mlp",)),
+    "up": (("embed",), ("mlp",)),
+    "down": (("mlp",), ("embed",)),
+}
+
+
+# ------------------------------------------------------------------------------------ parameter specs
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """Shape, dtype, logical axis names and initialiser of one parameter array.
+
+    ``init`` is "normal" (std = init_scale), "uniform" (in [-init_scale, init_scale]), "zeros" or "ones".
+    """
+
+    shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str, ...]
+    init: str = "normal"
+    init_scale: float = 0.02
+
+
+def _axis_sizes(config: ModelConfig) -> dict[str, int]:
+    return {
+        "layers": config.num_layers,
+        "vocab": config.vocab_size,
+        "embed": config.hidden_size,
+        "heads": config.num_heads,
+        "kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "mlp": config.intermediate_size,
+        "lora_rank": config.lora.rank,
+    }
+
+
+def _spec(config: ModelConfig, axes: tuple[str, ...], init: str = "normal", init_scale: float = 0.02) -> ParamSpec:
+    sizes = _axis_sizes(config)
+    shape = tuple(sizes[a] for a in axes)
+    return ParamSpec(shape, jnp.dtype(config.param_dtype), axes, init, init_scale)
+
+
+def _base_specs(config: ModelConfig) -> Params:
+    s = lambda *axes, init="normal": _spec(config, ("layers", *axes), init)  # stacked layer weight
+    layers = {"attn_norm": s("embed", init="ones"), "mlp_norm": s("embed", init="ones")}
+    for name in ("q", "k", "v", "o", "gate", "up", "down"):
+        ins, outs = _PROJ_DIMS[name]
+        layers[name] = s(*ins, *outs)
+        if name in ("q", "k", "v"):  # Qwen2 has biases on q/k/v only
+            layers[f"{name}_bias"] = s(*outs, init="zeros")
+    base = {
+        "embed": _spec(config, ("vocab", "embed")),
+        "layers": layers,
+        "final_norm": _spec(config, ("embed",), "ones"),
+    }
+    if not config.tie_word_embeddings:
+        base["lm_head"] = _spec(config, ("embed", "vocab"))
+    return base
+
+
+def _lora_specs(config: ModelConfig) -> Params:
+    sizes = _axis_sizes(config)
+    lora = {}
+    for name in config.lora.targets:
+        ins, outs = _PROJ_DIMS[name]
+        # peft's default for A: kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        bound = 1.0 / math.sqrt(math.prod(sizes[a] for a in ins))
+        lora[name] = {
+            "a": _spec(config, ("layers", *ins, "lora_rank"), "uniform", bound),
+            # B = 0 so that base + fresh adapter equals the base exactly.
+            "b": _spec(config, ("layers", "lora_rank", *outs), "zeros"),
+        }
+    return lora
+
+
+def param_specs(config: ModelConfig) -> Params:
+    """The single description of all parameters: ``{"base": {...}, "lora": {...}}`` of ``ParamSpec``."""
+    return {"base": _base_specs(config), "lora": _lora_specs(config)}
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def _init_tree(specs: Params, key: jax.Array) -> Params:
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(leaves))
+
+    def init_one(spec: ParamSpec, k: jax.Array) -> jax.Array:
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, spec.dtype)
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, spec.dtype)
+        if spec.init == "uniform":
+            return jax.random.uniform(k, spec.shape, jnp.float32, -spec.init_scale, spec.init_scale).astype(spec.dtype)
+        return (spec.init_scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(spec.dtype)
+
+    return jax.tree.unflatten(treedef, [init_one(s, k) for s, k in zip(leaves, keys, strict=True)])
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+    """Random ``{"base", "lora"}`` params: base ~ N(0, 0.02^2), norms 1, biases 0; LoRA A uniform, B = 0."""
+    base_key, lora_key = jax.random.split(key)
+    return {"base": _init_tree(_base_specs(config), base_key), "lora": init_lora(config, lora_key)}
+
+
+def init_lora(config: ModelConfig, key: jax.Array) -> Params:
+    """A fresh adapter subtree: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), B = 0 (so it starts as a no-op)."""
+    return _init_tree(_lora_specs(config), key)
+
+
+def abstract_params(config: ModelConfig) -> Params:
+    """``jax.ShapeDtypeStruct`` for every parameter (no allocation): restore targets, shardings, counts."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), param_specs(config), is_leaf=_is_spec)
+
+
+def logical_axes(config: ModelConfig) -> Params:
+    """Logical axis names per parameter, e.g. ``("layers", "embed", "heads", "head_dim")`` for q.
+
+    The tuples are leaves: map over them with ``is_leaf=lambda x: isinstance(x, tuple)``.
+    """
+    return jax.tree.map(lambda s: s.axes, param_specs(config), is_leaf=_is_spec)
+
+
+def count_params(tree: Any) -> int:
+    """Total number of elements over the leaves of a pytree of arrays or ShapeDtypeStructs."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+
+# ----------------------------------------------------------------------------------------- primitives
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``w * x / sqrt(mean(x^2) + eps)``; statistics in float32 even for bf16 x (as HF Qwen2RMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    # HF casts back to the input dtype before the weight multiply; same order keeps bf16 parity.
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rotary(x_BTHE: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of q or k (H or K heads), HF ``rotate_half`` layout: dims (i, i + E/2) form the pair rotated by
+    ``pos * theta^(-2i/E)``; ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
+    """
+    half = x_BTHE.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x_BTHE.shape[-1]))
+    angle_BTE = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
+    angle_BTE = jnp.concatenate([angle_BTE, angle_BTE], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angle_BTE).astype(x_BTHE.dtype), jnp.sin(angle_BTE).astype(x_BTHE.dtype)
+    x1, x2 = x_BTHE[..., :half], x_BTHE[..., half:]
+    return x_BTHE * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def _linear(x: jax.Array, w: jax.Array, lora: Params | None, lora_c: jax.Array | float, n_in: int = 1) -> jax.Array:
+    """``x W + c * (x A) B``, contracting the last ``n_in`` dims of x with the leading (input) dims of W."""
+    y = jnp.tensordot(x, w.astype(x.dtype), axes=n_in)
+    if lora is None:
+        return y
+    # Scale the rank-R intermediate, not the output: cheaper, and c = 0 gives exact zeros (0 * finite),
+    # so lora_scale = 0 reproduces the base bit for bit and gives the adapter exactly zero gradient.
+    xa = jnp.tensordot(x, lora["a"].astype(x.dtype), axes=n_in) * jnp.asarray(lora_c, x.dtype)
+    return y + jnp.tensordot(xa, lora["b"].astype(x.dtype), axes=1)
+
+
+def attention_positions(attention_mask_BT: jax.Array) -> jax.Array:
+    """Positions of a left-padded batch: ``cumsum(mask) - 1`` clipped at 0 (pads sit at position 0)."""
+    return jnp.maximum(jnp.cumsum(attention_mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_padding_mask(attention_mask_BT: jax.Array) -> jax.Array:
+    """``[B, T, S]`` bool: query t may see key s iff s <= t and key s is a real token."""
+    t = attention_mask_BT.shape[-1]
+    causal_TS = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    return causal_TS[None] & attention_mask_BT.astype(bool)[:, None, :]
+
+
+# Finite stand-in for -inf: a query with no visible key (a left pad) gets a uniform softmax, not NaN.
+_MASKED = -1e30
+
+
+def attend(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """Grouped-query attention ``softmax(q k^T / sqrt(E) + mask) v``; query head h reads KV head h // G.
+
+    Scores and softmax are float32 whatever the compute dtype (bf16 exponentials lose too much).
+    """
+    b, t, h, e = q_BTHE.shape
+    k_heads = k_BSKE.shape[2]
+    q_BTKGE = q_BTHE.reshape(b, t, k_heads, h // k_heads, e)
+    scores_BKGTS = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE, preferred_element_type=jnp.float32)
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS * (e**-0.5), _MASKED)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKE.dtype)
+    out_BTKGE = jnp.einsum("bkgts,bske->btkge", probs_BKGTS, v_BSKE)
+    return out_BTKGE.reshape(b, t, h, e)
+
+
+def _write_cache(cache: Params, k_BTKE: jax.Array, v_BTKE: jax.Array, index: jax.Array) -> Params:
+    # Static-shape cache (the decode step compiles once): new keys/values overwrite slots [index, index+T).
+    start = (0, index, 0, 0)
+    return {
+        "k": jax.lax.dynamic_update_slice(cache["k"], k_BTKE.astype(cache["k"].dtype), start),
+        "v": jax.lax.dynamic_update_slice(cache["v"], v_BTKE.astype(cache["v"].dtype), start),
+    }
+
+
+def block(
+    config: ModelConfig,
+    layer: Params,
+    x_BTD: jax.Array,
+    positions_BT: jax.Array,
+    mask_BTS: jax.Array,
+    *,
+    lora: Params | None = None,
+    lora_c: jax.Array | float = 0.0,
+    kv_cache: Params | None = None,
+    cache_index: jax.Array | int = 0,
+) -> tuple[jax.Array, Params | None]:
+    """One pre-norm decoder layer: ``x += attn(norm(x)); x += mlp(norm(x))``, mlp = ``down(silu(gate) * up)``.
+
+    ``layer``/``lora`` are this layer's slices (no L axis); ``lora_c = (alpha / rank) * lora_scale``.
+    Without a cache, S = T. With ``kv_cache = {"k": [B, S, K, E], "v": ...}`` the new keys and values are
+    written at ``cache_index`` and the queries attend over all S slots; ``mask_BTS`` must then hide the
+    unwritten slots. Returns ``(x, updated kv_cache or None)``.
+    """
+    lora = lora or {}
+    dt = x_BTD.dtype
+    with jax.named_scope("attention"):
+        h_BTD = rms_norm(x_BTD, layer["attn_norm"], config.rms_norm_eps)
+        q_BTHE = _linear(h_BTD, layer["q"], lora.get("q"), lora_c) + layer["q_bias"].astype(dt)
+        k_BTKE = _linear(h_BTD, layer["k"], lora.get("k"), lora_c) + layer["k_bias"].astype(dt)
+        v_BTKE = _linear(h_BTD, layer["v"], lora.get("v"), lora_c) + layer["v_bias"].astype(dt)
+        q_BTHE = rotary(q_BTHE, positions_BT, config.rope_theta)
+        k_BTKE = rotary(k_BTKE, positions_BT, config.rope_theta)
+        if kv_cache is not None:
+            kv_cache = _write_cache(kv_cache, k_BTKE, v_BTKE, cache_index)
+            k_BTKE, v_BTKE = kv_cache["k"].astype(dt), kv_cache["v"].astype(dt)
+        out_BTHE = attend(q_BTHE, k_BTKE, v_BTKE, mask_BTS)
+        x_BTD = x_BTD + _linear(out_BTHE, layer["o"], lora.get("o"), lora_c, n_in=2)
+    with jax.named_scope("mlp"):
+        h_BTD = rms_norm(x_BTD, layer["mlp_norm"], config.rms_norm_eps)
+        gate_BTF = _linear(h_BTD, layer["gate"], lora.get("gate"), lora_c)
+        up_BTF = _linear(h_BTD, layer["up"], lora.get("up"), lora_c)
+        x_BTD = x_BTD + _linear(jax.nn.silu(gate_BTF) * up_BTF, layer["down"], lora.get("down"), lora_c)
+    return x_BTD, kv_cache
+
+
+def _effective_lora(config: ModelConfig, params: Params, lora_scale: jax.Array | float) -> tuple[Params | None, Any]:
+    lora = params.get("lora")
+    # A Python 0 is known at trace time: skip the adapter matmuls altogether (the RL forward pass).
+    if not lora or (isinstance(lora_scale, int | float) and lora_scale == 0):
+        return None, 0.0
+    return lora, config.lora.scale * lora_scale
+
+
+def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array) -> jax.Array:
+    """Token embeddings ``E[tokens]`` in the compute dtype."""
+    with jax.named_scope("embed"):
+        return jnp.take(params["base"]["embed"], tokens_BT, axis=0).astype(config.compute_dtype)
+
+
+def decoder(
+    config: ModelConfig,
+    params: Params,
+    x_BTD: jax.Array,
+    positions_BT: jax.Array,
+    mask_BTS: jax.Array,
+    *,
+    lora_scale: jax.Array | float = 0.0,
+    kv_cache: Params | None = None,
+    cache_index: jax.Array | int = 0,
+) -> tuple[jax.Array, Params | None]:
+    """All layers (a scan over the stacked L axis) then the final RMSNorm: ``(h [B, T, D], kv_cache)``.
+
+    ``kv_cache``, when given, is ``{"k": [L, B, S, K, E], "v": [L, B, S, K, E]}``; see ``block``.
+    """
+    lora, lora_c = _effective_lora(config, params, lora_scale)
+
+    def layer_step(x_BTD, xs):
+        layer, layer_lora, layer_cache = xs
+        return block(
+            config,
+            layer,
+            x_BTD,
+            positions_BT,
+            mask_BTS,
+            lora=layer_lora,
+            lora_c=lora_c,
+            kv_cache=layer_cache,
+            cache_index=cache_index,
+        )
+
+    with jax.named_scope("layers"):
+        x_BTD, kv_cache = jax.lax.scan(layer_step, x_BTD, (params["base"]["layers"], lora, kv_cache))
+    with jax.named_scope("final_norm"):
+        return rms_norm(x_BTD, params["base"]["final_norm"], config.rms_norm_eps), kv_cache
+
+
+def hidden_states(
+    config: ModelConfig,
+    params: Params,
+    tokens_BT: jax.Array,
+    attention_mask_BT: jax.Array | None = None,
+    *,
+    lora_scale: jax.Array | float = 0.0,
+) -> jax.Array:
+    """Final-normed hidden states [B, T, D] (compute dtype) of a left-padded batch, no cache.
+
+    Positions are ``cumsum(mask) - 1`` so a left-padded row sees the same positions as unpadded.
+    """
+    if attention_mask_BT is None:
+        attention_mask_BT = jnp.ones(tokens_BT.shape, jnp.int32)
+    positions_BT = attention_positions(attention_mask_BT)
+    mask_BTS = causal_padding_mask(attention_mask_BT)
+    x_BTD = embed(config, params, tokens_BT)
+    return decoder(config, params, x_BTD, positions_BT, mask_BTS, lora_scale=lora_scale)[0]
+
+
+def lm_logits(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
+    """float32 logits ``h W_out`` with ``W_out = embed^T`` when tied; any leading dims on h."""
+    base = params["base"]
+    with jax.named_scope("lm_head"):
+        if config.tie_word_embeddings:
+            w_VD = base["embed"].astype(h_BTD.dtype)
+            return jnp.einsum("...d,vd->...v", h_BTD, w_VD, preferred_element_type=jnp.float32)
+        w_DV = base["lm_head"].astype(h_BTD.dtype)
+        return jnp.einsum("...d,dv->...v", h_BTD, w_DV, preferred_element_type=jnp.float32)
+
+
+def forward(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    lora_scale: jax.Array | float = 0.0,
+) -> jax.Array:
+    """Logits [B, T, V] (float32) of ``tokens`` [B, T]; ``attention_mask`` [B, T] is 1 on real tokens.
+
+    The adapter ``params["lora"]`` (optional) enters as ``(alpha / rank) * lora_scale * B A``; with
+    ``lora_scale = 0`` the output equals the base model's exactly and the adapter gets zero gradient.
+    """
+    h_BTD = hidden_states(config, params, tokens, attention_mask, lora_scale=lora_scale)
+    return lm_logits(config, params, h_BTD)
+
+
+def merge_lora(config: ModelConfig, params: Params, lora_scale: float = 1.0) -> Params:
+    """Base params with the adapter folded in: ``W <- W + (alpha / rank) * lora_scale * A B`` per target.
+
+    Returns the base subtree only (the ``params["base"]`` layout), for engines that take plain weights.
+    """
+    base = params["base"]
+    lora = params.get("lora") or {}
+    c = config.lora.scale * lora_scale
+    # Per layer, contract A's rank axis with B's: [*in, R] x [R, *out] -> [*in, *out] = W's shape.
+    # HIGHEST precision: on GPU a float32 matmul may otherwise run in TF32 and lose ~3 digits.
+    product = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1, precision=jax.lax.Precision.HIGHEST))
+    layers = dict(base["layers"])
+    for name, ab in lora.items():
+        delta = product(ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32))
+        layers[name] = (layers[name].astype(jnp.float32) + c * delta).astype(layers[name].dtype)
+    return {**base, "layers": layers}

@@ -1,0 +1,237 @@
+"""Properties of the Qwen2 forward pass and the params description that need no external reference.
+
+(Parity with transformers lives in test_hf.py.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lspo_jax.config import LoraConfig, ModelConfig
+from lspo_jax.model import (
+    abstract_params,
+    attention_positions,
+    causal_padding_mask,
+    count_params,
+    decoder,
+    embed,
+    forward,
+    hidden_states,
+    init_lora,
+    init_params,
+    lm_logits,
+    logical_axes,
+    merge_lora,
+    param_specs,
+)
+
+# One compiled forward per (config, shapes, params structure); a traced lora_scale never takes the
+# trace-time shortcut for a Python 0, so both code paths of the adapter get exercised below.
+_forward = jax.jit(forward, static_argnums=0)
+
+
+def _base_only(params):
+    return {"base": params["base"]}
+
+
+# ------------------------------------------------------------------------------------ params and config
+def test_deepseek_preset_param_count_without_allocation():
+    config = ModelConfig.preset("deepseek-r1-distill-qwen-1.5b")
+    abstract = abstract_params(config)
+    # Published size of DeepSeek-R1-Distill-Qwen-1.5B: embed 151936*1536 twice (untied) + 28 layers of
+    # 46,797,824 + final norm 1536 = 1,777,088,000.
+    assert count_params(abstract["base"]) == 1_777_088_000
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+    # init_params traced abstractly must agree with the description it derives from.
+    traced = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
+    assert jax.tree.structure(traced) == jax.tree.structure(abstract)
+    for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(abstract), strict=True):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+
+
+def test_logical_axes_name_every_dim(tiny_config):
+    axes = logical_axes(tiny_config)
+    shapes = abstract_params(tiny_config)
+    is_axes = lambda x: isinstance(x, tuple)
+    assert jax.tree.structure(axes, is_leaf=is_axes) == jax.tree.structure(shapes)
+    for ax, s in zip(jax.tree.leaves(axes, is_leaf=is_axes), jax.tree.leaves(shapes), strict=True):
+        assert len(ax) == len(s.shape)
+    assert axes["base"]["layers"]["q"] == ("layers", "embed", "heads", "head_dim")
+    assert axes["base"]["embed"] == ("vocab", "embed")
+    assert axes["lora"]["o"]["a"] == ("layers", "heads", "head_dim", "lora_rank")
+    assert "lm_head" not in param_specs(dataclasses.replace(tiny_config, tie_word_embeddings=True))["base"]
+
+
+@pytest.fixture(scope="module")
+def tiny_init(tiny_config):
+    # jit: one XLA compile for all leaves (eager would compile the PRNG once per distinct shape).
+    return jax.jit(init_params, static_argnums=0)(tiny_config, jax.random.key(3))
+
+
+def test_init_params_follows_specs(tiny_config, tiny_init):
+    params = tiny_init
+    layers = params["base"]["layers"]
+    assert np.all(np.asarray(layers["attn_norm"]) == 1) and np.all(np.asarray(params["base"]["final_norm"]) == 1)
+    assert np.all(np.asarray(layers["q_bias"]) == 0)
+    assert abs(float(jnp.std(params["base"]["embed"])) - 0.02) < 0.003
+    for target, ab in params["lora"].items():
+        assert np.all(np.asarray(ab["b"]) == 0), target
+    # A of the q projection: U(-1/sqrt(64), 1/sqrt(64)), fan_in = hidden 64.
+    a = np.asarray(params["lora"]["q"]["a"])
+    assert a.shape == (2, 64, 4) and np.abs(a).max() <= 1 / 8 and np.abs(a).max() > 0.1
+    assert set(params["lora"]) == set(tiny_config.lora.targets)
+    fresh = jax.eval_shape(lambda k: init_lora(tiny_config, k), jax.random.key(1))
+    assert jax.tree.structure(fresh) == jax.tree.structure(params["lora"])
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="LoraConfig.targets: unknown target.*'qkv'"):
+        LoraConfig(targets=("q", "qkv"))
+    with pytest.raises(ValueError, match="LoraConfig.rank"):
+        LoraConfig(rank=0)
+    with pytest.raises(ValueError, match="ModelConfig.num_kv_heads"):
+        ModelConfig.preset("tiny", num_kv_heads=3)
+    with pytest.raises(ValueError, match="ModelConfig.compute_dtype"):
+        ModelConfig.preset("tiny", compute_dtype="float8")
+    with pytest.raises(ValueError, match="unknown model preset"):
+        ModelConfig.preset("gpt2")
+    assert LoraConfig(rank=16, alpha=64.0).scale == 4.0
+    assert LoraConfig(targets=["q", "v"]).targets == ("q", "v")  # YAML lists become tuples
+    assert ModelConfig.preset("tiny", head_dim=None).head_dim == 16  # hidden / heads
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+def test_fresh_adapter_equals_base_exactly(tiny_config, tiny_params, tiny_init, left_padded_batch):
+    tokens, mask = left_padded_batch
+    params = {"base": tiny_params["base"], "lora": tiny_init["lora"]}  # init_lora's A, B = 0
+    base = _forward(tiny_config, _base_only(params), tokens, mask)
+    np.testing.assert_array_equal(_forward(tiny_config, params, tokens, mask, lora_scale=1.0), base)
+
+
+def test_lora_scale_zero_equals_base_exactly(tiny_config, tiny_params, left_padded_batch):
+    tokens, mask = left_padded_batch
+    base = _forward(tiny_config, _base_only(tiny_params), tokens, mask)
+    on = _forward(tiny_config, tiny_params, tokens, mask, lora_scale=1.0)
+    assert np.abs(np.asarray(on - base)).max() > 1e-2  # the adapter does something when on
+    # Under jit the scale is traced: the adapter runs and must contribute exact zeros.
+    np.testing.assert_array_equal(_forward(tiny_config, tiny_params, tokens, mask, lora_scale=0.0), base)
+    # Eagerly a Python 0 skips the adapter at trace time; same result.
+    eager = forward(tiny_config, tiny_params, tokens, mask, lora_scale=0.0)
+    np.testing.assert_allclose(eager, base, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(eager, forward(tiny_config, _base_only(tiny_params), tokens, mask))
+
+
+@pytest.mark.parametrize("lora_scale", [1.0, 0.5])
+def test_merged_adapter_equals_unmerged(tiny_config, tiny_params, left_padded_batch, lora_scale):
+    tokens, mask = left_padded_batch
+    unmerged = _forward(tiny_config, tiny_params, tokens, mask, lora_scale=lora_scale)
+    merged = {"base": merge_lora(tiny_config, tiny_params, lora_scale=lora_scale)}
+    np.testing.assert_allclose(_forward(tiny_config, merged, tokens, mask), unmerged, atol=1e-5, rtol=0)
+    assert set(merged["base"]) == set(tiny_params["base"])
+
+
+def test_lora_gets_exactly_zero_gradient_at_scale_zero(tiny_config, tiny_params, left_padded_batch):
+    tokens, mask = left_padded_batch
+
+    @jax.jit
+    def grads(params, scale):
+        def loss(p):
+            logits = forward(tiny_config, p, tokens, mask, lora_scale=scale)
+            return jnp.sum(jax.nn.log_softmax(logits)[..., 5] * mask)
+
+        return jax.grad(loss)(params)
+
+    # A traced 0 is the hard case (the adapter is computed, scaled by 0); a Python 0 never reaches it.
+    g = grads(tiny_params, 0.0)
+    assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(g["lora"]))
+    assert np.abs(np.asarray(g["base"]["layers"]["q"])).max() > 0
+    g = grads(tiny_params, 1.0)
+    assert all(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(g["lora"]))
+
+
+# -------------------------------------------------------------------------------- forward properties
+def test_causality(tiny_config, tiny_params, left_padded_batch):
+    tokens = left_padded_batch[0].copy()
+    tokens[0] = np.arange(4, 14)
+    changed = tokens.copy()
+    changed[0, 6] = 50
+    a = _forward(tiny_config, tiny_params, tokens, lora_scale=1.0)
+    b = _forward(tiny_config, tiny_params, changed, lora_scale=1.0)
+    np.testing.assert_array_equal(a[0, :6], b[0, :6])
+    assert np.abs(np.asarray(a[0, 6:] - b[0, 6:])).min(axis=-1).max() > 0
+
+
+def test_left_padding_does_not_change_real_tokens(tiny_config, tiny_params, left_padded_batch):
+    tokens, mask = left_padded_batch
+    padded = np.asarray(_forward(tiny_config, tiny_params, tokens, mask, lora_scale=1.0))
+    assert np.isfinite(padded).all()  # pad queries see no key at all: uniform softmax, not NaN
+    # The same real tokens unpadded, at the start of a row; what follows them cannot matter (causality),
+    # so one [3, 10] batch compares every row without another compile.
+    unpadded = np.full_like(tokens, 7)
+    for row in range(3):
+        real = tokens[row, mask[row] == 1]
+        unpadded[row, : len(real)] = real
+    alone = np.asarray(_forward(tiny_config, tiny_params, unpadded, lora_scale=1.0))
+    for row in range(3):
+        n = int(mask[row].sum())
+        np.testing.assert_allclose(padded[row, mask[row] == 1], alone[row, :n], atol=1e-5, rtol=0)
+    all_pad = _forward(tiny_config, tiny_params, tokens, np.zeros_like(mask), lora_scale=1.0)
+    assert np.isfinite(np.asarray(all_pad)).all()
+
+
+def test_positions_and_mask_of_left_padding():
+    mask = np.array([[0, 0, 1, 1, 1]])
+    np.testing.assert_array_equal(attention_positions(mask), [[0, 0, 0, 1, 2]])
+    m = np.asarray(causal_padding_mask(mask))[0]
+    assert m[4].tolist() == [False, False, True, True, True] and not m[1].any()
+
+
+def test_jit_equals_eager_and_hidden_path(tiny_config, tiny_params, left_padded_batch):
+    tokens, mask = left_padded_batch
+    eager = forward(tiny_config, tiny_params, tokens, mask, lora_scale=1.0)
+    np.testing.assert_allclose(_forward(tiny_config, tiny_params, tokens, mask, lora_scale=1.0), eager, atol=1e-6)
+    h = hidden_states(tiny_config, tiny_params, tokens, mask, lora_scale=1.0)
+    assert h.shape == (3, 10, 64) and eager.dtype == jnp.float32
+    np.testing.assert_array_equal(lm_logits(tiny_config, tiny_params, h), eager)
+
+
+def test_kv_cache_hook_matches_full_forward(tiny_config, tiny_params, left_padded_batch):
+    """Prefill 6 tokens into a static cache of 10 slots, then feed the last 4: same logits as one pass."""
+    tokens, mask = left_padded_batch
+    c = tiny_config
+    full = _forward(c, tiny_params, tokens, mask, lora_scale=1.0)
+    positions, allowed = attention_positions(mask), causal_padding_mask(mask)  # [B, T], [B, T, S]
+    shape = (c.num_layers, 3, 10, c.num_kv_heads, c.head_dim)
+    cache = {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
+
+    @jax.jit
+    def step(cache, start):
+        x = embed(c, tiny_params, jax.lax.dynamic_slice_in_dim(tokens, start, 2, axis=1))
+        pos = jax.lax.dynamic_slice_in_dim(positions, start, 2, axis=1)
+        # Slots not yet written are hidden by the causal part of the mask (s <= t).
+        mask_BTS = jax.lax.dynamic_slice_in_dim(allowed, start, 2, axis=1)
+        h, cache = decoder(c, tiny_params, x, pos, mask_BTS, lora_scale=1.0, kv_cache=cache, cache_index=start)
+        return lm_logits(c, tiny_params, h), cache
+
+    logits = []
+    for start in range(0, 10, 2):  # 5 chunks of 2 tokens, one compile
+        chunk, cache = step(cache, start)
+        logits.append(chunk)
+    real = mask == 1
+    np.testing.assert_allclose(np.concatenate(logits, axis=1)[real], np.asarray(full)[real], atol=1e-5, rtol=0)
+
+
+def test_bfloat16_compute_stays_close(tiny_config, tiny_params, left_padded_batch):
+    tokens, mask = left_padded_batch
+    bf16 = dataclasses.replace(tiny_config, compute_dtype="bfloat16")
+    ref = np.asarray(_forward(tiny_config, tiny_params, tokens, mask, lora_scale=1.0))
+    out = _forward(bf16, tiny_params, tokens, mask, lora_scale=1.0)
+    assert out.dtype == jnp.float32
+    real = mask == 1
+    # bf16 keeps 8 mantissa bits (~0.4% relative); two layers of it stay within a few percent of the range.
+    assert np.abs(np.asarray(out)[real] - ref[real]).max() < 0.05 * np.abs(ref[real]).max()

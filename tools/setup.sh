@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv and installs the project into it, once per change of pyproject.toml.
+# Usage: tools/setup.sh [EXTRAS]   e.g. tools/setup.sh test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null || python=python3
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+spec="."
+[ -n "$extras" ] && spec=".[${extras}]"
+stamp=".venv/.installed-${extras:-base}"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "installing lspo_jax${extras:+[$extras]} into .venv (first run takes a few minutes)" >&2
+  .venv/bin/python -m pip install --quiet --upgrade pip >&2
+  .venv/bin/python -m pip install --quiet -e "$spec" >&2
+  echo "$want" > "$stamp"
+fi
