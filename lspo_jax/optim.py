@@ -1,0 +1,257 @@
+"""Optimizers and update steps with strictly disjoint gradient routing.
+
+Params are ``{"base": ..., "lora": ...}``. One ``optax.multi_transform`` holds an AdamW for each subtree:
+the RL optimizer (lr 1e-6) for the base and the SFT optimizer (lr 2.5e-5) for the adapter. A step never
+runs the combined update: handing the other subtree zero gradients would still move it (AdamW's weight
+decay and its running moments produce non-zero updates from a zero gradient) and would advance the other
+optimizer's step count, hence its bias correction and warm-up. Instead ``update_subtree`` runs only one
+label's inner transform, the same computation ``multi_transform`` does for that label, so the other
+subtree and its optimizer state stay bit-identical.
+
+    rl_step:  loss = policy_loss(logp_theta) with lora_scale = 0   grad w.r.t. params["base"] only
+    sft_step: loss = sft_loss(logp_theta+phi) with the adapter on  grad w.r.t. params["lora"] only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lspo_jax import losses, model
+from lspo_jax.config import ModelConfig
+
+Params = dict[str, Any]
+BASE, LORA = "base", "lora"
+
+
+# ----------------------------------------------------------------------------------------- configs
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW with linear warm-up and global-norm clipping.
+
+    ``lr_t = lr * min(1, (t + 1) / warmup_steps)`` for step t = 0, 1, ... (the first step already moves;
+    ``warmup_steps = 0`` is a constant lr). ``max_grad_norm = None`` disables clipping. Weight decay is
+    decoupled (``p -= lr_t * weight_decay * p``) and applies to every parameter of the subtree.
+    """
+
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        checks = {
+            "lr": self.lr > 0,
+            "warmup_steps": isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+            "weight_decay": self.weight_decay >= 0,
+            "max_grad_norm": self.max_grad_norm is None or self.max_grad_norm > 0,
+            "b1": 0 <= self.b1 < 1,
+            "b2": 0 <= self.b2 < 1,
+            "eps": self.eps > 0,
+        }
+        for field, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name}.{field}: invalid value {getattr(self, field)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOptimConfig(AdamWConfig):
+    """The base model's optimizer: AdamW lr 1e-6 (the paper's DAPO recipe)."""
+
+    lr: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTOptimConfig(AdamWConfig):
+    """The adapter's optimizer: AdamW lr 2.5e-5, re-initialised with every fresh adapter."""
+
+    lr: float = 2.5e-5
+
+
+# -------------------------------------------------------------------------------------- transforms
+def adamw_transform(config: AdamWConfig) -> optax.GradientTransformation:
+    """``clip_by_global_norm(max_grad_norm)`` then AdamW with the warm-up schedule of ``config``."""
+    schedule = _warmup_schedule(config.lr, config.warmup_steps)
+    adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay)
+    if config.max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+
+
+def _warmup_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
+    if warmup_steps == 0:
+        return optax.constant_schedule(lr)
+
+    def schedule(count: jax.Array) -> jax.Array:
+        return lr * jnp.minimum(1.0, (count + 1) / warmup_steps)
+
+    return schedule
+
+
+def param_labels(params: Params) -> Params:
+    """Label every leaf with its top-level key, ``"base"`` or ``"lora"`` (the ``multi_transform`` labels)."""
+    unknown = set(params) - {BASE, LORA}
+    if unknown:
+        raise ValueError(f"params may only hold 'base' and 'lora' subtrees, got extra {sorted(unknown)}")
+    return {label: _fill(subtree, label) for label, subtree in params.items()}
+
+
+def _fill(tree: Any, value: str) -> Any:
+    return jax.tree.map(lambda _: value, tree)
+
+
+def make_optimizer(
+    rl: RLOptimConfig = RLOptimConfig(), sft: SFTOptimConfig = SFTOptimConfig()
+) -> optax.GradientTransformation:
+    """``multi_transform({"base": AdamW(rl), "lora": AdamW(sft)}, param_labels)``.
+
+    Initialise it on the full ``{"base", "lora"}`` params; step it with ``rl_step``/``sft_step`` (or
+    ``update_subtree``), never with its own ``update`` (see the module docstring).
+    """
+    return optax.multi_transform({BASE: adamw_transform(rl), LORA: adamw_transform(sft)}, param_labels)
+
+
+def update_subtree(
+    tx: optax.GradientTransformation,
+    label: str,
+    grads: Any,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+) -> tuple[Params, optax.MultiTransformState]:
+    """Apply ``tx`` (the inner transform of ``label``) to ``params[label]`` with ``grads`` for that subtree.
+
+    Runs ``optax.masked(tx, label mask)`` on the label's state exactly as ``multi_transform`` would; the other
+    subtree's parameters and optimizer state are returned as they came in (bit-identical).
+    """
+    mask = jax.tree.map(lambda leaf_label: leaf_label == label, param_labels(params))
+    # masked() passes the other subtree's "updates" through untouched; they are discarded below.
+    full_grads = {key: grads if key == label else jax.tree.map(jnp.zeros_like, sub) for key, sub in params.items()}
+    updates, label_state = optax.masked(tx, mask).update(full_grads, opt_state.inner_states[label], params)
+    new_params = dict(params)
+    new_params[label] = optax.apply_updates(params[label], updates[label])
+    inner_states = dict(opt_state.inner_states)
+    inner_states[label] = label_state
+    return new_params, opt_state._replace(inner_states=inner_states)
+
+
+# ------------------------------------------------------------------------------------------- steps
+def sequence_logprobs(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    *,
+    lora_scale: float = 0.0,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs aligned with ``tokens``, and the logits they came from.
+
+    ``logp[:, t] = log softmax(logits[:, t - 1] / temperature)[tokens[:, t]]`` for ``t >= 1`` and
+    ``logp[:, 0] = 0`` (nothing predicts the first token), so a loss mask in token coordinates (True on the
+    generated tokens) applies directly; position 0 must be masked out. Returns ``(logp [B, T], logits)``.
+    """
+    logits = model.forward(config, params, tokens, attention_mask, lora_scale=lora_scale)
+    logp = losses.token_logprobs(logits[:, :-1], tokens[:, 1:], temperature)
+    return jnp.pad(logp, ((0, 0), (1, 0))), logits
+
+
+def rl_step(
+    config: ModelConfig,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+    batch: Mapping[str, jax.Array],
+    *,
+    rl: RLOptimConfig = RLOptimConfig(),
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    clip_c: float | None = None,
+    temperature: float = 1.0,
+    num_micro_batches: int = 1,
+) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
+    """One RL update of the base: ``policy_loss`` token-mean over the whole batch, adapter off.
+
+    ``batch``: ``tokens``, ``attention_mask``, ``mask`` (response tokens) and ``old_logp``, all ``[B, T]`` and
+    aligned as in ``sequence_logprobs``, and ``advantages`` ``[B]`` or ``[B, T]``. The forward pass gets only
+    ``params["base"]`` with ``lora_scale = 0``, so the adapter is neither computed nor differentiated.
+    Jittable with ``config`` and the keyword arguments static.
+    """
+
+    def loss_fn(base: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
+        logp, logits = sequence_logprobs(
+            config, {BASE: base}, micro["tokens"], micro["attention_mask"], temperature=temperature
+        )
+        clip = {"eps_low": eps_low, "eps_high": eps_high, "clip_c": clip_c}
+        loss, metrics = losses.policy_loss(
+            logp, micro["old_logp"], micro["advantages"], micro["mask"], num_tokens=num_tokens, **clip
+        )
+        entropy = losses.token_entropy(jax.lax.stop_gradient(logits[:, :-1]), temperature)
+        metrics["entropy"] = losses.masked_mean(jnp.pad(entropy, ((0, 0), (1, 0))), micro["mask"])
+        return loss, metrics
+
+    with jax.named_scope("rl_grad"):
+        loss, grads, metrics = losses.accumulate_gradients(loss_fn, params[BASE], batch, num_micro_batches)
+    with jax.named_scope("rl_update"):
+        params, opt_state = update_subtree(adamw_transform(rl), BASE, grads, params, opt_state)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
+
+
+def sft_step(
+    config: ModelConfig,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+    batch: Mapping[str, jax.Array],
+    *,
+    sft: SFTOptimConfig = SFTOptimConfig(),
+    num_micro_batches: int = 1,
+) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
+    """One SFT update of the adapter: token-mean cross-entropy with the adapter on (``lora_scale = 1``).
+
+    ``batch``: ``tokens``, ``attention_mask`` and ``mask`` (solution tokens; prompt and padding False),
+    ``[B, T]``, aligned as in ``sequence_logprobs``. Only ``params["lora"]`` is differentiated and updated;
+    the base enters the forward as a constant. Temperature 1: the adapter fits the data distribution.
+    """
+
+    def loss_fn(lora: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
+        full = {BASE: params[BASE], LORA: lora}
+        logp, _ = sequence_logprobs(config, full, micro["tokens"], micro["attention_mask"], lora_scale=1.0)
+        loss = losses.sft_loss(logp, micro["mask"], num_tokens=num_tokens)
+        return loss, {"num_tokens": jnp.sum(micro["mask"].astype(jnp.float32))}
+
+    with jax.named_scope("sft_grad"):
+        loss, grads, metrics = losses.accumulate_gradients(loss_fn, params[LORA], batch, num_micro_batches)
+    with jax.named_scope("sft_update"):
+        params, opt_state = update_subtree(adamw_transform(sft), LORA, grads, params, opt_state)
+    return params, opt_state, {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads), **metrics}
+
+
+# ------------------------------------------------------------------------------------------- reset
+def reset_adapter(
+    config: ModelConfig,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+    key: jax.Array,
+    *,
+    sft: SFTOptimConfig = SFTOptimConfig(),
+) -> tuple[Params, optax.MultiTransformState]:
+    """A fresh adapter (``model.init_lora``: A random, B = 0) and a fresh SFT optimizer state.
+
+    The base params and the RL optimizer state are returned untouched. ``sft`` must be the config the
+    optimizer was made with; a state of a different structure is an error rather than a silent mismatch.
+    """
+    new_params = {**params, LORA: model.init_lora(config, key)}
+    mask = jax.tree.map(lambda leaf_label: leaf_label == LORA, param_labels(new_params))
+    fresh = optax.masked(adamw_transform(sft), mask).init(new_params)
+    old = opt_state.inner_states[LORA]
+    if jax.tree.structure(fresh) != jax.tree.structure(old):
+        raise ValueError("the SFT optimizer state does not match SFTOptimConfig; pass the config used at init")
+    inner_states = {**opt_state.inner_states, LORA: fresh}
+    return new_params, opt_state._replace(inner_states=inner_states)

@@ -1,0 +1,177 @@
+"""The scaffold's host-side bookkeeping: which groups are cliffs, and splicing re-rollouts into the batch.
+
+A *cliff* is a group whose K rollouts all fail the verifier: its group-normalised advantages are exactly 0,
+so GRPO learns nothing from it. LSPO re-rolls each cliff prompt K times with a freshly fitted adapter and
+*splices* the passing re-rollouts into the batch (a partial swap):
+
+    for each cliff group g (in increasing g), with failed base slots f_1 < f_2 < ... of g
+    and passing re-rollouts p_1 < p_2 < ... of g:   row f_j  <-  re-rollout p_j,  j = 1 .. min(#f, #p)
+
+Failed re-rollouts are dropped; every other row keeps its values, its ``old_logp`` included. A spliced row
+carries the re-rollout's fields, so its ``old_logp`` is the adapter-on log-prob ``log pi_theta+phi``.
+
+This runs in numpy on the host, between sampling and the update: the number of passing re-rollouts is
+data-dependent, so a jitted version would need padding to fixed shapes for no gain on arrays this small
+(a few hundred rows), and the scaffold's logs need concrete Python numbers anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+
+
+def find_cliffs(accuracy: np.ndarray, group_size: int) -> np.ndarray:
+    """``[N // K]`` bool: True for groups with zero total accuracy (``sum_{i in g} acc_i == 0``).
+
+    Use verifier accuracy (0/1), not the shaped reward: the overlong penalty can make a failed group's
+    rewards unequal, but the group is still a cliff. Rows are grouped consecutively (rows 0..K-1 = group 0).
+    """
+    acc_GK = _grouped(np.asarray(accuracy), group_size, "accuracy")
+    return ~np.any(acc_GK > 0, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpliceStats:
+    """Per-step counts of the scaffold, for comparison with the paper's mechanism figures.
+
+    ``surpass_rate`` (cliff groups with at least one verified re-rollout, over cliff groups; about 43% in
+    the paper overall, bimodal per step) and ``reroll_pass_rate`` (passing re-rollouts over all
+    re-rollouts; 5.8% in the paper) are None on a step without cliffs.
+    """
+
+    num_groups: int
+    num_cliffs: int
+    num_surpassed: int
+    num_rerolls: int
+    num_passing_rerolls: int
+    num_spliced: int
+
+    @property
+    def surpass_rate(self) -> float | None:
+        return self.num_surpassed / self.num_cliffs if self.num_cliffs else None
+
+    @property
+    def reroll_pass_rate(self) -> float | None:
+        return self.num_passing_rerolls / self.num_rerolls if self.num_rerolls else None
+
+    def as_metrics(self, prefix: str = "scaffold/") -> dict[str, float]:
+        """Flat dict for a metrics log; the rates are left out (not logged as NaN) on a step without cliffs."""
+        metrics = {f"{prefix}{f.name}": float(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        for name in ("surpass_rate", "reroll_pass_rate"):
+            value = getattr(self, name)
+            if value is not None:
+                metrics[f"{prefix}{name}"] = value
+        return metrics
+
+
+def splice(
+    base: Mapping[str, np.ndarray],
+    rerolls: Mapping[str, np.ndarray],
+    cliffs: np.ndarray,
+    group_size: int,
+) -> tuple[Batch, np.ndarray, SpliceStats]:
+    """Replace failed rows of cliff groups by passing re-rollouts (the partial swap, see the module doc).
+
+    Args:
+        base: per-row arrays of the sampled batch, rows on axis 0 and grouped consecutively by prompt; must
+            hold ``"accuracy"`` ``[N]`` (0/1). Typically also ``tokens``, ``mask`` and ``old_logp`` ``[N, T]``
+            and ``reward`` ``[N]``. Every key of ``base`` is spliced, so ``rerolls`` must hold the same keys.
+        rerolls: the re-rollouts of the cliff groups, K consecutive rows per cliff group, cliff groups in
+            increasing group index (the order of ``np.flatnonzero(cliffs)``); ``old_logp`` holds the
+            adapter-on log-probs.
+        cliffs: ``[N // K]`` bool from ``find_cliffs``.
+        group_size: K.
+
+    Token length: axis 1 of every field with ``ndim >= 2`` is the token axis. A re-roll field shorter than
+    its base field is right-padded with zeros (pad token 0, mask 0, log-prob 0: masked out everywhere); a
+    longer one is an error, since cutting a verified response could cut off the very answer that passed.
+    Sample re-rollouts with the same generation limit as the base rollouts.
+
+    Returns:
+        ``(spliced, spliced_rows, stats)``: a new dict with the same keys, shapes and dtypes as ``base``
+        (inputs are not modified), ``[N]`` bool marking the replaced rows, and the step's ``SpliceStats``.
+    """
+    acc_GK = _grouped(np.asarray(base["accuracy"]), group_size, "base accuracy")
+    cliffs = np.asarray(cliffs, dtype=bool)
+    if cliffs.shape != acc_GK.shape[:1]:
+        raise ValueError(f"cliffs must have one entry per group, shape {acc_GK.shape[:1]}, got {cliffs.shape}")
+    cliff_ids = np.flatnonzero(cliffs)
+    reroll_acc_CK = _grouped(np.asarray(rerolls["accuracy"]), group_size, "reroll accuracy")
+    if reroll_acc_CK.shape[0] != cliff_ids.size:
+        raise ValueError(
+            f"{cliff_ids.size} cliff groups need {cliff_ids.size * group_size} re-rollouts, "
+            f"got {reroll_acc_CK.shape[0] * group_size}"
+        )
+    missing = sorted(set(base) - set(rerolls))
+    if missing:
+        raise ValueError(f"rerolls lack field(s) {missing} present in base")
+
+    dst, src, num_surpassed = _slot_pairs(acc_GK > 0, reroll_acc_CK > 0, cliff_ids)
+    spliced = {key: _replace_rows(key, np.asarray(base[key]), np.asarray(rerolls[key]), dst, src) for key in base}
+    spliced_rows = np.zeros(acc_GK.size, dtype=bool)
+    spliced_rows[dst] = True
+    stats = SpliceStats(
+        num_groups=acc_GK.shape[0],
+        num_cliffs=int(cliff_ids.size),
+        num_surpassed=num_surpassed,
+        num_rerolls=int(reroll_acc_CK.size),
+        num_passing_rerolls=int(np.sum(reroll_acc_CK > 0)),
+        num_spliced=int(dst.size),
+    )
+    return spliced, spliced_rows, stats
+
+
+def _slot_pairs(
+    base_pass_GK: np.ndarray, reroll_pass_CK: np.ndarray, cliff_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Row pairs (destination in base, source in rerolls): j-th passing re-roll -> j-th failed slot."""
+    k = base_pass_GK.shape[1]
+    dst, src, surpassed = [], [], 0
+    for c, g in enumerate(cliff_ids):
+        failed = g * k + np.flatnonzero(~base_pass_GK[g])
+        passing = c * k + np.flatnonzero(reroll_pass_CK[c])
+        n = min(failed.size, passing.size)
+        dst.append(failed[:n])
+        src.append(passing[:n])
+        surpassed += int(passing.size > 0)
+    return _concat_index(dst), _concat_index(src), surpassed
+
+
+def _concat_index(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def _replace_rows(key: str, base: np.ndarray, rerolls: np.ndarray, dst: np.ndarray, src: np.ndarray) -> np.ndarray:
+    if base.shape[2:] != rerolls.shape[2:] or base.ndim != rerolls.ndim:
+        raise ValueError(f"field {key!r}: base rows {base.shape[1:]} and re-roll rows {rerolls.shape[1:]} differ")
+    if not np.can_cast(rerolls.dtype, base.dtype, casting="same_kind"):
+        raise ValueError(f"field {key!r}: re-roll dtype {rerolls.dtype} does not fit base dtype {base.dtype}")
+    if base.ndim >= 2 and rerolls.shape[1] != base.shape[1]:
+        rerolls = _pad_tokens(key, rerolls, base.shape[1])
+    out = base.copy()
+    out[dst] = rerolls[src]
+    return out
+
+
+def _pad_tokens(key: str, x: np.ndarray, length: int) -> np.ndarray:
+    if x.shape[1] > length:
+        raise ValueError(
+            f"field {key!r}: re-rollouts have {x.shape[1]} token positions, the batch only {length}; "
+            "truncating could cut off the verified answer, so sample both with the same limit"
+        )
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, length - x.shape[1])
+    return np.pad(x, pad)
+
+
+def _grouped(values: np.ndarray, group_size: int, name: str) -> np.ndarray:
+    if values.ndim != 1:
+        raise ValueError(f"{name} must be 1-D [N], got shape {values.shape}")
+    if group_size < 1 or values.size % group_size:
+        raise ValueError(f"{name}: {values.size} rows is not a multiple of group_size={group_size}")
+    return values.reshape(-1, group_size)

@@ -1,0 +1,189 @@
+"""Disjoint gradient routing on the tiny Qwen2: RL moves only the base, SFT only the adapter."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lspo_jax import losses, model, optim
+from lspo_jax.config import ModelConfig
+
+CONFIG = ModelConfig.preset("tiny")
+# A large SFT lr so that a few steps visibly fit; routing does not depend on it.
+SFT = optim.SFTOptimConfig(lr=1e-2)
+RL = optim.RLOptimConfig(lr=1e-4, warmup_steps=2)
+B, T, PROMPT = 4, 12, 4
+
+
+def _trees_equal(a, b) -> bool:
+    """Bit-identical pytrees: same structure, dtypes and every element equal (no tolerance)."""
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    same_structure = jax.tree.structure(a) == jax.tree.structure(b)
+    return same_structure and all(
+        x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+def _numpy_init(spec: model.ParamSpec, rng: np.random.Generator) -> np.ndarray:
+    """The spec's initialiser in numpy: jax.random would compile one program per shape, slowly on CPU."""
+    if spec.init in ("zeros", "ones"):
+        return np.full(spec.shape, float(spec.init == "ones"), spec.dtype)
+    if spec.init == "uniform":
+        return rng.uniform(-spec.init_scale, spec.init_scale, spec.shape).astype(spec.dtype)
+    return (spec.init_scale * rng.standard_normal(spec.shape)).astype(spec.dtype)
+
+
+@functools.cache
+def _params():
+    rng = np.random.default_rng(0)
+    specs = model.param_specs(CONFIG)
+    params = jax.tree.map(lambda spec: _numpy_init(spec, rng), specs, is_leaf=lambda x: isinstance(x, model.ParamSpec))
+    # A non-zero B makes the adapter change the output when it is on, so "scale 0 ignores it" means something.
+    params["lora"] = jax.tree.map(lambda x: x + np.float32(0.05), params["lora"])
+    return params
+
+
+@functools.cache
+def _batch():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, CONFIG.vocab_size, size=(B, T)).astype(np.int32)
+    lengths = np.array([T, 7, 10, 5])  # right padding after each row's length
+    positions = np.arange(T)[None, :]
+    attention_mask = positions < lengths[:, None]
+    return {
+        "tokens": tokens,
+        "attention_mask": attention_mask,
+        "mask": attention_mask & (positions >= PROMPT),  # response tokens only
+        # The random tiny model is close to uniform (log-probs near -ln 96 = -4.56); +-0.3 nats around that
+        # makes ratios differ from 1 and some of them clip.
+        "old_logp": (-np.log(CONFIG.vocab_size) + rng.uniform(-0.3, 0.3, size=(B, T))).astype(np.float32),
+        "advantages": losses.group_advantages(jnp.array([1.0, 0.0, 0.0, 1.0]), 2),
+    }
+
+
+_rl_step = jax.jit(functools.partial(optim.rl_step, CONFIG, rl=RL), static_argnames="num_micro_batches")
+_sft_step = jax.jit(functools.partial(optim.sft_step, CONFIG, sft=SFT))
+
+
+@functools.cache
+def _trajectory():
+    """init -> RL step -> SFT step -> RL step, keeping every (params, opt_state, metrics)."""
+    params = _params()
+    state = optim.make_optimizer(RL, SFT).init(params)
+    steps = [(params, state, {})]
+    # RL steps in two micro-batches: the scan path of accumulate_gradients through the real model.
+    rl_step = functools.partial(_rl_step, num_micro_batches=2)
+    for step in (rl_step, _sft_step, rl_step):
+        params, state, metrics = step(params, state, _batch())
+        steps.append((params, state, metrics))
+    return steps
+
+
+def test_rl_step_leaves_adapter_and_sft_state_bit_identical():
+    # Step 3 runs after an SFT step, so the SFT state holds non-zero moments that a wrongly routed
+    # AdamW would turn into a non-zero update even from a zero gradient.
+    for before, after in (_trajectory()[0:2], _trajectory()[2:4]):
+        assert _trees_equal(after[0]["lora"], before[0]["lora"])
+        assert _trees_equal(after[1].inner_states["lora"], before[1].inner_states["lora"])
+        assert not _trees_equal(after[0]["base"], before[0]["base"])
+    assert np.isfinite(float(_trajectory()[1][2]["loss"]))
+
+
+def test_sft_step_leaves_base_and_rl_state_bit_identical():
+    (p1, s1, _), (p2, s2, metrics) = _trajectory()[1:3]
+    assert _trees_equal(p2["base"], p1["base"])
+    assert _trees_equal(s2.inner_states["base"], s1.inner_states["base"])
+    assert not _trees_equal(p2["lora"], p1["lora"])
+    assert float(metrics["num_tokens"]) == float(_batch()["mask"].sum())
+
+
+def test_sft_steps_fit_the_batch():
+    params, state, _ = _trajectory()[0]
+    fitted = []
+    for _ in range(3):
+        params, state, metrics = _sft_step(params, state, _batch())
+        fitted.append(float(metrics["sft_loss"]))
+    assert fitted[2] < fitted[0]
+
+
+@jax.jit
+def _rl_grads(params, lora_scale):
+    """RL gradient w.r.t. the base of (base alone, base + adapter at a traced ``lora_scale``).
+
+    A traced scale makes the model compute the adapter path and multiply it by the scale (the harder case;
+    a Python 0.0 skips the adapter altogether). One compiled function serves scales 0 and 1.
+    """
+    batch = _batch()
+
+    def loss(base, lora):
+        full = {"base": base} if lora is None else {"base": base, "lora": lora}
+        scale = 0.0 if lora is None else lora_scale
+        logp, _ = optim.sequence_logprobs(CONFIG, full, batch["tokens"], batch["attention_mask"], lora_scale=scale)
+        return losses.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"])[0]
+
+    return jax.grad(loss)(params["base"], None), jax.grad(loss)(params["base"], params["lora"])
+
+
+def test_rl_gradient_with_adapter_at_scale_zero_equals_base_alone():
+    alone, at_zero = _rl_grads(_params(), 0.0)
+    assert _trees_equal(at_zero, alone)
+    # The adapter is real: switched on, it changes the gradient.
+    alone, at_one = _rl_grads(_params(), 1.0)
+    differs = [not np.allclose(x, y) for x, y in zip(jax.tree.leaves(at_one), jax.tree.leaves(alone), strict=True)]
+    assert any(differs)
+
+
+def test_update_subtree_matches_multi_transform_for_its_label():
+    params = {"base": {"w": jnp.array([1.0, -2.0])}, "lora": {"a": jnp.array([0.5])}}
+    grads = {"base": {"w": jnp.array([0.3, -0.1])}, "lora": {"a": jnp.array([0.7])}}
+    tx = optim.make_optimizer(optim.RLOptimConfig(lr=0.1), optim.SFTOptimConfig(lr=0.2))
+    state = tx.init(params)
+    # Both jitted: eagerly, each of optax's small ops would compile on its own.
+    updates, full_state = jax.jit(tx.update)(grads, state, params)
+    rl_tx = optim.adamw_transform(optim.RLOptimConfig(lr=0.1))
+    new_params, new_state = jax.jit(functools.partial(optim.update_subtree, rl_tx, "base"))(
+        grads["base"], params, state
+    )
+    assert _trees_equal(new_params["base"], optax.apply_updates(params["base"], updates["base"]))
+    assert _trees_equal(new_state.inner_states["base"], full_state.inner_states["base"])
+    assert _trees_equal(new_state.inner_states["lora"], state.inner_states["lora"])
+
+
+def test_reset_adapter_gives_fresh_adapter_and_sft_state():
+    params, state, _ = _trajectory()[2]  # after an SFT step: moments and count are non-zero
+    new_params, new_state = optim.reset_adapter(CONFIG, params, state, jax.random.key(7), sft=SFT)
+    for name, ab in new_params["lora"].items():
+        assert np.all(np.asarray(ab["b"]) == 0.0), name
+        assert not np.array_equal(ab["a"], params["lora"][name]["a"]), name
+    fresh = new_state.inner_states["lora"]
+    assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(fresh))  # counts 0, mu = nu = 0
+    assert jax.tree.structure(fresh) == jax.tree.structure(state.inner_states["lora"])
+    assert _trees_equal(new_params["base"], params["base"])
+    assert _trees_equal(new_state.inner_states["base"], state.inner_states["base"])
+    with pytest.raises(ValueError, match="SFTOptimConfig"):
+        optim.reset_adapter(CONFIG, params, state, jax.random.key(7), sft=optim.SFTOptimConfig(max_grad_norm=None))
+
+
+def test_warmup_schedule_first_steps():
+    # Adam's first steps with a constant gradient: m_hat / sqrt(v_hat) = g / |g| = 1 (eps 1e-8 aside), so
+    # the update is -lr_t with lr_t = 1e-3 * min(1, (t + 1) / 4) = 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3.
+    tx = optim.adamw_transform(optim.AdamWConfig(lr=1e-3, warmup_steps=4, weight_decay=0.0, max_grad_norm=None))
+    params, grads = jnp.array([1.0]), jnp.array([0.5])
+    state = tx.init(params)
+    for expected in (2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3):
+        updates, state = tx.update(grads, state, params)
+        # rel 1e-4: float32 bias correction 1 - 0.999^t loses digits to cancellation (~3e-5 at t = 2).
+        assert float(updates[0]) == pytest.approx(-expected, rel=1e-4)
+
+
+def test_config_defaults_and_validation():
+    assert optim.RLOptimConfig().lr == 1e-6 and optim.SFTOptimConfig().lr == 2.5e-5
+    assert optim.RLOptimConfig().weight_decay == 0.01 and optim.RLOptimConfig().max_grad_norm == 1.0
+    for bad in ({"lr": 0.0}, {"warmup_steps": -1}, {"max_grad_norm": 0.0}, {"b2": 1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            optim.RLOptimConfig(**bad)
+    with pytest.raises(ValueError, match="extra"):
+        optim.param_labels({"base": {}, "other": {}})

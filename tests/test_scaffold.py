@@ -1,0 +1,112 @@
+"""Cliff detection and the partial-swap splice, on small hand-built batches (K = 4)."""
+
+import numpy as np
+import pytest
+
+from lspo_jax.scaffold import SpliceStats, find_cliffs, splice
+
+K, T = 4, 5
+
+
+def _rows(accuracy, first_id, length=T):
+    """Per-row fields whose values name the row: tokens = id, old_logp = -id / 10, mask on the first 3."""
+    n = len(accuracy)
+    ids = np.arange(first_id, first_id + n)
+    return {
+        "tokens": np.repeat(ids[:, None], length, axis=1).astype(np.int32),
+        "mask": np.broadcast_to(np.arange(length) < 3, (n, length)).copy(),
+        "old_logp": np.repeat(-ids[:, None] / 10.0, length, axis=1).astype(np.float32),
+        "accuracy": np.asarray(accuracy, np.float32),
+        "reward": np.asarray(accuracy, np.float32) - 0.1 * np.arange(n),  # overlong-shaped, unequal
+    }
+
+
+def _base(*groups):
+    return _rows(np.concatenate(groups), first_id=0)
+
+
+def _rerolls(*groups):
+    # Re-roll ids start at 100 so a spliced row is recognisable by its tokens and old_logp.
+    return _rows(np.concatenate(groups) if groups else np.zeros(0), first_id=100)
+
+
+def test_find_cliffs_uses_accuracy_per_group():
+    acc = np.array([0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(find_cliffs(acc, K), [True, False, False, True])
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        find_cliffs(np.zeros(6), K)
+
+
+def test_no_cliffs_leaves_the_batch_unchanged():
+    base = _base([1, 0, 0, 0], [0, 1, 1, 0])
+    cliffs = find_cliffs(base["accuracy"], K)
+    out, spliced, stats = splice(base, _rerolls(), cliffs, K)
+    assert not spliced.any()
+    for key in base:
+        np.testing.assert_array_equal(out[key], base[key])
+    assert stats == SpliceStats(2, 0, 0, 0, 0, 0) and stats.surpass_rate is None and stats.reroll_pass_rate is None
+    assert "scaffold/surpass_rate" not in stats.as_metrics()
+
+
+@pytest.mark.parametrize(
+    ("reroll_acc", "expected_slots"),
+    [
+        ([0, 0, 0, 0], []),  # nothing passes: the cliff stays a cliff
+        ([0, 1, 0, 1], [0, 1]),  # re-rolls 1 and 3 fill slots 0 and 1 of the group, in order
+        ([1, 1, 1, 1], [0, 1, 2, 3]),  # every failed row is replaced
+    ],
+)
+def test_single_cliff_with_zero_some_all_passing(reroll_acc, expected_slots):
+    base = _base([1, 0, 1, 0], [0, 0, 0, 0], [0, 1, 0, 0])  # group 1 (rows 4..7) is the cliff
+    cliffs = find_cliffs(base["accuracy"], K)
+    out, spliced, stats = splice(base, _rerolls(reroll_acc), cliffs, K)
+    expected_rows = [4 + s for s in expected_slots]
+    np.testing.assert_array_equal(np.flatnonzero(spliced), expected_rows)
+    passing_ids = 100 + np.flatnonzero(reroll_acc)
+    np.testing.assert_array_equal(out["tokens"][expected_rows, 0], passing_ids)
+    # Spliced rows carry the re-roll's (adapter-on) old_logp; all other rows keep theirs.
+    np.testing.assert_array_equal(out["old_logp"][expected_rows, 0], (-passing_ids / 10.0).astype(np.float32))
+    for key in base:
+        np.testing.assert_array_equal(out[key][~spliced], base[key][~spliced], err_msg=key)
+    n_pass = len(expected_slots)
+    assert out["accuracy"][4:8].sum() == n_pass
+    assert stats == SpliceStats(3, 1, int(n_pass > 0), 4, n_pass, n_pass)
+    assert stats.reroll_pass_rate == n_pass / 4 and stats.surpass_rate == float(n_pass > 0)
+
+
+def test_several_cliffs_at_once():
+    # Groups 0 and 2 are cliffs; re-rolls for group 0 pass at [2], for group 2 at [0, 3].
+    base = _base([0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0])
+    cliffs = find_cliffs(base["accuracy"], K)
+    out, spliced, stats = splice(base, _rerolls([0, 0, 1, 0], [1, 0, 0, 1]), cliffs, K)
+    # Group 0 slot 0 <- re-roll 102; group 2 slots 0, 1 (rows 8, 9) <- re-rolls 104 + 0, 104 + 3.
+    np.testing.assert_array_equal(np.flatnonzero(spliced), [0, 8, 9])
+    np.testing.assert_array_equal(out["tokens"][[0, 8, 9], 0], [102, 104, 107])
+    np.testing.assert_array_equal(out["reward"][[0, 8, 9]], _rerolls([0, 0, 1, 0], [1, 0, 0, 1])["reward"][[2, 4, 7]])
+    np.testing.assert_array_equal(out["old_logp"][~spliced], base["old_logp"][~spliced])
+    assert (stats.num_cliffs, stats.num_surpassed, stats.num_passing_rerolls, stats.num_spliced) == (2, 2, 3, 3)
+    assert stats.reroll_pass_rate == 3 / 8 and stats.surpass_rate == 1.0
+    # Inputs are not modified.
+    np.testing.assert_array_equal(base["tokens"][:, 0], np.arange(12))
+
+
+def test_shorter_rerolls_are_right_padded_longer_ones_refused():
+    base = _base([0, 0, 0, 0])
+    cliffs = find_cliffs(base["accuracy"], K)
+    out, _, _ = splice(base, _rows([1, 0, 0, 0], first_id=100, length=3), cliffs, K)
+    np.testing.assert_array_equal(out["tokens"][0], [100, 100, 100, 0, 0])
+    np.testing.assert_array_equal(out["mask"][0], [True, True, True, False, False])
+    assert out["tokens"].shape == base["tokens"].shape and out["mask"].dtype == bool
+    with pytest.raises(ValueError, match="truncating"):
+        splice(base, _rows([1, 0, 0, 0], first_id=100, length=T + 1), cliffs, K)
+
+
+def test_splice_checks_reroll_count_and_fields():
+    base = _base([0, 0, 0, 0], [0, 0, 0, 0])
+    cliffs = find_cliffs(base["accuracy"], K)
+    with pytest.raises(ValueError, match="re-rollouts"):
+        splice(base, _rerolls([1, 0, 0, 0]), cliffs, K)
+    rerolls = _rerolls([1, 0, 0, 0], [0, 0, 0, 0])
+    del rerolls["old_logp"]
+    with pytest.raises(ValueError, match="old_logp"):
+        splice(base, rerolls, cliffs, K)
