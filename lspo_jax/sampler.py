@@ -1,0 +1,519 @@
+"""Batched autoregressive sampling from the Qwen2 model with a static-shape KV cache.
+
+Shape letters (as ``model.py``, plus): B prompt rows (padded), C completion rows (B * n; row b*n + j is
+sample j of prompt b), P prompt slots, N new-token slots, S cache slots, V vocabulary.
+
+How a call runs:
+
+* Prompts are left-padded to a bucketed length P, the batch to a bucketed size B; positions come from the
+  mask (``cumsum(mask) - 1``), so padding changes no real token's logits.
+* One jitted prefill runs the B prompts once, repeats the cache and the last logits n times
+  (``jnp.repeat`` on the batch axis: the n samples of a prompt share its prefill) and samples token 0.
+* Jitted decode segments each run a ``lax.while_loop`` that feeds the last token through the decoder,
+  writing its keys/values into the cache, and samples the next, until every row is done or the
+  segment's last step. The loop state, cache included, is donated, so the loop updates it in place.
+* Attention during decode reads every cache slot, written or not, so the cache grows in segments
+  (windows of generated length ``w, 2w, 4w, ...``) instead of being allocated at full length: a step
+  then reads at most about twice the slots it needs and about 1.33 times on average, where a full-length
+  cache from the first step reads about twice on average. For long rollouts, where cache reads dominate
+  the step, that removes about a third of the decode's memory traffic. Between segments the cache is
+  copied into a larger one (once per window).
+
+Every shape is bucketed (powers of two), so a run compiles a bounded number of programs:
+per (batch bucket, prompt bucket, new-token bucket, sampling options, adapter on/off) one prefill and one
+decode program per window.
+
+Log-probs are ``log_softmax(logits / temperature)`` at the sampled token, taken BEFORE any top-k/top-p
+truncation: the quantity the trainer computes for ``old_logp``. Greedy decoding reports them at the
+temperature given too (so greedy with T = 1 reports the model's plain log-probs).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lspo_jax.config import ModelConfig
+from lspo_jax.kv_cache import grow_cache, init_cache, repeat_rows
+from lspo_jax.model import Params, attention_positions, causal_padding_mask, decoder, embed, lm_logits
+
+PAD_ID = 0  # what a finished row emits; its log-prob is 0 and it is cut from every returned record
+MIN_PROMPT_BUCKET = 16
+# First cache window (new tokens): short generations read few empty slots, and a rollout of 8192 tokens
+# grows the cache 5 times, so it compiles 6 decode programs per prompt bucket.
+DEFAULT_CACHE_WINDOW = 256
+
+# Incremented inside the traced functions, so it counts traces (= compilations) per program kind.
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One sampled continuation: ``tokens`` and ``logprobs`` [length] (EOS included when produced)."""
+
+    prompt_index: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str  # "eos" or "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleBatch:
+    """Padded results of one call, rows in prompt order (n consecutive rows per prompt).
+
+    ``tokens``/``logprobs`` are [C, max_new_tokens]; past a row's ``lengths`` they hold ``PAD_ID`` and 0.
+    ``steps`` is how many decode steps ran: the longest row's length when every row ended early.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    eos: np.ndarray
+    n: int
+    steps: int
+
+    def completions(self) -> list[Completion]:
+        return [
+            Completion(
+                prompt_index=row // self.n,
+                tokens=self.tokens[row, :length].copy(),
+                logprobs=self.logprobs[row, :length].copy(),
+                finish_reason="eos" if self.eos[row] else "length",
+            )
+            for row, length in enumerate(self.lengths.tolist())
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """The static part of sampling: each distinct value compiles its own programs."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+class _State(NamedTuple):
+    """Loop state carried through the decode segments (all of it donated to each segment)."""
+
+    cache: Params  # {"k", "v"}: [L, C, P + window, K, E]
+    step: jax.Array  # number of tokens sampled so far (the next column of tokens_CN)
+    token_C: jax.Array  # last sampled token, the next decoder input
+    done_C: jax.Array
+    eos_C: jax.Array
+    length_C: jax.Array
+    tokens_CN: jax.Array
+    logp_CN: jax.Array
+    prompt_len_C: jax.Array
+    prompt_valid_CP: jax.Array
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+def sample_token(
+    logits_BV: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array | float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row and its log-prob ``log_softmax(logits / T)[token]`` (before truncation).
+
+    Order as in Hugging Face: temperature, then top-k, then top-p on the renormalised top-k distribution,
+    keeping the smallest prefix (by probability) whose mass reaches ``top_p``, the top token always.
+    ``top_k``, ``top_p`` and ``greedy`` are Python values: the plain path has no sort at all.
+    """
+    scaled_BV = logits_BV.astype(jnp.float32) / temperature
+    # Sampling is shift-invariant, so the normalised [B, V] log-probs are never materialised: one
+    # log-sum-exp per row and one gather give the reported log-prob (fewer full-vocab passes per step).
+    if greedy:
+        token_B = jnp.argmax(logits_BV, axis=-1)
+    elif top_k == 0 and top_p >= 1.0:
+        token_B = jax.random.categorical(key, scaled_BV, axis=-1)
+    else:
+        token_B = _sample_truncated(scaled_BV, key, top_k, top_p)
+    token_B = token_B.astype(jnp.int32)
+    picked_B = jnp.take_along_axis(scaled_BV, token_B[:, None], axis=-1)[:, 0]
+    return token_B, picked_B - jax.nn.logsumexp(scaled_BV, axis=-1)
+
+
+def _sample_truncated(scaled_BV: jax.Array, key: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    vocab = scaled_BV.shape[-1]
+    k = top_k if 0 < top_k < vocab else vocab
+    # top_k returns candidates sorted by probability; with k < V it is a partial selection, not a sort.
+    cand_BK, cand_id_BK = jax.lax.top_k(scaled_BV, k)
+    if top_p < 1.0:
+        probs_BK = jax.nn.softmax(cand_BK, axis=-1)
+        mass_before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK
+        keep_BK = (mass_before_BK < top_p) | (jnp.arange(k) == 0)
+        cand_BK = jnp.where(keep_BK, cand_BK, -jnp.inf)
+    choice_B = jax.random.categorical(key, cand_BK, axis=-1)
+    return jnp.take_along_axis(cand_id_BK, choice_B[:, None], axis=-1)[:, 0]
+
+
+def _sample(options: SamplingOptions, logits_CV: jax.Array, key: jax.Array, step: jax.Array, temperature: jax.Array):
+    # fold_in(key, step): a fresh key per step, the same whatever the segment layout, so the output
+    # depends only on the key, the inputs and the shape buckets.
+    step_key = jax.random.fold_in(key, step)
+    return sample_token(logits_CV, step_key, temperature, options.top_k, options.top_p, options.greedy)
+
+
+def _eos_array(eos_token_ids: Sequence[int]) -> np.ndarray:
+    # Traced, padded with -1 (never a token) to a multiple of 8: changing the EOS set recompiles nothing.
+    ids = [int(t) for t in eos_token_ids]
+    size = max(8, 8 * -(-len(ids) // 8))
+    return np.asarray(ids + [-1] * (size - len(ids)), np.int32)
+
+
+def _record(state: _State, token_C: jax.Array, logp_C: jax.Array, eos_E: jax.Array) -> _State:
+    """Write this step's token and log-prob; rows already done write PAD_ID and 0 and stay done."""
+    live_C = ~state.done_C
+    token_C = jnp.where(live_C, token_C, PAD_ID)
+    logp_C = jnp.where(live_C, logp_C, 0.0)
+    hit_C = live_C & jnp.any(token_C[:, None] == eos_E, axis=-1)
+    column = (0, state.step)
+    return state._replace(
+        step=state.step + 1,
+        token_C=token_C,
+        done_C=state.done_C | hit_C,
+        eos_C=state.eos_C | hit_C,
+        length_C=state.length_C + live_C.astype(jnp.int32),
+        tokens_CN=jax.lax.dynamic_update_slice(state.tokens_CN, token_C[:, None], column),
+        logp_CN=jax.lax.dynamic_update_slice(state.logp_CN, logp_C[:, None], column),
+    )
+
+
+# ------------------------------------------------------------------------------------------ jitted parts
+@functools.partial(jax.jit, static_argnames=("config", "options", "n", "window", "total_new"))
+def _prefill(
+    config: ModelConfig,
+    params: Params,
+    tokens_BP: jax.Array,
+    mask_BP: jax.Array,
+    live_B: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array,
+    lora_scale: jax.Array,
+    eos_E: jax.Array,
+    *,
+    options: SamplingOptions,
+    n: int,
+    window: int,
+    total_new: int,
+) -> _State:
+    """Run the prompts once, repeat the result n times, sample token 0: the initial loop state."""
+    TRACE_COUNTS["prefill"] += 1
+    b, p = tokens_BP.shape
+    with jax.named_scope("prefill"):
+        x_BPD = embed(config, params, tokens_BP)
+        h_BPD, cache = decoder(
+            config,
+            params,
+            x_BPD,
+            attention_positions(mask_BP),
+            causal_padding_mask(mask_BP),
+            lora_scale=lora_scale,
+            kv_cache=init_cache(config, b, p),
+            cache_index=0,
+        )
+        # Left padding puts every row's last prompt token in the last column: one row of logits each.
+        logits_BV = lm_logits(config, params, h_BPD[:, -1])
+    with jax.named_scope("repeat"):
+        c = b * n
+        valid_CP = jnp.repeat(mask_BP.astype(bool), n, axis=0)
+        state = _State(
+            cache=grow_cache(repeat_rows(cache, n), p + window),
+            step=jnp.zeros((), jnp.int32),
+            token_C=jnp.zeros((c,), jnp.int32),
+            done_C=~jnp.repeat(live_B, n, axis=0),  # padding rows are done from the start
+            eos_C=jnp.zeros((c,), bool),
+            length_C=jnp.zeros((c,), jnp.int32),
+            tokens_CN=jnp.full((c, total_new), PAD_ID, jnp.int32),
+            logp_CN=jnp.zeros((c, total_new), jnp.float32),
+            prompt_len_C=jnp.sum(valid_CP, axis=-1, dtype=jnp.int32),
+            prompt_valid_CP=valid_CP,
+        )
+        logits_CV = jnp.repeat(logits_BV, n, axis=0)
+    token_C, logp_C = _sample(options, logits_CV, key, state.step, temperature)
+    return _record(state, token_C, logp_C, eos_E)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "options"), donate_argnames=("state",))
+def _decode_segment(
+    config: ModelConfig,
+    params: Params,
+    state: _State,
+    key: jax.Array,
+    temperature: jax.Array,
+    lora_scale: jax.Array,
+    eos_E: jax.Array,
+    stop_step: jax.Array,
+    *,
+    options: SamplingOptions,
+) -> _State:
+    """Decode until ``state.step == stop_step`` or every row is done (a while loop, no host round trip).
+
+    Step i feeds token i-1 at cache slot P + i - 1 (position prompt_len + i - 1) and samples token i.
+    """
+    TRACE_COUNTS["decode"] += 1
+    p = state.prompt_valid_CP.shape[1]
+    s = state.cache["k"].shape[2]
+    slots_S = jnp.arange(s)
+    prompt_valid_CS = jnp.pad(state.prompt_valid_CP, ((0, 0), (0, s - p)))
+
+    def cond(st: _State) -> jax.Array:
+        return (st.step < stop_step) & ~jnp.all(st.done_C)
+
+    def body(st: _State) -> _State:
+        slot = p + st.step - 1
+        # Visible: the real prompt slots and every generated slot up to and including this one.
+        mask_C1S = (prompt_valid_CS | ((slots_S >= p) & (slots_S <= slot)))[:, None, :]
+        positions_C1 = (st.prompt_len_C + st.step - 1)[:, None]
+        x_C1D = embed(config, params, st.token_C[:, None])
+        h_C1D, cache = decoder(
+            config, params, x_C1D, positions_C1, mask_C1S, lora_scale=lora_scale, kv_cache=st.cache, cache_index=slot
+        )
+        logits_CV = lm_logits(config, params, h_C1D[:, 0])
+        token_C, logp_C = _sample(options, logits_CV, key, st.step, temperature)
+        return _record(st._replace(cache=cache), token_C, logp_C, eos_E)
+
+    with jax.named_scope("decode"):
+        return jax.lax.while_loop(cond, body, state)
+
+
+_grow = jax.jit(grow_cache, static_argnames=("length",))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _cast_floats(tree: Params, dtype: Any) -> Params:
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+# ----------------------------------------------------------------------------------------- host side
+def _pow2_at_least(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+def window_ends(max_new_tokens: int, cache_window: int) -> list[int]:
+    """Generated lengths at which the cache grows: ``w, 2w, 4w, ...`` up to the first >= max_new_tokens.
+
+    ``w`` is ``cache_window``, or less for short generations (the smallest power of two that fits).
+    """
+    ends = [min(cache_window, _pow2_at_least(max_new_tokens))]
+    while ends[-1] < max_new_tokens:
+        ends.append(2 * ends[-1])
+    return ends
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], batch: int, length: int) -> tuple[np.ndarray, ...]:
+    tokens_BP = np.full((batch, length), PAD_ID, np.int32)
+    mask_BP = np.zeros((batch, length), np.int32)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            tokens_BP[row, length - len(prompt) :] = prompt
+            mask_BP[row, length - len(prompt) :] = 1
+    live_B = np.arange(batch) < len(prompts)
+    return tokens_BP, mask_BP, live_B
+
+
+def _sampling_params(config: ModelConfig, params: Params, lora_scale: Any) -> tuple[Params, jax.Array]:
+    """The params tree the programs see and the traced scale.
+
+    A Python 0 drops the adapter subtree, so the model skips the adapter matmuls: the base-policy program
+    (the bulk of all sampling) is exactly the base model. Any other scale is traced, so every adapter-on
+    value shares one second program. Both trees hold the same arrays: no weight copy, except a one-off
+    cast to the compute dtype when the params are stored wider (an fp32 master copy with bf16 compute),
+    so that each decode step reads half the bytes instead of casting the weights again every step.
+    """
+    adapter_on = not (isinstance(lora_scale, int | float) and lora_scale == 0)
+    if adapter_on and not params.get("lora"):
+        raise ValueError(f"lora_scale={lora_scale!r} but params have no 'lora' subtree")
+    tree = {"base": params["base"], "lora": params["lora"]} if adapter_on else {"base": params["base"]}
+    dtype = jnp.dtype(config.compute_dtype)
+    floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if any(x.dtype != dtype for x in floats):
+        tree = _cast_floats(tree, dtype.name)
+    return tree, jnp.asarray(lora_scale if adapter_on else 0.0, jnp.float32)
+
+
+def _check_args(prompts, max_new_tokens, temperature, top_p, top_k, n, cache_window) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    if max_new_tokens < 1 or n < 1 or top_k < 0 or cache_window < 1:
+        raise ValueError(
+            "need max_new_tokens, n, cache_window >= 1 and top_k >= 0; "
+            f"got {max_new_tokens}, {n}, {cache_window} and {top_k}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (greedy too: it sets the log-probs), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+class _Call(NamedTuple):
+    """Everything about one call except the key: padded inputs, buckets, the params tree the programs see."""
+
+    config: ModelConfig
+    tree: Params
+    scale: jax.Array
+    temperature: jax.Array
+    eos_E: np.ndarray
+    options: SamplingOptions
+    tokens_BP: np.ndarray
+    mask_BP: np.ndarray
+    live_B: np.ndarray
+    ends: list[int]
+    n: int
+    max_new_tokens: int
+
+    def prefill(self, key: jax.Array) -> _State:
+        args = (self.tokens_BP, self.mask_BP, self.live_B, key, self.temperature, self.scale, self.eos_E)
+        static = dict(options=self.options, n=self.n, window=self.ends[0], total_new=self.ends[-1])
+        return _prefill(self.config, self.tree, *args, **static)
+
+    def decode(self, state: _State, key: jax.Array) -> _State:
+        prompt_slots = self.tokens_BP.shape[1]
+        for i, end in enumerate(self.ends):
+            if i > 0:
+                # One scalar to the host per window; skip the remaining windows once every row has ended.
+                if bool(jnp.all(state.done_C)):
+                    break
+                state = state._replace(cache=_grow(state.cache, length=prompt_slots + end))
+            stop = jnp.asarray(min(self.max_new_tokens, end), jnp.int32)
+            args = (key, self.temperature, self.scale, self.eos_E, stop)
+            state = _decode_segment(self.config, self.tree, state, *args, options=self.options)
+        return state
+
+
+def _plan(
+    config: ModelConfig,
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_ids: Sequence[int] = (),
+    n: int = 1,
+    lora_scale: float | jax.Array = 0.0,
+    greedy: bool = False,
+    cache_window: int = DEFAULT_CACHE_WINDOW,
+) -> _Call:
+    _check_args(prompts, max_new_tokens, temperature, top_p, top_k, n, cache_window)
+    tree, scale = _sampling_params(config, params, lora_scale)
+    batch = _pow2_at_least(len(prompts))
+    prompt_slots = _pow2_at_least(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+    return _Call(
+        config,
+        tree,
+        scale,
+        jnp.asarray(temperature, jnp.float32),
+        _eos_array(eos_token_ids),
+        SamplingOptions(int(top_k), float(top_p), bool(greedy)),
+        *_left_pad(prompts, batch, prompt_slots),
+        window_ends(max_new_tokens, cache_window),
+        n,
+        max_new_tokens,
+    )
+
+
+def prefill_only(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *, key: jax.Array, **kwargs):
+    """Only the prompt pass (and token 0) of the ``generate`` call with these arguments: for benchmarks."""
+    return jax.block_until_ready(_plan(config, params, prompts, **kwargs).prefill(key))
+
+
+def generate_arrays(
+    config: ModelConfig,
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    key: jax.Array,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_ids: Sequence[int] = (),
+    n: int = 1,
+    lora_scale: float | jax.Array = 0.0,
+    greedy: bool = False,
+    cache_window: int = DEFAULT_CACHE_WINDOW,
+) -> SampleBatch:
+    """Sample ``n`` continuations of each prompt; padded arrays (see ``generate`` for the arguments)."""
+    call = _plan(
+        config,
+        params,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_ids=eos_token_ids,
+        n=n,
+        lora_scale=lora_scale,
+        greedy=greedy,
+        cache_window=cache_window,
+    )
+    state = call.decode(call.prefill(key), key)
+    rows = len(prompts) * n  # padding rows come last: drop them
+    tokens, logp, lengths, eos, steps = jax.device_get(
+        (state.tokens_CN, state.logp_CN, state.length_C, state.eos_C, state.step)
+    )
+    return SampleBatch(
+        tokens=tokens[:rows, :max_new_tokens],
+        logprobs=logp[:rows, :max_new_tokens],
+        lengths=lengths[:rows],
+        eos=eos[:rows],
+        n=n,
+        steps=int(steps),
+    )
+
+
+def generate(
+    config: ModelConfig,
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    key: jax.Array,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_ids: Sequence[int] = (),
+    n: int = 1,
+    lora_scale: float | jax.Array = 0.0,
+    greedy: bool = False,
+    cache_window: int = DEFAULT_CACHE_WINDOW,
+) -> list[Completion]:
+    """Sample ``n`` continuations of each prompt (token-id lists); ``n`` consecutive records per prompt.
+
+    ``logprobs`` are ``log_softmax(logits / temperature)`` at each new token, before top-k/top-p, also when
+    ``greedy`` (argmax). A row ends at its first token in ``eos_token_ids`` (kept, finish_reason "eos") or
+    after ``max_new_tokens`` ("length"). ``lora_scale`` switches the adapter ``params["lora"]`` on; a
+    Python 0 runs the base program without adapter matmuls. The result depends only on ``key``, the
+    inputs and the shape buckets (batch size rounded up to a power of two), not on ``cache_window``,
+    which sets the first cache growth step (see the module docstring).
+    """
+    batch = generate_arrays(
+        config,
+        params,
+        prompts,
+        key=key,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_ids=eos_token_ids,
+        n=n,
+        lora_scale=lora_scale,
+        greedy=greedy,
+        cache_window=cache_window,
+    )
+    return batch.completions()
