@@ -1,0 +1,236 @@
+"""A training run: load the policy and data, loop over steps with validation, checkpoints and metrics.
+
+``lspo-train`` calls ``train_run``. The output directory holds ``config.yaml``, ``metrics.jsonl``,
+``tensorboard/``, ``checkpoints/`` (base params and RL optimizer state only), ``summary.json``, and plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from lspo_jax import data, hf, model, optim, rewards, toy
+from lspo_jax.checkpoint import Checkpointer
+from lspo_jax.config import ModelConfig
+from lspo_jax.evaluation import pass_at_k
+from lspo_jax.metrics_log import MetricsLog
+from lspo_jax.model import Params
+from lspo_jax.train import Policy, StopFlag, TrainState, sample_rows, score_rows, train_step
+from lspo_jax.train_config import TrainConfig, to_dict
+
+
+class RunStopped(RuntimeError):
+    """The run stopped early (non-finite updates in a row); a checkpoint was written first."""
+
+
+def model_dir(run: TrainConfig, cache_dir: str) -> str:
+    """The Hugging Face directory of the policy: ``model.path``, or the demo's own model (``toy``), made here."""
+    return toy.model_dir(os.path.join(cache_dir, "toy_model")) if run.model.path == "toy" else run.model.path
+
+
+def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
+    """The policy's config, tokenizer and base params from ``model.path`` (``toy``: the demo's own model)."""
+    from transformers import AutoTokenizer
+
+    path = model_dir(run, cache_dir)
+    config, params = hf.load_pretrained(path)
+    config = dataclasses.replace(config, compute_dtype=run.model.compute_dtype, lora=run.model.lora)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, tuple | list) else (int(eos),)
+    return Policy(config, tokenizer, eos_ids), params
+
+
+def load_examples(run: TrainConfig, policy: Policy, spec: str, seed: int) -> tuple[list[data.Example], dict]:
+    """Tokenised examples of ``spec`` with unparseable gold answers excluded, and the load report."""
+    rows = data.read_rows(spec, seed=seed)
+    golds = rewards.parse_golds((str(r["id"]), str(r["answer"])) for r in rows)
+    good = [r for r in rows if str(r["id"]) not in set(golds.bad_ids)]
+    examples, report = data.encode_rows(good, policy.tokenizer, run.data)
+    report.gold_unparseable = list(golds.bad_ids)
+    report.rows = len(rows)
+    return examples, dataclasses.asdict(report)
+
+
+def evaluate(run: TrainConfig, policy: Policy, params: Params, examples, pool, key) -> dict[str, float]:
+    """pass@k (first-k slice and unbiased) over ``eval.n`` samples per held-out problem."""
+    cfg = run.eval
+    rows = [ex.prompt_ids for ex in examples]
+    eval_run = dataclasses.replace(
+        run, rollout=dataclasses.replace(
+            run.rollout, group_size=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature
+        )
+    )  # fmt: skip
+    correct = []
+    for start in range(0, len(rows), run.rollout.prompts_per_step):
+        chunk = examples[start : start + run.rollout.prompts_per_step]
+        sample = sample_rows(eval_run, policy, params, rows[start : start + len(chunk)], key, lora_scale=0.0)
+        score_rows(eval_run, policy, pool, sample, [ex.answer for ex in chunk])
+        correct.append(sample["accuracy"].reshape(len(chunk), cfg.n) > 0)
+        key = jax.random.fold_in(key, start + 1)
+    table = np.concatenate(correct)
+    out = {f"pass@{k}": pass_at_k(table, k) for k in cfg.ks}
+    out.update({f"pass@{k}_unbiased": pass_at_k(table, k, "unbiased") for k in cfg.ks})
+    out["accuracy"] = float(table.mean())
+    return out
+
+
+def checkpoint_state(params: Params, opt_state: Any) -> dict[str, Any]:
+    """What a checkpoint holds: the base params and the RL optimizer state (never the adapter)."""
+    return {"base": params["base"], "rl_opt": opt_state.inner_states["base"]}
+
+
+def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str, Any]:
+    """Shapes and dtypes of ``checkpoint_state`` for this run, without allocating: a restore target."""
+
+    def build():
+        params = model.init_params(config, jax.random.key(0))
+        return checkpoint_state(params, optim.make_optimizer(run.optim, run.scaffold.sft).init(params))
+
+    return jax.eval_shape(build)
+
+
+class Run:
+    """The state and resources of one training run.
+
+    ``verifier`` replaces the math-verify pool: any object with ``score(responses, golds) -> array`` and
+    ``close()``.
+    """
+
+    def __init__(self, run: TrainConfig, out_dir: str, *, resume: bool = False, verifier: Any = None):
+        self.run, self.out_dir = run, out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(to_dict(run), f, sort_keys=False)
+        self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
+        self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
+        self.held_out = self._held_out()
+        self.order = data.PromptOrder(len(self.examples), seed=run.seed, shuffle=run.data.shuffle)
+        key = jax.random.key(run.seed)
+        # Committed to the device like the arrays a restore returns: jit keys its cache on committedness, so
+        # a run resumed in the same process (tests, notebooks) reuses the programs instead of recompiling.
+        device = jax.devices()[0]
+        params = jax.device_put({"base": base["base"], "lora": model.init_lora(self.policy.config, key)}, device)
+        self.tx = optim.make_optimizer(run.optim, run.scaffold.sft)
+        self.state = TrainState(step=0, params=params, opt_state=jax.device_put(self.tx.init(params), device))
+        self.checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=run.checkpoint.keep)
+        if resume and self.checkpointer.latest_step() is not None:
+            self._restore()
+        self.log = MetricsLog(out_dir)
+        self.pool = verifier or rewards.VerifierPool(
+            workers=run.reward.workers, timeout=run.reward.timeout_s, require_think_close=run.reward.require_think_close
+        )
+
+    def _held_out(self) -> list[data.Example]:
+        specs = self.run.eval.benchmarks or (("toy:heldout",) if self.run.data.train.startswith("toy:") else ())
+        examples = []
+        for spec in specs:
+            examples += load_examples(self.run, self.policy, spec, self.run.seed)[0]
+        return examples[: self.run.eval.limit] if self.run.eval.limit else examples
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def save(self) -> None:
+        meta = {"step": self.state.step, "order": self.order.state(), "seed": self.run.seed,
+                "nonfinite_total": self.state.nonfinite_total,
+                "nonfinite_in_row": self.state.nonfinite_in_row}  # fmt: skip
+        self.checkpointer.save(self.state.step, checkpoint_state(self.state.params, self.state.opt_state), meta)
+
+    def _restore(self) -> None:
+        restored, meta = self.checkpointer.restore(None, checkpoint_state(self.state.params, self.state.opt_state))
+        params = {**self.state.params, "base": restored["base"]}
+        inner = {**self.state.opt_state.inner_states, "base": restored["rl_opt"]}
+        self.state = TrainState(
+            step=int(meta["step"]), params=params, opt_state=self.state.opt_state._replace(inner_states=inner),
+            nonfinite_total=int(meta.get("nonfinite_total", 0)), nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
+        )  # fmt: skip
+        self.order.restore(meta["order"])
+
+    # ----------------------------------------------------------------------------------------- loop
+    def validate(self) -> dict[str, float] | None:
+        if not self.held_out:
+            return None
+        key = jax.random.fold_in(jax.random.key(self.run.seed + 1), self.state.step)
+        result = evaluate(self.run, self.policy, self.state.params, self.held_out, self.pool, key)
+        self.log.write({"kind": "eval", "step": self.state.step, **result})
+        return result
+
+    def train(self) -> dict[str, Any]:
+        run, start = self.run, time.perf_counter()
+        before = self.validate()
+        totals = {"cliff_groups": 0, "surpassed_groups": 0, "rerolls_passed": 0, "rerolls": 0}
+        bar = tqdm(total=run.steps, initial=self.state.step, desc="lspo", unit="step", dynamic_ncols=True)
+        with StopFlag() as stop:
+            while self.state.step < run.steps and not stop.requested:
+                metrics = self.one_step()
+                _accumulate(totals, metrics, run.rollout.group_size)
+                bar.update(1)
+                bar.set_postfix(acc=f"{metrics['accuracy_mean']:.2f}", cliffs=metrics["cliff_groups"],
+                                rescued=metrics["surpassed_groups"])  # fmt: skip
+                if self.state.nonfinite_in_row >= run.max_nonfinite_in_row:
+                    self.save()
+                    raise RunStopped(f"{self.state.nonfinite_in_row} non-finite updates in a row at step "
+                                     f"{self.state.step}; checkpoint written")  # fmt: skip
+                if self.state.step % run.checkpoint.every == 0 or stop.requested:
+                    self.save()
+                if run.eval.every and self.state.step % run.eval.every == 0 and self.state.step < run.steps:
+                    self.validate()
+        bar.close()
+        if self.checkpointer.latest_step() != self.state.step:
+            self.save()
+        after = self.validate() if not stop.requested else None
+        return self._summary(before, after, totals, time.perf_counter() - start, stop.requested)
+
+    def one_step(self) -> dict[str, Any]:
+        batch = [self.examples[i] for i in self.order.take(self.run.rollout.prompts_per_step)]
+        key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step)
+        metrics = train_step(self.run, self.policy, self.state, self.pool, batch, key)
+        self.log.write({"kind": "train", **metrics})
+        return metrics
+
+    def _summary(self, before, after, totals, seconds, stopped) -> dict[str, Any]:
+        summary = {
+            "steps": self.state.step,
+            "stopped_early": stopped,
+            "seconds": round(seconds, 1),
+            **totals,
+            "surpass_rate": totals["surpassed_groups"] / totals["cliff_groups"] if totals["cliff_groups"] else None,
+            "rescue_pass_rate": totals["rerolls_passed"] / totals["rerolls"] if totals["rerolls"] else None,
+            "held_out_before": before,
+            "held_out_after": after,
+            "nonfinite_updates": self.state.nonfinite_total,
+            "data": self.data_report,
+        }
+        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
+
+    def close(self) -> None:
+        self.pool.close()
+        self.log.close()
+        self.checkpointer.close()
+
+
+def _accumulate(totals: dict, metrics: dict, group_size: int) -> None:
+    totals["cliff_groups"] += metrics["cliff_groups"]
+    totals["surpassed_groups"] += metrics["surpassed_groups"]
+    if metrics.get("rescue_pass_rate") is not None:
+        rerolls = (metrics["cliff_groups"] - metrics["scaffold_no_solution"]) * group_size
+        totals["rerolls"] += rerolls
+        totals["rerolls_passed"] += round(metrics["rescue_pass_rate"] * rerolls)
+
+
+def train_run(run: TrainConfig, out_dir: str, *, resume: bool = False) -> dict[str, Any]:
+    """Train, write everything under ``out_dir``, and return the summary."""
+    job = Run(run, out_dir, resume=resume)
+    try:
+        return job.train()
+    finally:
+        job.close()

@@ -1,0 +1,272 @@
+"""The LSPO training loop: sample, score, scaffold the cliffs, update the base, discard the adapter.
+
+Per step (the method's steps 1-6):
+
+    sample  B prompts x K rollouts from pi_theta              (sampler, adapter off)
+    reward  math-verify accuracy 0/1, plus the overlong penalty for the shaped reward
+    cliffs  groups with zero total accuracy
+    sft     fresh adapter, ``sft_steps`` AdamW steps on the cliff prompts' worked solutions (adapter only)
+    reroll  K samples per cliff prompt from pi_theta+phi; verify; splice passing ones into failed rows
+    logprob old_logp = log pi_theta on base rows, log pi_theta+phi (already set) on spliced rows
+    update  advantages on the spliced batch, clipped surrogate on the base only (lora_scale = 0)
+
+With ``scaffold.enabled: false`` the same loop is the DAPO baseline. The per-step RNG is
+``fold_in(seed, step)``, so a resumed run draws exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lspo_jax import losses, optim, rewards, rollout, scaffold
+from lspo_jax.config import ModelConfig
+from lspo_jax.model import Params
+from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
+from lspo_jax.sampler import generate_arrays
+from lspo_jax.train_config import LossConfig, TrainConfig
+
+
+@dataclasses.dataclass
+class Policy:
+    """What the loop needs about the model besides its params."""
+
+    config: ModelConfig
+    tokenizer: Any
+    eos_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything a step reads and writes. ``params["lora"]`` is scratch space for the step's adapter."""
+
+    step: int
+    params: Params
+    opt_state: Any
+    nonfinite_in_row: int = 0
+    nonfinite_total: int = 0
+
+
+class Phases:
+    """Wall-clock seconds per phase of a step (``time_sample``, ``time_reward``, ...)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        phases = self
+
+        class _Timer:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                key = f"time_{name}"
+                phases.seconds[key] = phases.seconds.get(key, 0.0) + time.perf_counter() - self.start
+
+        return _Timer()
+
+
+# --------------------------------------------------------------------------------------------- update
+# The static arguments are only the config sections a step reads, not the whole TrainConfig: a run that
+# differs in an unrelated field (steps, data path, checkpointing) reuses the compiled programs.
+@functools.partial(jax.jit, static_argnames=("config", "rl", "loss", "temperature"), donate_argnums=(1, 2))
+def rl_update(
+    config: ModelConfig, params: Params, opt_state: Any, batch: dict, *, rl: RLOptimConfig, loss: LossConfig,
+    temperature: float,
+):  # fmt: skip
+    """``optim.rl_step`` that keeps params and optimizer state when the loss or gradient is non-finite."""
+    new_params, new_state, metrics = optim.rl_step(
+        config, params, opt_state, batch,
+        rl=rl, eps_low=loss.eps_low, eps_high=loss.eps_high, clip_c=loss.clip_c,
+        temperature=temperature, num_micro_batches=loss.micro_batches,
+    )  # fmt: skip
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    keep = lambda new, old: jnp.where(finite, new, old)
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_state, opt_state)
+    return params, opt_state, {**metrics, "finite": finite}
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sft"), donate_argnums=(1, 2))
+def sft_update(config: ModelConfig, params: Params, opt_state: Any, batch: dict, *, sft: SFTOptimConfig):
+    return optim.sft_step(config, params, opt_state, batch, sft=sft)
+
+
+# ------------------------------------------------------------------------------------------- sampling
+def sample_rows(run: TrainConfig, policy: Policy, params: Params, prompts, key, *, lora_scale: float):
+    """``group_size`` rollouts per prompt, packed into fixed-shape rows."""
+    sample = generate_arrays(
+        policy.config, params, prompts, key=key, n=run.rollout.group_size,
+        max_new_tokens=run.rollout.max_new_tokens, temperature=run.rollout.temperature,
+        top_p=run.rollout.top_p, top_k=run.rollout.top_k, eos_token_ids=policy.eos_ids, lora_scale=lora_scale,
+    )  # fmt: skip
+    rows = rollout.pack_samples(prompts, sample, run.data.max_prompt_tokens)
+    rows["sampler_logp"] = np.concatenate(
+        [np.zeros((len(prompts) * sample.n, run.data.max_prompt_tokens), np.float32), sample.logprobs], axis=1
+    )
+    return rows
+
+
+def score_rows(run: TrainConfig, policy: Policy, pool, rows: dict, golds: list[str]) -> None:
+    """Add ``accuracy`` (0/1, the verifier) and ``reward`` (accuracy + overlong penalty) to ``rows``."""
+    texts = rollout.decode_responses(policy.tokenizer, rows, run.data.max_prompt_tokens)
+    group_golds = [golds[i // run.rollout.group_size] for i in range(len(texts))]
+    rows["accuracy"] = np.asarray(pool.score(texts, group_golds), np.float32)
+    shaped = rewards.shaped_rewards(
+        rows["accuracy"], rows["lengths"], max_len=run.rollout.max_new_tokens,
+        buffer=min(run.reward.overlong_buffer, run.rollout.max_new_tokens), factor=run.reward.overlong_factor,
+    )  # fmt: skip
+    rows["reward"] = np.asarray(shaped.reward, np.float32)
+
+
+# ------------------------------------------------------------------------------------------- scaffold
+def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows: dict, batch_examples, key, phases):
+    """Fit a fresh adapter on the cliffs' solutions, re-roll them, splice verified successes into ``rows``.
+
+    Returns ``(rows, spliced_rows, metrics)``; cliff groups whose prompt has no worked solution are
+    skipped by the scaffold and counted in ``scaffold_no_solution``.
+    """
+    k = run.rollout.group_size
+    cliffs = scaffold.find_cliffs(rows["accuracy"], k)
+    has_solution = np.array([ex.solution_ids is not None for ex in batch_examples])
+    usable = cliffs & has_solution
+    metrics = {"cliff_groups": int(cliffs.sum()), "scaffold_no_solution": int((cliffs & ~has_solution).sum())}
+    if not run.scaffold.enabled or not usable.any():
+        return rows, np.zeros(len(rows["accuracy"]), bool), metrics
+    cliff_examples = [batch_examples[g] for g in np.flatnonzero(usable)]
+    adapter_key, reroll_key = jax.random.split(key)
+    with phases("sft"):
+        state.params, state.opt_state = optim.reset_adapter(
+            policy.config, state.params, state.opt_state, adapter_key, sft=run.scaffold.sft
+        )
+        sft_batch = rollout.pack_sft(
+            [ex.prompt_ids for ex in cliff_examples], [ex.solution_ids for ex in cliff_examples],
+            run.data.max_prompt_tokens, run.data.max_solution_tokens,
+        )  # fmt: skip
+        sft_batch = rollout.pad_rows(sft_batch, rollout.pow2_rows(len(cliff_examples)))
+        for _ in range(run.scaffold.sft_steps):
+            state.params, state.opt_state, sft_metrics = sft_update(
+                policy.config, state.params, state.opt_state, sft_batch, sft=run.scaffold.sft
+            )
+        metrics["sft_loss"] = float(sft_metrics["sft_loss"])
+    with phases("reroll"):
+        prompts = [ex.prompt_ids for ex in cliff_examples]
+        rerolls = sample_rows(run, policy, state.params, prompts, reroll_key, lora_scale=1.0)
+    with phases("reward"):
+        score_rows(run, policy, pool, rerolls, [ex.answer for ex in cliff_examples])
+    with phases("logprob"):
+        # The spliced rows' importance-ratio denominator: the adapter-on policy that sampled them.
+        rerolls["old_logp"] = rollout.teacher_forced_logprobs(
+            policy.config, state.params, rerolls, lora_scale=1.0, temperature=run.rollout.temperature
+        )
+    spliced, spliced_rows, stats = scaffold.splice(rows, rerolls, usable, k)
+    metrics.update(
+        surpassed_groups=stats.num_surpassed,
+        spliced_rows=stats.num_spliced,
+        rescue_pass_rate=stats.reroll_pass_rate,
+        surpass_rate=stats.surpass_rate,
+    )
+    return spliced, spliced_rows, metrics
+
+
+# ----------------------------------------------------------------------------------------------- step
+def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_examples, key) -> dict[str, Any]:
+    """One RL step on ``batch_examples`` (B prompts); updates ``state`` in place and returns its metrics."""
+    phases = Phases()
+    sample_key, scaffold_key = jax.random.split(key)
+    prompts = [ex.prompt_ids for ex in batch_examples]
+    with phases("sample"):
+        rows = sample_rows(run, policy, state.params, prompts, sample_key, lora_scale=0.0)
+    with phases("reward"):
+        score_rows(run, policy, pool, rows, [ex.answer for ex in batch_examples])
+    base_metrics = _rollout_metrics(run, rows)
+    # Placeholder so splice carries a spliced row's adapter-on log-probs; base rows are filled below.
+    rows["old_logp"] = np.zeros(rows["tokens"].shape, np.float32)
+    rows, spliced_rows, scaffold_metrics = run_scaffold(
+        run, policy, state, pool, rows, batch_examples, scaffold_key, phases
+    )
+    with phases("logprob"):
+        base_logp = rollout.teacher_forced_logprobs(
+            policy.config, state.params, rows, lora_scale=0.0, temperature=run.rollout.temperature
+        )
+    spliced_ratio = _spliced_ratio_mean(base_logp, rows, spliced_rows)
+    rows["old_logp"] = np.where(spliced_rows[:, None], rows["old_logp"], base_logp)
+    with phases("update"):
+        advantages = losses.group_advantages(jnp.asarray(rows["reward"]), run.rollout.group_size)
+        batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
+        batch["advantages"] = advantages
+        state.params, state.opt_state, update_metrics = rl_update(
+            policy.config, state.params, state.opt_state, batch,
+            rl=run.optim, loss=run.loss, temperature=run.rollout.temperature,
+        )  # fmt: skip
+        update_metrics = jax.device_get(update_metrics)
+    finite = bool(update_metrics.pop("finite"))
+    state.nonfinite_in_row = 0 if finite else state.nonfinite_in_row + 1
+    state.nonfinite_total += int(not finite)
+    state.step += 1
+    return {
+        "step": state.step,
+        **base_metrics,
+        "surpassed_groups": 0,
+        "spliced_rows": 0,
+        "rescue_pass_rate": None,
+        **scaffold_metrics,
+        "spliced_ratio_mean": spliced_ratio,
+        "spliced_accuracy_mean": float(rows["accuracy"].mean()),
+        "clip_frac_low": update_metrics.get("clip_frac_low"),
+        "clip_frac_high": update_metrics.get("clip_frac_high"),
+        "entropy": update_metrics.get("entropy"),
+        "loss": update_metrics.get("loss"),
+        "grad_norm": update_metrics.get("grad_norm"),
+        "update_skipped": not finite,
+        "nonfinite_total": state.nonfinite_total,
+        **{k: v for k, v in update_metrics.items() if k.startswith(("ratio", "approx_kl"))},
+        **phases.seconds,
+    }
+
+
+def _rollout_metrics(run: TrainConfig, rows: dict) -> dict[str, float]:
+    overlong = (~rows["eos"]) & (rows["lengths"] >= run.rollout.max_new_tokens)
+    return {
+        "accuracy_mean": float(rows["accuracy"].mean()),
+        "reward_mean": float(rows["reward"].mean()),
+        "response_len_mean": float(rows["lengths"].mean()),
+        "overlong_frac": float(overlong.mean()),
+    }
+
+
+def _spliced_ratio_mean(base_logp: np.ndarray, rows: dict, spliced_rows: np.ndarray) -> float | None:
+    """Token-mean of ``pi_theta / pi_theta+phi`` over spliced rows: how off-policy the rescued rows are."""
+    if not spliced_rows.any():
+        return None
+    mask = rows["mask"][spliced_rows] > 0
+    log_ratio = base_logp[spliced_rows] - rows["old_logp"][spliced_rows]
+    return float(np.exp(log_ratio[mask]).mean())
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: the loop finishes its step, writes a checkpoint and exits cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

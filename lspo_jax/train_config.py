@@ -1,0 +1,270 @@
+"""The configuration of a training run: frozen dataclasses, read from YAML with dotted overrides.
+
+A YAML file only serialises ``TrainConfig``. Reading is strict: an unknown key or a value of the wrong
+type is an error that names the dotted key (``rollout.group_size: expected int, got 'sixteen'``). The
+DAPO baseline is the same config with ``scaffold.enabled: false``, not a separate code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lspo_jax.config import LoraConfig
+from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit ``TrainConfig``; the message names the dotted key."""
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """The policy: a Hugging Face directory (``path``), or a ``preset`` with random weights.
+
+    ``path: toy`` is the demo's own warm-started character-level model, made at first use.
+    """
+
+    path: str | None = None
+    preset: str | None = None
+    compute_dtype: str = "float32"
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        _require((self.path is None) != (self.preset is None), "model", "set exactly one of path or preset")
+        _require(self.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype", "float32 or bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training prompts: a JSONL file in the shared schema, or ``toy:addition`` (the demo's own task).
+
+    Prompts longer than ``max_prompt_tokens`` and solutions longer than ``max_solution_tokens`` follow
+    their policy, ``skip`` or ``truncate``, and are counted; rows without a solution are counted and
+    never used by the scaffold.
+    """
+
+    train: str = "toy:addition"
+    max_prompt_tokens: int = 512
+    prompt_policy: str = "skip"
+    max_solution_tokens: int = 4096
+    solution_policy: str = "truncate"
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_policy", "solution_policy"):
+            _require(getattr(self, name) in ("skip", "truncate"), f"data.{name}", "must be 'skip' or 'truncate'")
+        _require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be positive")
+        _require(self.max_solution_tokens > 0, "data.max_solution_tokens", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling per step: ``prompts_per_step`` x ``group_size`` rollouts (the paper: 32 x 16, 8192 tokens)."""
+
+    prompts_per_step: int = 32
+    group_size: int = 16
+    max_new_tokens: int = 8192
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be positive")
+        _require(self.group_size > 1, "rollout.group_size", "must be > 1: advantages are normalised per group")
+        _require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
+        _require(self.temperature > 0, "rollout.temperature", "must be positive")
+        _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 disables it)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """math-verify in ``workers`` processes with a hard per-item timeout; DAPO's overlong shaping."""
+
+    overlong_buffer: int = 1024
+    overlong_factor: float = 1.0
+    require_think_close: bool = False
+    workers: int = 2
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _require(self.overlong_buffer > 0, "reward.overlong_buffer", "must be positive")
+        _require(self.workers >= 0, "reward.workers", "must be >= 0 (0 scores in-process)")
+        _require(self.timeout_s > 0, "reward.timeout_s", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The clipped surrogate: clip-higher ``eps_low``/``eps_high``, optional dual clip ``clip_c``."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    clip_c: float | None = None
+    micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.eps_low < 1, "loss.eps_low", "must be in [0, 1)")
+        _require(self.eps_high >= 0, "loss.eps_high", "must be >= 0")
+        _require(self.clip_c is None or self.clip_c > 1, "loss.clip_c", "must be > 1 or null")
+        _require(self.micro_batches > 0, "loss.micro_batches", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaffoldConfig:
+    """LSPO's scaffold; ``enabled: false`` gives the DAPO baseline arm."""
+
+    enabled: bool = True
+    sft_steps: int = 4
+    sft: SFTOptimConfig = dataclasses.field(default_factory=SFTOptimConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out validation every ``every`` steps (0: only before and after training), pass@k over ``n``."""
+
+    every: int = 10
+    benchmarks: tuple[str, ...] = ()
+    n: int = 16
+    ks: tuple[int, ...] = (1, 4, 8, 16)
+    max_new_tokens: int = 8192
+    temperature: float = 1.0
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "eval.every", "must be >= 0")
+        _require(all(0 < k <= self.n for k in self.ks), "eval.ks", f"each k must be in 1..n={self.n}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints of the base and RL state every ``every`` steps, the last ``keep`` kept."""
+
+    every: int = 50
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        _require(self.every > 0, "checkpoint.every", "must be positive")
+        _require(self.keep > 0, "checkpoint.keep", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run; every section has defaults, so a YAML file names only what differs."""
+
+    model: ModelSource = dataclasses.field(default_factory=lambda: ModelSource(path="toy"))
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optim: RLOptimConfig = dataclasses.field(default_factory=RLOptimConfig)
+    scaffold: ScaffoldConfig = dataclasses.field(default_factory=ScaffoldConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    steps: int = 1500
+    seed: int = 42
+    max_nonfinite_in_row: int = 3
+
+    def __post_init__(self) -> None:
+        _require(self.steps > 0, "steps", "must be positive")
+        _require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive")
+
+
+# ------------------------------------------------------------------------------------------ reading
+def from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested dict, checking every key and type; errors name the key."""
+    _require(isinstance(data, dict), where or "config", f"expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    _require(not unknown, f"{where}{unknown[0]}" if unknown else where, f"unknown key; known: {sorted(fields)}")
+    values = {name: _coerce(hints[name], value, f"{where}{name}") for name, value in data.items()}
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{where.rstrip('.') or cls.__name__}: {err}") from err
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``hint`` (YAML's int is accepted for float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: expected {hint}, got {value!r}")
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, f"{key}.")
+    if origin is tuple:
+        _require(isinstance(value, list | tuple), key, f"expected a list, got {value!r}")
+        return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    _require(ok, key, f"expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The nested dict that ``from_dict`` reads back to an equal config (tuples become lists)."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, tuple | list):
+            return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    return plain(dataclasses.asdict(config))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``dotted.key=value`` strings (value parsed as YAML) to a nested dict, returning a new dict."""
+    data = to_plain_copy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        _require(bool(sep) and bool(key), item, "an override is written dotted.key=value")
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            _require(isinstance(node, dict), key, f"{part!r} is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return data
+
+
+def to_plain_copy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: to_plain_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a YAML file (or the defaults when ``path`` is None), apply overrides, check everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError as err:
+            raise ConfigError(f"config file not found: {path}") from err
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    return from_dict(TrainConfig, apply_overrides(data, list(overrides)))
