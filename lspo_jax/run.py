@@ -125,9 +125,12 @@ class Run:
         if resume and self.checkpointer.latest_step() is not None:
             self._restore()
         self.log = MetricsLog(out_dir)
-        self.pool = verifier or rewards.VerifierPool(
-            workers=run.reward.workers, timeout=run.reward.timeout_s, require_think_close=run.reward.require_think_close
-        )
+        if verifier is None:
+            verifier = rewards.VerifierPool(
+                workers=run.reward.workers, timeout=run.reward.timeout_s,
+                require_think_close=run.reward.require_think_close,
+            )  # fmt: skip
+        self.pool = verifier
 
     def _held_out(self) -> list[data.Example]:
         specs = self.run.eval.benchmarks or (("toy:heldout",) if self.run.data.train.startswith("toy:") else ())

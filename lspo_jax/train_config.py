@@ -186,7 +186,7 @@ class TrainConfig:
 # ------------------------------------------------------------------------------------------ reading
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
     """Build dataclass ``cls`` from a nested dict, checking every key and type; errors name the key."""
-    _require(isinstance(data, dict), where or "config", f"expected a mapping, got {type(data).__name__}")
+    _require(isinstance(data, dict), where.rstrip(".") or "config", f"expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
@@ -220,6 +220,12 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 reads 1e-3 (no dot) as a string; accept what Python reads as a number.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
     _require(ok, key, f"expected {hint.__name__}, got {value!r}")
     return value

@@ -1,0 +1,405 @@
+"""The training loop end to end on a tiny random policy: the scaffold's mechanics, exact resume, base-only
+checkpoints and export, bad data rows and non-finite updates.
+
+Every run here has the same shapes (2 prompts x 2 rollouts, 12 new tokens, 16 prompt slots), and the jitted
+steps take only the config sections they read as static arguments, so the sampler, log-prob and update
+programs compile once for the whole module. A fake verifier decides which rollouts pass, so each test
+places the cliffs where it needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lspo_jax import losses, model, optim, rollout, toy, train
+from lspo_jax import run as run_module
+from lspo_jax.checkpoint import Checkpointer
+from lspo_jax.export import export_checkpoint
+from lspo_jax.metrics_log import read_metrics
+from lspo_jax.run import Run, RunStopped, checkpoint_state
+from lspo_jax.train_config import load_config
+
+K = 2  # rollouts per prompt in every run of this module
+
+
+def copy_tree(tree):
+    """Host copies of a pytree's arrays; the update steps donate their inputs, so references would die."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+def assert_trees_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, copy_tree(a), copy_tree(b))
+
+
+def trees_differ(a, b) -> bool:
+    return any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+class FakeVerifier:
+    """``rule(response, gold, slot)`` -> pass, where ``slot`` is the row's index in its group of K.
+
+    ``reroll_rule`` scores instead while ``adapter_on`` is set (see ``flag_adapter``).
+    """
+
+    def __init__(self, rule, reroll_rule=None):
+        self.rule, self.reroll_rule = rule, reroll_rule
+        self.adapter_on, self.closed = False, False
+
+    def score(self, responses, golds):
+        rule = self.reroll_rule if self.adapter_on and self.reroll_rule else self.rule
+        return np.array([rule(r, g, i % K) for i, (r, g) in enumerate(zip(responses, golds, strict=True))], np.float32)
+
+    def close(self):
+        self.closed = True
+
+
+@contextlib.contextmanager
+def flag_adapter(verifier):
+    """Tell ``verifier`` whether the rollouts it scores next were sampled with the adapter on."""
+    real = train.sample_rows
+
+    def sample_rows(run, policy, params, prompts, key, *, lora_scale):
+        verifier.adapter_on = lora_scale == 1.0
+        return real(run, policy, params, prompts, key, lora_scale=lora_scale)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "sample_rows", sample_rows)
+        patch.setattr(run_module, "sample_rows", sample_rows)  # validation
+        yield verifier
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return toy.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
+
+
+@pytest.fixture(scope="module")
+def train_rows():
+    rows = toy.addition_rows(8, (2, 2), seed=0)
+    assert len({row["answer"] for row in rows}) == len(rows)  # the fake verifiers tell prompts apart by gold
+    return rows
+
+
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory, train_rows) -> str:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", train_rows)
+
+
+@pytest.fixture(scope="module")
+def easy_answers(train_rows):
+    return {train_rows[i]["answer"] for i in (1, 2, 5, 6)}
+
+
+@pytest.fixture(scope="module")
+def easy_rule(easy_answers):
+    """Batches are rows (0, 1), (2, 3), ... (no shuffling). Rows 1, 2, 5, 6 pass in slot 0, the others never,
+    so every step has one cliff and one mixed group, the cliff first in odd steps and second in even ones."""
+    return lambda response, gold, slot: gold in easy_answers and slot == 0
+
+
+def hash_rule(response, gold, slot):
+    return zlib.crc32(response.encode()) % 2 == 0
+
+
+@pytest.fixture(scope="module")
+def make_config(model_dir, train_file):
+    """A run config with this module's shapes; keyword arguments are overrides, ``__`` for ``.``."""
+
+    def make(**overrides):
+        values = {
+            "model.path": model_dir, "model.lora": {"rank": 4, "alpha": 16.0}, "data.train": train_file,
+            "data.max_prompt_tokens": 16, "data.max_solution_tokens": 48, "data.shuffle": False,
+            "rollout.prompts_per_step": 2, "rollout.group_size": K, "rollout.max_new_tokens": 12,
+            "reward.overlong_buffer": 4, "reward.workers": 0, "optim.lr": 1e-3, "scaffold.sft_steps": 2,
+            "scaffold.sft.lr": 1e-2, "eval.every": 0, "eval.n": K, "eval.ks": [1, 2], "eval.max_new_tokens": 12,
+            "eval.limit": 2, "checkpoint.every": 2, "checkpoint.keep": 5, "steps": 2,
+        }  # fmt: skip
+        values.update({k.replace("__", "."): v for k, v in overrides.items()})
+        return load_config(None, [f"{k}={json.dumps(v)}" for k, v in values.items()])
+
+    return make
+
+
+def run_steps(config, out, rule, *, resume=False):
+    """Train ``config`` into ``out`` (re-rolls scored by ``hash_rule``); return the closed ``Run``."""
+    with flag_adapter(FakeVerifier(rule, hash_rule)) as verifier:
+        job = Run(config, out, resume=resume, verifier=verifier)
+        try:
+            job.summary = job.train()
+        finally:
+            job.close()
+    return job
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, make_config, train_file, easy_rule):
+    """4 uninterrupted steps, checkpoints at 2 and 4, validation on two training prompts before and after."""
+    out = str(tmp_path_factory.mktemp("trained"))
+    job = run_steps(make_config(steps=4, eval__benchmarks=[train_file]), out, easy_rule)
+    return {"dir": out, "job": job, "state": copy_tree(checkpoint_state(job.state.params, job.state.opt_state))}
+
+
+# ------------------------------------------------------------------------------------ loop mechanics
+def test_scaffold_mechanics(tmp_path, make_config, easy_rule, easy_answers, monkeypatch):
+    # One cliff per step; its re-rolls pass in slot 1 only, so re-roll 1 replaces the cliff's slot 0.
+    verifier = FakeVerifier(easy_rule, lambda response, gold, slot: slot == 1)
+    log = {"batch": [], "sample": [], "sft_in": [], "reset": [], "sft": [], "rl": []}
+
+    def spy(name, fn, before=None, after=None):
+        def wrapped(*args, **kwargs):
+            record = before(*args, **kwargs) if before else {}
+            result = fn(*args, **kwargs)
+            log[name].append({**record, **(after(result) if after else {})})
+            return result
+
+        return wrapped
+
+    def before_sample(run, policy, params, prompts, key, *, lora_scale):
+        verifier.adapter_on = lora_scale == 1.0
+        return {"lora_scale": lora_scale, "prompts": list(prompts), "params": copy_tree(params)}
+
+    monkeypatch.setattr(run_module, "train_step", spy("batch", run_module.train_step, lambda *a: {"ex": a[4]}))
+    monkeypatch.setattr(train, "sample_rows", spy("sample", train.sample_rows, before_sample, lambda r: {"rows": r}))
+    monkeypatch.setattr(rollout, "pack_sft", spy("sft_in", rollout.pack_sft, lambda p, t, *a: {"p": p, "t": t}))
+    fresh = lambda r: copy_tree({"lora": r[0]["lora"], "sft_opt": r[1].inner_states["lora"]})
+    monkeypatch.setattr(optim, "reset_adapter", spy("reset", optim.reset_adapter, after=fresh))
+    base_in = lambda c, params, *a, **k: {"base": copy_tree(params["base"])}
+    base_out = lambda r: {"base_out": copy_tree(r[0]["base"])}
+    monkeypatch.setattr(train, "sft_update", spy("sft", train.sft_update, base_in, base_out))
+    rl_in = lambda c, params, s, batch, **k: {"params": copy_tree(params), "batch": copy_tree(batch)}
+    monkeypatch.setattr(train, "rl_update", spy("rl", train.rl_update, rl_in, base_out))
+
+    out = str(tmp_path)
+    # No overlong shaping: rewards are the accuracies, so the advantages below are exact.
+    job = Run(make_config(scaffold__sft_steps=3, reward__overlong_factor=0.0), out, verifier=verifier)
+    summary = job.train()
+    job.close()
+    assert verifier.closed
+
+    steps = [m for m in read_metrics(os.path.join(out, "metrics.jsonl")) if m["kind"] == "train"]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert (m["cliff_groups"], m["surpassed_groups"], m["spliced_rows"]) == (1, 1, 1)
+        assert m["rescue_pass_rate"] == 0.5 and m["scaffold_no_solution"] == 0 and not m["update_skipped"]
+    assert [summary[k] for k in ("cliff_groups", "surpassed_groups", "rerolls", "rerolls_passed")] == [2, 2, 4, 2]
+    assert len(log["sft"]) == 2 * 3 and len(log["rl"]) == 2
+
+    for step in range(2):
+        batch = log["batch"][step]["ex"]
+        (group,) = [g for g, ex in enumerate(batch) if ex.answer not in easy_answers]
+        assert group == step % 2
+        cliff = batch[group]
+        base_sample, reroll = log["sample"][2 * step : 2 * step + 2]
+        # Sampled from the base, then the cliff prompt alone re-rolled with the adapter on.
+        assert base_sample["lora_scale"] == 0.0 and base_sample["prompts"] == [ex.prompt_ids for ex in batch]
+        assert reroll["lora_scale"] == 1.0 and reroll["prompts"] == [cliff.prompt_ids]
+        # The adapter is fitted on the cliff prompt's worked solution only.
+        assert log["sft_in"][step]["p"] == [cliff.prompt_ids] and log["sft_in"][step]["t"] == [cliff.solution_ids]
+        # Fresh adapter: B = 0, a new A every step, an all-zero SFT optimizer state; fitted before the re-roll.
+        fresh = log["reset"][step]
+        assert all(not leaf["b"].any() for leaf in fresh["lora"].values())
+        assert all(not x.any() for x in jax.tree.leaves(fresh["sft_opt"]))
+        assert any(reroll["params"]["lora"][name]["b"].any() for name in fresh["lora"])
+        if step:
+            assert trees_differ(log["reset"][0]["lora"], fresh["lora"])
+        # The base moves only in the RL update: unchanged through SFT and the re-roll.
+        start_base = base_sample["params"]["base"]
+        for sft in log["sft"][3 * step : 3 * step + 3]:
+            assert_trees_equal(sft["base"], start_base)
+            assert_trees_equal(sft["base_out"], start_base)
+        rl = log["rl"][step]
+        assert_trees_equal(reroll["params"]["base"], start_base)
+        assert_trees_equal(rl["params"]["base"], start_base)
+        assert trees_differ(rl["base_out"], start_base)
+        check_spliced_batch(job.policy.config, rl, base_sample["rows"], reroll["rows"], spliced=group * K)
+
+
+def check_spliced_batch(config, rl, base_rows, reroll_rows, spliced):
+    """Row ``spliced`` (the cliff's slot 0) holds the passing re-roll (its slot 1) with adapter-on log-probs;
+    every other row is the base rollout with base log-probs."""
+    batch, params = rl["batch"], rl["params"]
+    others = np.arange(len(batch["tokens"])) != spliced
+    np.testing.assert_array_equal(batch["tokens"][spliced], reroll_rows["tokens"][1])
+    np.testing.assert_array_equal(batch["tokens"][others], base_rows["tokens"][others])
+    rows = {k: batch[k] for k in ("tokens", "attention_mask", "mask")}
+    on = rollout.teacher_forced_logprobs(config, params, rows, lora_scale=1.0, temperature=1.0)
+    off = rollout.teacher_forced_logprobs(config, params, rows, lora_scale=0.0, temperature=1.0)
+    mask = batch["mask"][spliced] > 0
+    assert np.abs(on[spliced] - off[spliced])[mask].max() > 1e-3  # the fitted adapter changes the policy
+    np.testing.assert_allclose(batch["old_logp"][spliced], on[spliced], atol=1e-5)
+    np.testing.assert_allclose(batch["old_logp"][others], off[others], atol=1e-5)
+    # ... and they are the log-probs of the sampler that drew the re-roll.
+    np.testing.assert_allclose(batch["old_logp"][spliced][mask], reroll_rows["sampler_logp"][1][mask], atol=1e-4)
+    # Both groups now hold a pass then a failure: A = +-(1 - 0.5) / (std([1, 0], ddof=1) + eps) = +-0.7071.
+    a = 0.5 / (np.sqrt(0.5) + 1e-6)
+    np.testing.assert_allclose(batch["advantages"], [a, -a, a, -a], rtol=1e-6)
+
+
+# ------------------------------------------------------------------------ resume, checkpoints, export
+def test_resume_is_exact(tmp_path, make_config, train_file, easy_rule, trained_run):
+    out = str(tmp_path)
+    run_steps(make_config(steps=2, eval__benchmarks=[train_file]), out, easy_rule)
+    config = make_config(steps=4, eval__benchmarks=[train_file])
+    with flag_adapter(FakeVerifier(easy_rule, hash_rule)) as verifier:
+        resumed = Run(config, out, resume=True, verifier=verifier)
+        assert resumed.state.step == 2 and resumed.order.state() == {"epoch": 0, "position": 4}
+        resumed.train()
+        resumed.close()
+    assert_trees_equal(checkpoint_state(resumed.state.params, resumed.state.opt_state), trained_run["state"])
+
+    def train_records(path):
+        records = read_metrics(os.path.join(path, "metrics.jsonl"))
+        return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in records if r["kind"] == "train"]
+
+    records = train_records(out)
+    assert records == train_records(trained_run["dir"])
+    # Re-rolls scored by content: the resumed steps really sampled, scaffolded and spliced the same rows.
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and sum(r["spliced_rows"] for r in records[2:]) > 0
+
+
+def test_validation_before_and_after(trained_run):
+    evals = [r for r in read_metrics(os.path.join(trained_run["dir"], "metrics.jsonl")) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4]
+    summary = trained_run["job"].summary
+    assert summary["held_out_after"] == {k: v for k, v in evals[1].items() if k not in ("kind", "step")}
+    assert {"pass@1", "pass@2", "pass@1_unbiased", "pass@2_unbiased", "accuracy"} == set(summary["held_out_before"])
+    # Prompt 0 is a cliff (never passes) and prompt 1 passes in one of its two samples.
+    assert summary["held_out_before"]["pass@2"] == 0.5 and summary["held_out_before"]["accuracy"] == 0.25
+
+
+def test_checkpoints_hold_no_adapter(trained_run):
+    directory = os.path.join(trained_run["dir"], "checkpoints")
+    assert sorted(int(name) for name in os.listdir(directory) if name.isdigit()) == [2, 4]
+    for step in ("2", "4"):
+        # The RL optimizer state mirrors the {"base", "lora"} params with empty optax.MaskedNode placeholders
+        # on the adapter side; orbax lists their names in its tree metadata, holding no value. Any other
+        # mention of the adapter (a stored array, a file name) would be adapter weights.
+        with open(os.path.join(directory, step, "state", "_METADATA")) as f:
+            tree = json.load(f)["tree_metadata"]
+        assert any("'embed'" in key for key in tree)
+        stored = [key for key, entry in tree.items() if entry["value_metadata"]["value_type"] != "None"]
+        assert len(stored) == len(jax.tree.leaves(trained_run["state"]))  # nothing beside base and RL state
+        assert not any("lora" in key for key in stored)
+        for root, _, files in os.walk(os.path.join(directory, step)):
+            for name in files:
+                assert "lora" not in os.path.join(root, name)
+                if name != "_METADATA":
+                    with open(os.path.join(root, name), "rb") as f:
+                        assert b"lora" not in f.read()
+    checkpointer = Checkpointer(directory)
+    target = jax.tree.map(jnp.asarray, trained_run["state"])
+    restored, meta = checkpointer.restore(None, target)
+    assert set(restored) == {"base", "rl_opt"} and meta["step"] == 4
+    assert not any("lora" in jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(restored))
+    assert_trees_equal(restored, target)
+    with pytest.raises(ValueError, match="adapter"):
+        checkpointer.save(5, {"base": restored["base"], "lora": {}}, {"step": 5})
+    checkpointer.close()
+
+
+def test_export_loads_in_transformers(trained_run, model_dir, tmp_path):
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = export_checkpoint(trained_run["dir"], str(tmp_path / "latest"))
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    assert weights and not any("lora" in name for name in weights)
+    assert os.path.exists(os.path.join(out, "tokenizer.json"))
+    text = toy.char_tokenizer().encode("12+34=46;7+5=12", add_special_tokens=False)
+    tokens = np.array([[toy.BOS_ID, *text], [toy.BOS_ID, *text[::-1]]], np.int32)
+    hf_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf_model(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
+    policy = trained_run["job"].policy
+    ours = np.asarray(model.forward(policy.config, {"base": trained_run["state"]["base"]}, jnp.asarray(tokens)))
+    np.testing.assert_allclose(theirs, ours, atol=1e-5)
+    # The export is the trained base of step 4, not the initial model and not the step-2 checkpoint.
+    initial = load_file(os.path.join(model_dir, "model.safetensors"))
+    step2 = load_file(os.path.join(export_checkpoint(trained_run["dir"], str(tmp_path / "step2"), step=2),
+                                   "model.safetensors"))  # fmt: skip
+    for other in (initial, step2):
+        assert other.keys() == weights.keys()
+        assert any(not np.array_equal(weights[name], other[name]) for name in weights)
+
+
+# -------------------------------------------------------------------------------- bad input, non-finite
+@pytest.mark.parametrize("policy", ["skip", "truncate"])
+def test_bad_rows_are_counted_not_fatal(tmp_path, make_config, train_rows, policy):
+    long_problem = "+".join("123456789") + "="  # 18 characters and BOS: over the 16 prompt slots
+    rows = [
+        {"id": "long", "problem": long_problem, "answer": "45", "solution": "\\boxed{45}"},
+        {"id": "no-solution", "problem": train_rows[0]["problem"], "answer": train_rows[0]["answer"]},
+        *train_rows[1:4],
+    ]
+    config = make_config(data__train=write_jsonl(tmp_path / "rows.jsonl", rows), data__prompt_policy=policy, steps=1)
+    job = run_steps(config, str(tmp_path / "run"), lambda response, gold, slot: False)  # every group a cliff
+    report = job.summary["data"]
+    assert (report["rows"], report["solution_missing"]) == (5, 1)
+    if policy == "skip":
+        assert (report["kept"], report["prompt_skipped"], report["prompt_truncated"]) == (4, 1, 0)
+        assert [ex.id for ex in job.examples[:2]] == ["no-solution", "add-0-1"]
+    else:
+        assert (report["kept"], report["prompt_skipped"], report["prompt_truncated"]) == (5, 0, 1)
+        long = job.examples[0]
+        assert len(long.prompt_ids) == 16 and job.policy.tokenizer.decode(long.prompt_ids).endswith("8+9=")
+    (step,) = [r for r in read_metrics(os.path.join(job.out_dir, "metrics.jsonl")) if r["kind"] == "train"]
+    # Both prompts of step 1 are cliffs; the one without a worked solution is left out of the scaffold.
+    assert (step["cliff_groups"], step["scaffold_no_solution"], step["rescue_pass_rate"] is not None) == (2, 1, True)
+    assert job.summary["rerolls"] == K
+
+
+def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, make_config, easy_rule, monkeypatch):
+    real_advantages, calls = losses.group_advantages, []
+
+    def advantages(rewards, group_size, eps=1e-6):  # NaN on steps 1, 3, 4; finite on step 2
+        calls.append(len(calls) + 1)
+        out = real_advantages(rewards, group_size, eps)
+        return out if len(calls) == 2 else jnp.full_like(out, jnp.nan)
+
+    updates = []
+
+    def rl_update(config, params, opt_state, batch, **kwargs):
+        before = copy_tree((params, opt_state))
+        result = real_update(config, params, opt_state, batch, **kwargs)
+        updates.append((before, copy_tree(result[:2])))
+        return result
+
+    real_update = train.rl_update
+    monkeypatch.setattr(losses, "group_advantages", advantages)
+    monkeypatch.setattr(train, "rl_update", rl_update)
+    config = make_config(steps=6, max_nonfinite_in_row=2, checkpoint__every=10)
+    out = str(tmp_path)
+    with pytest.raises(RunStopped, match="2 non-finite updates in a row at step 4"):
+        run_steps(config, out, easy_rule)
+    records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"]
+    assert [(r["update_skipped"], r["nonfinite_total"], r["loss"] is None) for r in records] == [
+        (True, 1, True), (False, 1, False), (True, 2, True), (True, 3, True),
+    ]  # fmt: skip
+    for step, (before, after) in enumerate(updates, 1):
+        if step == 2:
+            assert trees_differ(before[0]["base"], after[0]["base"])
+        else:  # params and both optimizer states exactly as they came in
+            assert_trees_equal(before, after)
+    # The stop wrote a checkpoint of step 4 holding the base of step 2's update; resuming keeps the counts.
+    monkeypatch.undo()
+    resumed = Run(config, out, resume=True, verifier=FakeVerifier(easy_rule))
+    try:
+        assert (resumed.state.step, resumed.state.nonfinite_in_row, resumed.state.nonfinite_total) == (4, 2, 3)
+        assert_trees_equal(resumed.state.params["base"], updates[1][1][0]["base"])
+    finally:
+        resumed.close()

@@ -1,0 +1,110 @@
+"""Reading run configs: the shipped YAML and the defaults load, errors name the dotted key, overrides
+apply on top of the file, and ``to_dict`` reads back to an equal config."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lspo_jax.train_config import ConfigError, TrainConfig, from_dict, load_config, to_dict
+
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def test_defaults_are_the_papers_recipe():
+    config = load_config(None)
+    assert config == TrainConfig()
+    assert (config.rollout.prompts_per_step, config.rollout.group_size, config.rollout.max_new_tokens) == (32, 16, 8192)
+    assert (config.loss.eps_low, config.loss.eps_high, config.loss.clip_c) == (0.2, 0.28, None)
+    assert (config.optim.lr, config.scaffold.sft.lr, config.scaffold.sft_steps) == (1e-6, 2.5e-5, 4)
+    assert (config.model.lora.rank, config.model.lora.alpha) == (16, 64.0)
+    assert config.scaffold.enabled and config.model.path == "toy"
+
+
+def test_demo_config_loads():
+    config = load_config(DEMO)
+    assert config.model.path == "toy" and config.data.train == "toy:addition"
+    assert (config.rollout.prompts_per_step, config.rollout.group_size, config.scaffold.sft_steps) == (8, 8, 12)
+    assert config.eval.ks == (1, 4) and config.model.lora.rank == 16
+    assert config.optim.lr == 1e-4 and isinstance(config.model.lora.alpha, float)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("stepz=3", "stepz"),  # unknown, top level
+        ("rollout.groupsize=4", "rollout.groupsize"),  # unknown, nested
+        ("model.lora.rnk=4", "model.lora.rnk"),  # unknown, two levels down
+        ("rollout.group_size=sixteen", "rollout.group_size"),  # wrong type
+        ("steps=true", "steps"),  # a bool is not an int
+        ("eval.ks=[1, two]", "eval.ks[1]"),
+        ("rollout=8", "rollout"),  # a value where a section belongs
+        ("rollout.group_size.x=3", "rollout.group_size.x"),  # a section where a value belongs
+        ("rollout.group_size=1", "rollout.group_size"),  # the right type, refused by the section's check
+    ],
+)
+def test_bad_keys_and_values_name_the_dotted_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(DEMO, [override])
+    assert str(err.value).startswith(f"{key}:")
+
+
+def test_unknown_key_in_a_file_is_named(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  groupsize: 4\n")
+    with pytest.raises(ConfigError, match=r"^rollout\.groupsize: unknown key"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="an override is written dotted.key=value"):
+        load_config(None, ["rollout.group_size"])
+
+
+def test_check_of_a_nested_optimizer_config_names_its_section():
+    with pytest.raises(ConfigError, match=r"^optim: .*lr"):
+        load_config(None, ["optim.lr=-1"])
+
+
+def test_dotted_overrides_apply_over_the_file():
+    config = load_config(
+        DEMO,
+        ["rollout.group_size=4", "eval.ks=[1, 2]", "loss.clip_c=3", "model.lora.rank=8", "scaffold.enabled=false",
+         "data.train=/data/deepmath.jsonl", "optim.lr=1"],
+    )  # fmt: skip
+    assert config.rollout.group_size == 4 and config.rollout.prompts_per_step == 8  # the file's value stays
+    assert config.eval.ks == (1, 2) and config.model.lora.rank == 8 and config.model.lora.alpha == 64.0
+    assert config.loss.clip_c == 3.0 and isinstance(config.loss.clip_c, float)  # YAML's int accepted for float
+    assert config.optim.lr == 1.0 and isinstance(config.optim.lr, float)
+    assert not config.scaffold.enabled and config.data.train == "/data/deepmath.jsonl"
+
+
+def test_to_dict_round_trips(tmp_path):
+    for config in (TrainConfig(), load_config(DEMO, ["eval.benchmarks=[a.jsonl, b.jsonl]", "loss.clip_c=3"])):
+        assert from_dict(TrainConfig, to_dict(config)) == config
+        path = tmp_path / "config.yaml"  # the way a run writes its config.yaml
+        path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        assert load_config(path) == config
+
+
+def test_paper_recipes_differ_only_in_the_scaffold():
+    configs = DEMO.parent
+    lspo = load_config(configs / "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
+    dapo = load_config(configs / "dapo_deepmath_r1_distill_qwen_1p5b.yaml")
+    assert lspo.scaffold.enabled and not dapo.scaffold.enabled
+    assert to_dict(lspo) | {"scaffold": None} == to_dict(dapo) | {"scaffold": None}
+    # The paper's DAPO recipe: 32 x 16, lr 1e-6, eps 0.2 / 0.28, 8192 tokens, buffer 1024, LoRA 16 / 64,
+    # 4 SFT steps at 2.5e-5, validation every 10 steps, 1500 steps, seed 42.
+    assert (lspo.rollout.prompts_per_step, lspo.rollout.group_size, lspo.rollout.max_new_tokens) == (32, 16, 8192)
+    assert (lspo.optim.lr, lspo.loss.eps_low, lspo.loss.eps_high, lspo.reward.overlong_buffer) == (
+        1e-6,
+        0.2,
+        0.28,
+        1024,
+    )
+    assert (lspo.model.lora.rank, lspo.model.lora.alpha, lspo.scaffold.sft_steps, lspo.scaffold.sft.lr) == (
+        16,
+        64,
+        4,
+        2.5e-5,
+    )
+    assert (lspo.eval.every, lspo.steps, lspo.seed) == (10, 1500, 42)

@@ -1,0 +1,114 @@
+"""LSPO against the DAPO baseline on the same task with paired seeds, in the layout of the paper's Table 1.
+
+Each seed trains both arms from the same model with the same data order; the arms differ only in
+``scaffold.enabled``. Per (run, k) the peak of held-out pass@k over the validation trace is taken, then
+the mean and range over seeds per arm, and the difference LSPO - DAPO. The scaffold's own figures
+(cliff groups, surpass rate, per-rollout pass rate of the re-rollouts) are reported beside it.
+
+    .venv/bin/python tools/compare_arms.py --config configs/demo.yaml --seeds 42 43 44 --out runs/arms \\
+        [--results benchmarks/RESULTS.md] [dotted.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import date
+
+import jax
+import numpy as np
+
+from lspo_jax.metrics_log import read_metrics
+from lspo_jax.run import train_run
+from lspo_jax.train_config import apply_overrides, from_dict, load_config, to_dict
+
+ARMS = {"lspo": True, "dapo": False}
+
+
+def run_arm(base_config, arm: str, seed: int, out_root: str) -> dict:
+    data = apply_overrides(to_dict(base_config), [f"seed={seed}", f"scaffold.enabled={str(ARMS[arm]).lower()}"])
+    config = from_dict(type(base_config), data)
+    out = os.path.join(out_root, f"{arm}_seed{seed}")
+    summary_path = os.path.join(out, "summary.json")
+    if os.path.exists(summary_path):  # finished earlier: reuse, so an interrupted comparison resumes
+        with open(summary_path) as f:
+            summary = json.load(f)
+    else:
+        summary = train_run(config, out, resume=True)
+    evals = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r.get("kind") == "eval"]
+    return {"arm": arm, "seed": seed, "summary": summary, "evals": evals}
+
+
+def peak(evals: list[dict], key: str, horizon: int | None) -> float:
+    values = [r[key] for r in evals if key in r and (horizon is None or r["step"] <= horizon)]
+    return max(values) if values else float("nan")
+
+
+def table(results: list[dict], ks: list[int], horizon: int | None) -> str:
+    """Markdown: peak pass@k per seed, mean [min, max] per arm, and the LSPO - DAPO difference of means."""
+    seeds = sorted({r["seed"] for r in results})
+    cell = {(r["arm"], r["seed"]): r for r in results}
+    head = "| arm | " + " | ".join(f"pass@{k} seed {s}" for k in ks for s in seeds) + " | "
+    head += " | ".join(f"pass@{k} mean [min, max]" for k in ks) + " |"
+    lines = [head, "|" + "---|" * (1 + len(ks) * (len(seeds) + 1))]
+    means = {}
+    for arm in ARMS:
+        peaks = {k: [peak(cell[arm, s]["evals"], f"pass@{k}", horizon) for s in seeds] for k in ks}
+        means[arm] = {k: float(np.mean(v)) for k, v in peaks.items()}
+        per_seed = [f"{100 * v:.1f}" for k in ks for v in peaks[k]]
+        summary = [f"{100 * np.mean(v):.1f} [{100 * min(v):.1f}, {100 * max(v):.1f}]" for v in peaks.values()]
+        lines.append(f"| {arm} | " + " | ".join(per_seed + summary) + " |")
+    diff = [f"{100 * (means['lspo'][k] - means['dapo'][k]):+.1f}" for k in ks]
+    lines.append("| lspo - dapo | " + " | ".join([""] * len(ks) * len(seeds) + diff) + " |")
+    return "\n".join(lines)
+
+
+def scaffold_figures(results: list[dict]) -> str:
+    rows = ["| seed | cliff groups | surpassed | surpass rate | re-rollouts verified | per-rollout pass rate |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in sorted((r for r in results if r["arm"] == "lspo"), key=lambda r: r["seed"]):
+        s = r["summary"]
+        rate = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"
+        rows.append(f"| {r['seed']} | {s['cliff_groups']} | {s['surpassed_groups']} | {rate(s['surpass_rate'])} | "
+                    f"{s['rerolls_passed']} of {s['rerolls']} | {rate(s['rescue_pass_rate'])} |")  # fmt: skip
+    dapo = [r["summary"]["cliff_groups"] for r in results if r["arm"] == "dapo"]
+    rows.append(f"\nDAPO arm cliff groups per seed (left unrescued): {dapo}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="LSPO vs DAPO with paired seeds.")
+    p.add_argument("--config", default="configs/demo.yaml")
+    p.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
+    p.add_argument("--out", default="runs/arms")
+    p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this count")
+    p.add_argument("--results", default=None, help="append the tables to this Markdown file")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    base = load_config(args.config, args.overrides)
+    start = time.perf_counter()
+    results = [run_arm(base, arm, seed, args.out) for seed in args.seeds for arm in ARMS]
+    minutes = (time.perf_counter() - start) / 60
+    command = " ".join(["tools/compare_arms.py", *(argv if argv is not None else sys.argv[1:])])
+    text = "\n\n".join([
+        f"## LSPO vs DAPO on `{args.config}` ({date.today().isoformat()})",
+        f"Command: `.venv/bin/python {command}`; {len(results)} runs in {minutes:.1f} min on "
+        f"{platform.machine()} ({os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()}).",
+        "Peak held-out pass@k over the validation trace (%), per seed and per arm:",
+        table(results, list(base.eval.ks), args.horizon),
+        "The scaffold's mechanism figures (LSPO arm, whole run):",
+        scaffold_figures(results),
+    ])  # fmt: skip
+    print(text)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write("\n" + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
