@@ -84,8 +84,18 @@ def evaluate(run: TrainConfig, policy: Policy, params: Params, examples, pool, k
 
 
 def checkpoint_state(params: Params, opt_state: Any) -> dict[str, Any]:
-    """What a checkpoint holds: the base params and the RL optimizer state (never the adapter)."""
-    return {"base": params["base"], "rl_opt": opt_state.inner_states["base"]}
+    """What a checkpoint holds: the base params and the RL optimizer state (never the adapter).
+
+    The RL state is stored as its list of leaves: its tree mirrors ``{"base", "lora"}`` with empty
+    placeholders on the adapter side, so storing the tree would tie a checkpoint to the adapter's targets.
+    """
+    return {"base": params["base"], "rl_opt": jax.tree.leaves(opt_state.inner_states["base"])}
+
+
+def with_rl_state(opt_state: Any, leaves: list[Any]) -> Any:
+    """``opt_state`` with its RL part rebuilt from checkpointed leaves (the inverse of ``checkpoint_state``)."""
+    rl = jax.tree.unflatten(jax.tree.structure(opt_state.inner_states["base"]), leaves)
+    return opt_state._replace(inner_states={**opt_state.inner_states, "base": rl})
 
 
 def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str, Any]:
@@ -149,9 +159,8 @@ class Run:
     def _restore(self) -> None:
         restored, meta = self.checkpointer.restore(None, checkpoint_state(self.state.params, self.state.opt_state))
         params = {**self.state.params, "base": restored["base"]}
-        inner = {**self.state.opt_state.inner_states, "base": restored["rl_opt"]}
         self.state = TrainState(
-            step=int(meta["step"]), params=params, opt_state=self.state.opt_state._replace(inner_states=inner),
+            step=int(meta["step"]), params=params, opt_state=with_rl_state(self.state.opt_state, restored["rl_opt"]),
             nonfinite_total=int(meta.get("nonfinite_total", 0)), nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
         )  # fmt: skip
         self.order.restore(meta["order"])

@@ -57,8 +57,11 @@ class TrainState:
 class Phases:
     """Wall-clock seconds per phase of a step (``time_sample``, ``time_reward``, ...)."""
 
+    NAMES = ("sample", "reward", "sft", "reroll", "logprob", "update")
+
     def __init__(self):
-        self.seconds: dict[str, float] = {}
+        # Every phase is reported, 0 when it did not run (a step without cliffs has no sft or reroll).
+        self.seconds: dict[str, float] = {f"time_{name}": 0.0 for name in self.NAMES}
 
     def __call__(self, name: str):
         phases = self

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import zlib
 
 import jax
@@ -285,15 +286,13 @@ def test_checkpoints_hold_no_adapter(trained_run):
     directory = os.path.join(trained_run["dir"], "checkpoints")
     assert sorted(int(name) for name in os.listdir(directory) if name.isdigit()) == [2, 4]
     for step in ("2", "4"):
-        # The RL optimizer state mirrors the {"base", "lora"} params with empty optax.MaskedNode placeholders
-        # on the adapter side; orbax lists their names in its tree metadata, holding no value. Any other
-        # mention of the adapter (a stored array, a file name) would be adapter weights.
+        # Not even a name: the RL state is stored as its leaves, so no adapter placeholder is listed either.
         with open(os.path.join(directory, step, "state", "_METADATA")) as f:
             tree = json.load(f)["tree_metadata"]
         assert any("'embed'" in key for key in tree)
         stored = [key for key, entry in tree.items() if entry["value_metadata"]["value_type"] != "None"]
         assert len(stored) == len(jax.tree.leaves(trained_run["state"]))  # nothing beside base and RL state
-        assert not any("lora" in key for key in stored)
+        assert not any("lora" in key for key in tree)
         for root, _, files in os.walk(os.path.join(directory, step)):
             for name in files:
                 assert "lora" not in os.path.join(root, name)
@@ -403,3 +402,30 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, make_config, 
         assert_trees_equal(resumed.state.params["base"], updates[1][1][0]["base"])
     finally:
         resumed.close()
+
+
+def test_sigterm_checkpoints_and_stops_cleanly(tmp_path, make_config, easy_rule, monkeypatch):
+    real_step = train.train_step
+
+    def step_then_sigterm(*args, **kwargs):  # a scheduler's SIGTERM arriving during step 1
+        metrics = real_step(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
+
+    monkeypatch.setattr(run_module, "train_step", step_then_sigterm)
+    job = run_steps(make_config(steps=5, checkpoint__every=10), str(tmp_path), easy_rule)
+    assert job.summary["stopped_early"] and job.summary["steps"] == 1
+    assert job.checkpointer.latest_step() == 1  # written although checkpoint.every is 10
+
+
+def test_train_records_hold_the_documented_keys(trained_run):
+    keys = {"step", "accuracy_mean", "reward_mean", "cliff_groups", "surpassed_groups", "spliced_rows",
+            "rescue_pass_rate", "spliced_ratio_mean", "clip_frac_low", "clip_frac_high", "entropy",
+            "response_len_mean", "overlong_frac", "time_sample", "time_reward", "time_sft", "time_reroll",
+            "time_logprob", "time_update"}  # fmt: skip
+    records = read_metrics(os.path.join(trained_run["dir"], "metrics.jsonl"))
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert len(train_records) == 4
+    for record in train_records:
+        assert keys <= set(record), keys - set(record)
+        assert all(record[f"time_{p}"] >= 0 for p in ("sample", "reward", "sft", "reroll", "logprob", "update"))

@@ -26,7 +26,7 @@ def test_demo_config_loads():
     assert config.model.path == "toy" and config.data.train == "toy:addition"
     assert (config.rollout.prompts_per_step, config.rollout.group_size, config.scaffold.sft_steps) == (8, 8, 12)
     assert config.eval.ks == (1, 4) and config.model.lora.rank == 16
-    assert config.optim.lr == 1e-4 and isinstance(config.model.lora.alpha, float)
+    assert config.optim.lr == 3e-5 and isinstance(config.model.lora.alpha, float)
 
 
 @pytest.mark.parametrize(
