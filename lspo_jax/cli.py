@@ -44,6 +44,9 @@ def train_main(argv: list[str] | None = None) -> int:
     except RunStopped as err:
         print(f"lspo-train: stopped: {err}", file=sys.stderr)
         return 3
+    except (FileExistsError, FileNotFoundError) as err:
+        print(f"lspo-train: {err}", file=sys.stderr)
+        return 2
     print(format_summary(summary))
     _plot(args.out)
     return 0

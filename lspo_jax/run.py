@@ -132,7 +132,14 @@ class Run:
         self.tx = optim.make_optimizer(run.optim, run.scaffold.sft)
         self.state = TrainState(step=0, params=params, opt_state=jax.device_put(self.tx.init(params), device))
         self.checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=run.checkpoint.keep)
-        if resume and self.checkpointer.latest_step() is not None:
+        latest = self.checkpointer.latest_step()
+        if latest is not None and not resume:
+            self.checkpointer.close()
+            raise FileExistsError(
+                f"{out_dir} already holds a run (checkpoint at step {latest}): pass --resume to continue it, "
+                "or choose another --out"
+            )
+        if latest is not None:
             self._restore()
         self.log = MetricsLog(out_dir)
         if verifier is None:

@@ -16,6 +16,7 @@ With ``scaffold.enabled: false`` the same loop is the DAPO baseline. The per-ste
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import signal
@@ -63,18 +64,13 @@ class Phases:
         # Every phase is reported, 0 when it did not run (a step without cliffs has no sft or reroll).
         self.seconds: dict[str, float] = {f"time_{name}": 0.0 for name in self.NAMES}
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        phases = self
-
-        class _Timer:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                key = f"time_{name}"
-                phases.seconds[key] = phases.seconds.get(key, 0.0) + time.perf_counter() - self.start
-
-        return _Timer()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[f"time_{name}"] += time.perf_counter() - start
 
 
 # --------------------------------------------------------------------------------------------- update

@@ -429,3 +429,8 @@ def test_train_records_hold_the_documented_keys(trained_run):
     for record in train_records:
         assert keys <= set(record), keys - set(record)
         assert all(record[f"time_{p}"] >= 0 for p in ("sample", "reward", "sft", "reroll", "logprob", "update"))
+
+
+def test_a_finished_run_is_not_overwritten_without_resume(trained_run, make_config, easy_rule):
+    with pytest.raises(FileExistsError, match="already holds a run .* pass --resume"):
+        Run(make_config(steps=4), trained_run["dir"], verifier=FakeVerifier(easy_rule))

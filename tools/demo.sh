@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The demo: the main job on its embedded default config, on the CPU.
+# The demo: the main job on its embedded default config, on the CPU. Writes runs/demo (replaced each run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
-.venv/bin/lspo-train --config configs/demo.yaml --out "${OUT:-runs/demo}" "$@"
+out="${OUT:-runs/demo}"
+rm -rf "$out"
+.venv/bin/lspo-train --config configs/demo.yaml --out "$out" "$@"
