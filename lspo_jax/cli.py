@@ -53,12 +53,12 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def format_summary(summary: dict) -> str:
-    """The end-of-run lines a reader compares with the paper's mechanism figures."""
+    """The end-of-run lines a reader compares with the paper's mechanism figures, and one line per held-out
+    benchmark: the per-sample accuracy and the largest-k pass@k before and after training."""
 
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
-    before, after = summary.get("held_out_before") or {}, summary.get("held_out_after") or {}
     lines = [
         f"steps {summary['steps']} in {summary['seconds']} s"
         + (" (stopped early)" if summary["stopped_early"] else ""),
@@ -66,8 +66,17 @@ def format_summary(summary: dict) -> str:
         f"(surpass rate {pct(summary['surpass_rate'])})",
         f"per-rollout pass rate after the scaffold {pct(summary['rescue_pass_rate'])} "
         f"({summary['rerolls_passed']} of {summary['rerolls']} re-rollouts verified)",
-        f"held-out accuracy before {pct(before.get('accuracy'))}, after {pct(after.get('accuracy'))}",
     ]
+    before, after = summary.get("held_out_before") or {}, summary.get("held_out_after") or {}
+    for name in dict.fromkeys([*before, *after]):
+        b, a = before.get(name) or {}, after.get(name) or {}
+        ks = sorted(int(key[5:]) for key in {*b, *a} if key.startswith("pass@") and key[5:].isdigit())
+        line = f"held-out {name} ({(a or b).get('problems', '?')} problems): accuracy before {pct(b.get('accuracy'))}, "
+        line += f"after {pct(a.get('accuracy'))}"
+        if ks:
+            key = f"pass@{ks[-1]}"
+            line += f"; {key} before {pct(b.get(key))}, after {pct(a.get(key))}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -78,8 +87,137 @@ def _plot(out_dir: str) -> None:
         print(f"plot: {path}")
 
 
+DEFAULT_BENCHMARKS = "math500,aime24,aime25,aime26"
+DEFAULT_KS = (1, 4, 8, 16)
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lspo-eval",
+        description="pass@k of a model on math benchmarks, sampled with the JAX sampler. Settings not given here "
+        "come from the run's config.yaml (a checkpoint) or from --config / the defaults (a Hugging Face directory).",
+    )
+    p.add_argument(
+        "--model", required=True, help="a Hugging Face directory, 'toy', or a training run's --out directory"
+    )
+    p.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: the latest)")
+    p.add_argument("--config", default=None, help="YAML run config for a Hugging Face model (prompt, reward settings)")
+    p.add_argument("--benchmarks", default=DEFAULT_BENCHMARKS,
+                   help="comma-separated names (DATA_DIR/NAME.jsonl) or paths (default: %(default)s)")  # fmt: skip
+    p.add_argument("--data-dir", default=None, help="where benchmark names resolve (default: ../shared/data)")
+    p.add_argument("--n", type=int, default=None, help="samples per problem (default: eval.n)")
+    p.add_argument("--ks", default=None, help="comma-separated k (default: eval.ks; with --n, those of 1,4,8,16 <= n)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens")
+    p.add_argument("--temperature", type=float, default=None, help="default: eval.temperature")
+    p.add_argument(
+        "--prompts-per-batch", type=int, default=None, help="problems sampled together (rollout.prompts_per_step)"
+    )
+    p.add_argument("--workers", type=int, default=None, help="verifier processes (0: in this process; reward.workers)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+    p.add_argument("--out", default=None, help="write the results here as JSON")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. reward.require_think_close=true")
+    return p
+
+
+def _eval_settings(run, args):
+    """``run`` with this command's evaluation settings on top (each only when given)."""
+    from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
+
+    n = args.n or run.eval.n
+    if args.ks:
+        ks = [int(k) for k in args.ks.split(",")]
+    else:  # with a new n, the usual ks that fit; otherwise those of the config
+        ks = [k for k in DEFAULT_KS if k <= n] if args.n else list(run.eval.ks)
+    flags = {
+        "eval.benchmarks": [b.strip() for b in args.benchmarks.split(",") if b.strip()], "eval.n": n, "eval.ks": ks,
+        "eval.limit": args.limit, "eval.max_new_tokens": args.max_new_tokens, "eval.temperature": args.temperature,
+        "eval.data_dir": args.data_dir, "rollout.prompts_per_step": args.prompts_per_batch,
+        "reward.workers": args.workers, "seed": args.seed,
+    }  # fmt: skip
+    overrides = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
+    return from_dict(TrainConfig, apply_overrides(to_dict(run), overrides))
+
+
+def _eval_model(args):
+    """``(run config, policy, params, checkpoint step or None)`` of ``--model``: a training run's checkpoint
+    with the run's own config, or a Hugging Face directory with ``--config`` (or the defaults)."""
+    import os
+
+    from lspo_jax import export
+    from lspo_jax.run import load_policy
+    from lspo_jax.train_config import load_config
+
+    if export.is_run_dir(args.model):
+        run, policy, params, step = export.restore_run(args.model, args.step, args.overrides)
+    else:
+        run = load_config(args.config, [f"model.path={json.dumps(args.model)}", *args.overrides])
+        policy, params = load_policy(run, os.path.join(os.path.expanduser("~"), ".cache", "lspo_jax"))
+        step = None
+    return _eval_settings(run, args), policy, params, step
+
+
 def eval_main(argv: list[str] | None = None) -> int:
-    raise SystemExit("lspo-eval: not implemented yet")
+    args = _eval_parser().parse_args(argv)
+    _enable_compilation_cache()
+    import time
+
+    import jax
+
+    from lspo_jax import evaluation, rewards
+    from lspo_jax.run import load_benchmarks
+    from lspo_jax.train_config import ConfigError
+
+    try:
+        run, policy, params, step = _eval_model(args)
+        benchmarks = load_benchmarks(run, policy, run.eval.benchmarks)
+    except ConfigError as err:
+        print(f"lspo-eval: config error: {err}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as err:
+        print(f"lspo-eval: {err}", file=sys.stderr)
+        return 2
+    pool = rewards.VerifierPool(
+        workers=run.reward.workers, timeout=run.reward.timeout_s, require_think_close=run.reward.require_think_close
+    )
+    results, key = {}, jax.random.key(run.seed)
+    try:
+        for name, (examples, report) in benchmarks.items():
+            _warn_about_rows(name, report)
+            if not examples:
+                continue
+            start = time.perf_counter()
+            correct = evaluation.correct_table(run, policy, params, examples, pool, evaluation.benchmark_key(key, name))
+            results[name] = {
+                **evaluation.pass_at_k_metrics(correct, run.eval.ks),
+                "seconds": round(time.perf_counter() - start, 1),
+                "data": report,
+                "per_problem": [
+                    {"id": ex.id, "correct": row.tolist()} for ex, row in zip(examples, correct, strict=True)
+                ],
+            }
+    finally:
+        pool.close()
+    print(evaluation.format_results(results, run.eval.ks))
+    if args.out:
+        output = {
+            "model": args.model, "checkpoint_step": step, "n": run.eval.n, "ks": list(run.eval.ks),
+            "temperature": run.eval.temperature, "max_new_tokens": run.eval.max_new_tokens, "seed": run.seed,
+            "require_think_close": run.reward.require_think_close, "benchmarks": results,
+        }  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(output, f, indent=1)
+        print(f"results: {args.out}")
+    return 0
+
+
+def _warn_about_rows(name: str, report: dict) -> None:
+    """A benchmark that lost problems at load time is not the published benchmark: say so."""
+    lost = {k: report[k] for k in ("rows_invalid", "prompt_skipped", "prompt_truncated") if report.get(k)}
+    if report.get("gold_unparseable"):
+        lost["gold_unparseable"] = len(report["gold_unparseable"])
+    if lost:
+        print(f"lspo-eval: {name}: {report['kept']} of {report['rows']} problems kept; {lost}", file=sys.stderr)
 
 
 def export_main(argv: list[str] | None = None) -> int:

@@ -1,23 +1,36 @@
-"""Training data: rows in the shared schema, tokenised into prompts and SFT targets, drawn in a resumable order.
+"""Training data: rows read into one schema, tokenised into prompts and SFT targets, drawn in a resumable order.
 
-A row is ``{"id", "problem", "answer", "solution"}`` (the schema of ``../shared/data``); ``toy:addition``
-is the demo's generated task. Bad rows never crash a run: a prompt over the token limit is skipped or
-truncated per config, a solution over its limit likewise, and a row without a solution stays a training
-prompt but is never a scaffold target. Every such case is counted in ``DataReport``.
+A row is ``{"id", "problem", "answer", "solution", "source", "meta"}`` (the schema of ``../shared/data``).
+Files in that schema and DeepMath-103K files (``question, final_answer, difficulty, topic,
+r1_solution_1..3``, JSONL or parquet) are read into it; ``toy:addition`` is the demo's generated task.
+
+Bad rows never crash a run: a row lacking a required field is skipped and listed, a prompt over the token
+limit is skipped or truncated per config, a solution over its limit likewise, and a row without a solution
+stays a training prompt but is never a scaffold target. Every such case is counted in ``DataReport``. Gold
+answers are parsed once here, and rows whose gold does not parse are left out (they would be permanent
+cliffs that no rollout can pass).
+
+Prompts are rendered with the tokenizer's chat template when it has one. For DeepSeek-R1-Distill-Qwen that
+gives ``<｜begin▁of▁sentence｜><｜User｜>{problem}<｜Assistant｜><think>\n``: the prompt already opens the
+thought, which is why a DeepMath ``r1_solution_*`` trace (no opening ``<think>``, one ``</think>``, then the
+written solution) is the SFT target as it is, followed by EOS.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lspo_jax import toy
+from lspo_jax import rewards, toy
 from lspo_jax.train_config import DataConfig
+
+REQUIRED = {"shared": ("id", "problem", "answer"), "deepmath": ("question", "final_answer")}
+MAX_LISTED = 100  # rows named in ``DataReport.row_errors``; the count is always complete
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +45,16 @@ class Example:
 
 @dataclasses.dataclass
 class DataReport:
-    """What loading did to the rows, for the run's log."""
+    """What loading did to the rows, for the run's log.
+
+    ``rows`` counts every record of the source; ``rows_invalid`` those skipped for a missing field or a
+    line that is not JSON, the first ``MAX_LISTED`` of them described in ``row_errors``.
+    """
 
     rows: int = 0
     kept: int = 0
+    rows_invalid: int = 0
+    row_errors: list[str] = dataclasses.field(default_factory=list)
     prompt_skipped: int = 0
     prompt_truncated: int = 0
     solution_missing: int = 0
@@ -43,50 +62,173 @@ class DataReport:
     solution_truncated: int = 0
     gold_unparseable: list[str] = dataclasses.field(default_factory=list)
 
+    def invalid(self, where: str, problem: str) -> None:
+        self.rows_invalid += 1
+        if len(self.row_errors) < MAX_LISTED:
+            self.row_errors.append(f"{where}: {problem}")
 
-def read_rows(spec: str, *, seed: int = 0) -> list[dict[str, Any]]:
-    """Rows of a JSONL file in the shared schema, or of a generated task (``toy:addition``)."""
+
+# ------------------------------------------------------------------------------------------------ reading
+def is_generated(spec: str) -> bool:
+    """True for the demo's generated tasks (``toy:...``), which carry their own prompt format."""
+    return spec.startswith("toy:")
+
+
+def read_rows(
+    spec: str, config: DataConfig | None = None, *, seed: int = 0, report: DataReport | None = None
+) -> list[dict[str, Any]]:
+    """Rows in the shared schema from a JSONL or parquet file, a directory of them, or a generated task.
+
+    Records lacking a required field (or lines that are not JSON) are counted in ``report`` and skipped;
+    a source with records but none usable is an error, since that is a wrong file rather than bad rows.
+    """
+    config = config or DataConfig()
+    report = report if report is not None else DataReport()
     if spec == "toy:addition":
         return toy.addition_rows(2000, (2, 4), seed=seed, prefix="train")
     if spec == "toy:heldout":
         return toy.heldout_rows(seed=seed)
     path = Path(spec)
     if not path.exists():
-        raise FileNotFoundError(f"data.train: no such file {spec}")
-    rows = []
-    with path.open() as f:
+        raise FileNotFoundError(f"no such data file or directory: {spec}")
+    files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"no .jsonl or .parquet files in {spec}")
+    rows: list[dict[str, Any]] = []
+    index = 0  # a DeepMath row's id when it has none: its position in the whole source
+    for file in files:
+        fmt = config.format if config.format != "auto" else _detect_format(file)
+        name = file.name if path.is_dir() else ""
+        for where, record in _records(file, fmt, config):
+            where = f"{name} {where}".strip()
+            if record is None:
+                report.invalid(where, "not a JSON object")
+            else:
+                row = _to_shared(record, fmt, config, index, where, report)
+                if row is not None:
+                    rows.append(row)
+            index += 1
+    if index and not rows:
+        raise ValueError(f"{spec}: none of its {index} rows is usable, e.g. {report.row_errors[:3]}")
+    return rows
+
+
+def _detect_format(file: Path) -> str:
+    """``shared`` or ``deepmath``, from the fields of the file's first record (parquet: its schema)."""
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        fields = set(pq.read_schema(file).names)
+    else:
+        fields = set()
+        with file.open() as f:
+            for line in f:
+                try:
+                    record = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict):
+                    fields = set(record)
+                    break
+    if "problem" in fields or not fields:  # no record at all: nothing to read either way
+        return "shared"
+    if "question" in fields:
+        return "deepmath"
+    raise ValueError(f"{file}: cannot tell the format from its fields {sorted(fields)}; set data.format")
+
+
+def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """``(where, record)`` per record of a file; ``record`` is None for a JSONL line that is not an object."""
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        # Only the columns that are used: the three R1 traces of DeepMath-103K run to gigabytes in memory.
+        wanted = ("id", "question", "final_answer", "difficulty", "topic", config.solution_field)
+        names = pq.read_schema(file).names
+        table = pq.read_table(file, columns=[n for n in names if fmt == "shared" or n in wanted])
+        for i, record in enumerate(table.to_pylist()):
+            yield f"row {i}", record
+        return
+    with file.open() as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{spec}:{line_no}: not JSON: {err}") from err
-            missing = [k for k in ("id", "problem", "answer") if k not in row]
-            if missing:
-                raise ValueError(f"{spec}:{line_no}: row lacks field(s) {missing}")
-            rows.append(row)
-    return rows
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            yield f"line {line_no}", record if isinstance(record, dict) else None
 
 
-def render_prompt(tokenizer: Any, problem: str) -> list[int]:
-    """Prompt token ids: the tokenizer's chat template when it has one, else BOS + the problem text."""
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+def _to_shared(
+    record: dict[str, Any], fmt: str, config: DataConfig, index: int, where: str, report: DataReport
+) -> dict[str, Any] | None:
+    """The record in the shared schema, or None (counted and listed) when it lacks a required field."""
+    missing = [k for k in REQUIRED[fmt] if _missing(record.get(k))]
+    ident = record.get("id") if not _missing(record.get("id")) or fmt == "shared" else index
+    if missing:
+        report.invalid(where + (f" (id {ident})" if ident is not None else ""), f"missing {', '.join(missing)}")
+        return None
+    if fmt == "shared":
+        return {**record, "id": str(record["id"]), "problem": str(record["problem"]), "answer": str(record["answer"])}
+    solution = record.get(config.solution_field)
+    return {
+        "id": str(ident),
+        "problem": str(record["question"]),
+        "answer": str(record["final_answer"]),
+        "solution": None if _missing(solution) else str(solution),
+        "source": "deepmath",
+        "meta": {"difficulty": record.get("difficulty"), "topic": record.get("topic")},
+    }
+
+
+# ---------------------------------------------------------------------------------------------- encoding
+def prompt_text(problem: str, config: DataConfig) -> str:
+    """The user turn: the problem with the instruction after or before it (one newline between), or alone."""
+    if config.instruction_position == "none" or not config.instruction:
+        return problem
+    if config.instruction_position == "before":
+        return f"{config.instruction}\n{problem}"
+    return f"{problem}\n{config.instruction}"
+
+
+def render_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Prompt token ids: the tokenizer's chat template (one user turn, generation prompt) when it has one,
+    else BOS + the text.
+
+    The template is rendered to text and then encoded without special tokens, since the template writes
+    its own BOS (the way transformers tokenizes a rendered chat).
+    """
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": problem}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    ids = tokenizer.encode(problem, add_special_tokens=False)
+        messages = [{"role": "user", "content": text}]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    ids = tokenizer.encode(text, add_special_tokens=False)
     return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(ids)
 
 
 def encode_rows(
-    rows: Sequence[dict[str, Any]], tokenizer: Any, config: DataConfig, report: DataReport | None = None
+    rows: Sequence[dict[str, Any]],
+    tokenizer: Any,
+    config: DataConfig,
+    report: DataReport | None = None,
+    *,
+    instruction: bool = True,
 ) -> tuple[list[Example], DataReport]:
-    """Tokenise rows into ``Example``s, applying the length policies and counting what they did."""
+    """Tokenise rows into ``Example``s, applying the length policies and counting what they did.
+
+    ``instruction=False`` sends the problem text alone (the generated tasks' own format).
+    """
     report = report or DataReport()
     examples = []
     for row in rows:
         report.rows += 1
-        prompt = render_prompt(tokenizer, row["problem"])
+        text = prompt_text(row["problem"], config) if instruction else row["problem"]
+        prompt = render_prompt(tokenizer, text)
         if len(prompt) > config.max_prompt_tokens:
             if config.prompt_policy == "skip":
                 report.prompt_skipped += 1
@@ -113,6 +255,21 @@ def _solution(row: dict[str, Any], tokenizer: Any, config: DataConfig, report: D
         report.solution_truncated += 1
         ids = ids[: config.max_solution_tokens - 1]
     return tuple(ids) + (tokenizer.eos_token_id,)
+
+
+def load_examples(spec: str, tokenizer: Any, config: DataConfig, *, seed: int = 0) -> tuple[list[Example], DataReport]:
+    """Read, check and tokenise ``spec``: gold answers are parsed once and rows whose gold does not parse are
+    left out and listed, then the length policies apply. ``report.rows`` counts every record of the source."""
+    report = DataReport()
+    rows = read_rows(spec, config, seed=seed, report=report)
+    golds = rewards.parse_golds((str(r["id"]), str(r["answer"])) for r in rows)
+    bad = set(golds.bad_ids)
+    examples, report = encode_rows(
+        [r for r in rows if str(r["id"]) not in bad], tokenizer, config, report, instruction=not is_generated(spec)
+    )
+    report.gold_unparseable = list(golds.bad_ids)
+    report.rows = len(rows) + report.rows_invalid
+    return examples, report
 
 
 class PromptOrder:

@@ -1,10 +1,28 @@
-"""pass@k: the paper's first-k-slice estimator and the unbiased estimator of Chen et al. (2021)."""
+"""Held-out evaluation: benchmarks by name, ``n`` samples per problem, pass@k by two estimators.
+
+One code path serves validation inside a training run (``Run.validate``, every ``eval.every`` steps) and
+``lspo-eval`` on a saved model: ``evaluate_benchmarks`` samples ``eval.n`` responses per problem from the
+base policy with the JAX sampler, scores them with the run's verifier and reduces the [problems, n] table
+of passes to pass@k. Benchmarks are scored one by one, so a result (and a ``metrics.jsonl`` record) is per
+benchmark. The paper reports the first-k-slice estimator; the unbiased one is logged beside it.
+"""
 
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+import jax
 import numpy as np
+
+from lspo_jax.sampler import generate_arrays
+
+# The project's shared data, beside the repository: ``../shared/data`` from its root.
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+ESTIMATORS = {"first_k": "", "unbiased": "_unbiased"}  # estimator -> suffix of its metric key
 
 
 def pass_at_k(correct: np.ndarray, k: int, estimator: str = "first_k") -> float:
@@ -29,3 +47,100 @@ def pass_at_k(correct: np.ndarray, k: int, estimator: str = "first_k") -> float:
         fail_all = [math.comb(n - int(ci), k) / math.comb(n, k) for ci in c]
         return float(np.mean(1.0 - np.asarray(fail_all)))
     raise ValueError(f"estimator must be 'first_k' or 'unbiased', got {estimator!r}")
+
+
+def metric_key(k: int, estimator: str = "first_k") -> str:
+    """The name a pass@k value has in results and ``metrics.jsonl``: ``pass@4`` or ``pass@4_unbiased``."""
+    return f"pass@{k}{ESTIMATORS[estimator]}"
+
+
+def pass_at_k_metrics(correct: np.ndarray, ks: Sequence[int]) -> dict[str, float]:
+    """pass@k for each k by both estimators, the per-sample ``accuracy`` and the number of ``problems``."""
+    out = {metric_key(k, est): pass_at_k(correct, k, est) for est in ESTIMATORS for k in ks}
+    out["accuracy"] = float(np.mean(correct))
+    out["problems"] = int(np.shape(correct)[0])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- benchmarks
+def benchmark_path(value: str, data_dir: str | Path | None = None) -> str:
+    """Where a benchmark's rows are: a bare name (no directory, no suffix) is ``DATA_DIR/NAME.jsonl``
+    (``data_dir``, else the project's ``../shared/data``); a path or a generated task (``toy:...``) as given."""
+    if value.startswith("toy:") or "/" in value or Path(value).suffix:
+        return value
+    return str(Path(data_dir or DEFAULT_DATA_DIR) / f"{value}.jsonl")
+
+
+def benchmark_name(value: str) -> str:
+    """The name a benchmark is reported under: the file name without suffix (``math500``), ``toy_heldout``."""
+    if value.startswith("toy:"):
+        return value.replace(":", "_")
+    name = Path(value).name
+    return name[: -len(Path(name).suffix)] if Path(name).suffix else name
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def sample_responses(run, policy, params, prompts: Sequence[Sequence[int]], key) -> list[str]:
+    """``eval.n`` responses per prompt (n consecutive texts per prompt) from the base policy, decoded for the
+    verifier (special tokens dropped); top-p and top-k are the run's rollout settings."""
+    cfg = run.eval
+    sample = generate_arrays(
+        policy.config, params, prompts, key=key, n=cfg.n, max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature, top_p=run.rollout.top_p, top_k=run.rollout.top_k,
+        eos_token_ids=policy.eos_ids, lora_scale=0.0,
+    )  # fmt: skip
+    return [
+        policy.tokenizer.decode(tokens[:length], skip_special_tokens=True)
+        for tokens, length in zip(sample.tokens, sample.lengths.tolist(), strict=True)
+    ]
+
+
+def correct_table(run, policy, params, examples: Sequence[Any], pool, key) -> np.ndarray:
+    """[problems, eval.n] booleans: which samples of each problem pass, in sampling order.
+
+    Problems are sampled ``rollout.prompts_per_step`` at a time, each chunk with its own key.
+    """
+    n, chunk_size = run.eval.n, run.rollout.prompts_per_step
+    rows = []
+    for start in range(0, len(examples), chunk_size):
+        chunk = examples[start : start + chunk_size]
+        texts = sample_responses(run, policy, params, [ex.prompt_ids for ex in chunk], jax.random.fold_in(key, start))
+        accuracy = np.asarray(pool.score(texts, [ex.answer for ex in chunk for _ in range(n)]))
+        rows.append(accuracy.reshape(len(chunk), n) > 0)
+    return np.concatenate(rows) if rows else np.zeros((0, n), bool)
+
+
+def evaluate(run, policy, params, examples: Sequence[Any], pool, key) -> dict[str, float]:
+    """pass@k (first-k slice and unbiased) over ``eval.n`` samples per problem, for each k of ``eval.ks``."""
+    return pass_at_k_metrics(correct_table(run, policy, params, examples, pool, key), run.eval.ks)
+
+
+def benchmark_key(key, name: str):
+    """A benchmark's own key, derived from its name: adding or reordering benchmarks changes no other's draws."""
+    return jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+
+
+def evaluate_benchmarks(run, policy, params, benchmarks: Mapping[str, Sequence[Any]], pool, key) -> dict[str, dict]:
+    """``evaluate`` on each benchmark with at least one problem: name -> its metrics."""
+    return {
+        name: evaluate(run, policy, params, examples, pool, benchmark_key(key, name))
+        for name, examples in benchmarks.items()
+        if examples
+    }
+
+
+# ----------------------------------------------------------------------------------------------- output
+def format_results(results: Mapping[str, Mapping[str, Any]], ks: Sequence[int]) -> str:
+    """A Markdown table: per benchmark, pass@k (%) for each k by each estimator, and the sample accuracy."""
+    head = "| benchmark | problems | estimator | " + " | ".join(f"pass@{k}" for k in ks) + " | accuracy |"
+    lines = [head, "|" + "---|" * (4 + len(ks))]
+    for name, result in results.items():
+        for est in ESTIMATORS:
+            cells = [_pct(result.get(metric_key(k, est))) for k in ks]
+            lines.append(f"| {name} | {result.get('problems', '')} | {est} | " + " | ".join(cells)
+                         + f" | {_pct(result.get('accuracy'))} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}"

@@ -3,25 +3,36 @@
 ``lspo-export RUN_DIR OUT`` reads ``RUN_DIR/config.yaml``, rebuilds the policy the run trained, restores the
 base params of the latest (or a chosen) checkpoint and writes ``config.json``, ``model.safetensors`` and the
 tokenizer files. There is no adapter to export: LSPO discards it every step and never checkpoints it.
+``lspo-eval`` restores a run's checkpoint the same way (``restore_run``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import jax
 
 from lspo_jax import hf
 from lspo_jax.checkpoint import Checkpointer
+from lspo_jax.model import Params
 from lspo_jax.run import abstract_checkpoint_state, load_policy, model_dir
-from lspo_jax.train_config import load_config
+from lspo_jax.train import Policy
+from lspo_jax.train_config import TrainConfig, load_config
 
 
-def export_checkpoint(run_dir: str, out: str, step: int | None = None) -> str:
-    """Write the base params of checkpoint ``step`` (default: the latest) of ``run_dir`` to ``out``; return ``out``."""
-    run = load_config(os.path.join(run_dir, "config.yaml"))
-    cache_dir = os.path.join(run_dir, "cache")
-    policy, _ = load_policy(run, cache_dir)
+def is_run_dir(path: str) -> bool:
+    """True for a training run's output directory (its ``config.yaml`` and ``checkpoints/``)."""
+    return os.path.isfile(os.path.join(path, "config.yaml")) and os.path.isdir(os.path.join(path, "checkpoints"))
+
+
+def restore_run(
+    run_dir: str, step: int | None = None, overrides: Sequence[str] = ()
+) -> tuple[TrainConfig, Policy, Params, int]:
+    """The run's config (with ``overrides``), its policy and the base params ``{"base": ...}`` of checkpoint
+    ``step`` (default: the latest), and that step."""
+    run = load_config(os.path.join(run_dir, "config.yaml"), list(overrides))
+    policy, _ = load_policy(run, os.path.join(run_dir, "cache"))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # Restored onto one device: export gathers the whole model on the host anyway.
     target = jax.tree.map(
@@ -30,8 +41,14 @@ def export_checkpoint(run_dir: str, out: str, step: int | None = None) -> str:
     )
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=run.checkpoint.keep)
     try:
-        restored, _ = checkpointer.restore(step, target)
+        restored, meta = checkpointer.restore(step, target)
     finally:
         checkpointer.close()
-    hf.save_pretrained(out, policy.config, {"base": restored["base"]}, tokenizer_from=model_dir(run, cache_dir))
+    return run, policy, {"base": restored["base"]}, int(meta["step"])
+
+
+def export_checkpoint(run_dir: str, out: str, step: int | None = None) -> str:
+    """Write the base params of checkpoint ``step`` (default: the latest) of ``run_dir`` to ``out``; return ``out``."""
+    run, policy, params, _ = restore_run(run_dir, step)
+    hf.save_pretrained(out, policy.config, params, tokenizer_from=model_dir(run, os.path.join(run_dir, "cache")))
     return out

@@ -26,7 +26,8 @@ class MetricsLog:
         clean = {k: _jsonable(v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         if self._tb is not None:
-            prefix = clean.get("kind", "train")
+            # Validation records are per benchmark: eval/math500/pass@1, eval/aime24/pass@1, ...
+            prefix = "/".join(str(clean[k]) for k in ("kind", "benchmark") if k in clean) or "train"
             for key, value in clean.items():
                 if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
                     self._tb.add_scalar(f"{prefix}/{key}", value, clean["step"])

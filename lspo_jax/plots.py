@@ -36,13 +36,19 @@ def plot_run(run_dir: str) -> list[str]:
             ax.set_xlabel("step")
         written.append(_save(fig, os.path.join(run_dir, "train_curves.png")))
     evals = [r for r in records if r.get("kind") == "eval"]
-    if evals:
-        fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
-        for key in sorted(k for k in evals[0] if k.startswith("pass@") and not k.endswith("unbiased")):
-            ax.plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=key)
-        ax.set_xlabel("step")
-        ax.set_title("held-out pass@k")
-        ax.legend()
+    benchmarks = list(dict.fromkeys(r.get("benchmark", "held_out") for r in evals))
+    if benchmarks:
+        fig, axes = plt.subplots(1, len(benchmarks), figsize=(5 * len(benchmarks), 4), constrained_layout=True,
+                                 squeeze=False)  # fmt: skip
+        for ax, name in zip(axes[0], benchmarks, strict=True):
+            mine = [r for r in evals if r.get("benchmark", "held_out") == name]
+            for key in sorted((k for k in mine[0] if k.startswith("pass@") and not k.endswith("unbiased")),
+                              key=lambda k: int(k[5:])):  # fmt: skip
+                points = [(r["step"], r[key]) for r in mine if r.get(key) is not None]
+                ax.plot(*zip(*points, strict=True), marker="o", label=key)
+            ax.set_xlabel("step")
+            ax.set_title(f"{name}: held-out pass@k")
+            ax.legend()
         written.append(_save(fig, os.path.join(run_dir, "eval_curves.png")))
     return written
 

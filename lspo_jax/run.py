@@ -10,20 +10,19 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import yaml
 from tqdm import tqdm
 
-from lspo_jax import data, hf, model, optim, rewards, toy
+from lspo_jax import data, evaluation, hf, model, optim, rewards, toy
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
-from lspo_jax.evaluation import pass_at_k
 from lspo_jax.metrics_log import MetricsLog
 from lspo_jax.model import Params
-from lspo_jax.train import Policy, StopFlag, TrainState, sample_rows, score_rows, train_step
+from lspo_jax.train import Policy, StopFlag, TrainState, train_step
 from lspo_jax.train_config import TrainConfig, to_dict
 
 
@@ -50,36 +49,20 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
 
 
 def load_examples(run: TrainConfig, policy: Policy, spec: str, seed: int) -> tuple[list[data.Example], dict]:
-    """Tokenised examples of ``spec`` with unparseable gold answers excluded, and the load report."""
-    rows = data.read_rows(spec, seed=seed)
-    golds = rewards.parse_golds((str(r["id"]), str(r["answer"])) for r in rows)
-    good = [r for r in rows if str(r["id"]) not in set(golds.bad_ids)]
-    examples, report = data.encode_rows(good, policy.tokenizer, run.data)
-    report.gold_unparseable = list(golds.bad_ids)
-    report.rows = len(rows)
+    """Tokenised examples of ``spec`` with invalid rows and unparseable gold answers excluded, and the report."""
+    examples, report = data.load_examples(spec, policy.tokenizer, run.data, seed=seed)
     return examples, dataclasses.asdict(report)
 
 
-def evaluate(run: TrainConfig, policy: Policy, params: Params, examples, pool, key) -> dict[str, float]:
-    """pass@k (first-k slice and unbiased) over ``eval.n`` samples per held-out problem."""
-    cfg = run.eval
-    rows = [ex.prompt_ids for ex in examples]
-    eval_run = dataclasses.replace(
-        run, rollout=dataclasses.replace(
-            run.rollout, group_size=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature
-        )
-    )  # fmt: skip
-    correct = []
-    for start in range(0, len(rows), run.rollout.prompts_per_step):
-        chunk = examples[start : start + run.rollout.prompts_per_step]
-        sample = sample_rows(eval_run, policy, params, rows[start : start + len(chunk)], key, lora_scale=0.0)
-        score_rows(eval_run, policy, pool, sample, [ex.answer for ex in chunk])
-        correct.append(sample["accuracy"].reshape(len(chunk), cfg.n) > 0)
-        key = jax.random.fold_in(key, start + 1)
-    table = np.concatenate(correct)
-    out = {f"pass@{k}": pass_at_k(table, k) for k in cfg.ks}
-    out.update({f"pass@{k}_unbiased": pass_at_k(table, k, "unbiased") for k in cfg.ks})
-    out["accuracy"] = float(table.mean())
+def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> dict[str, tuple[list, dict]]:
+    """Benchmark name -> (its first ``eval.limit`` examples, its load report); names resolve in ``eval.data_dir``."""
+    out: dict[str, tuple[list, dict]] = {}
+    for spec in specs:
+        name = evaluation.benchmark_name(spec)
+        if name in out:
+            raise ValueError(f"eval.benchmarks: two benchmarks are named {name!r}; rename one of the files")
+        examples, report = load_examples(run, policy, evaluation.benchmark_path(spec, run.eval.data_dir), run.seed)
+        out[name] = (examples[: run.eval.limit] if run.eval.limit else examples, report)
     return out
 
 
@@ -122,7 +105,7 @@ class Run:
             yaml.safe_dump(to_dict(run), f, sort_keys=False)
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
-        self.held_out = self._held_out()
+        self.held_out, self.held_out_data = self._held_out()
         self.order = data.PromptOrder(len(self.examples), seed=run.seed, shuffle=run.data.shuffle)
         key = jax.random.key(run.seed)
         # Committed to the device like the arrays a restore returns: jit keys its cache on committedness, so
@@ -149,12 +132,11 @@ class Run:
             )  # fmt: skip
         self.pool = verifier
 
-    def _held_out(self) -> list[data.Example]:
-        specs = self.run.eval.benchmarks or (("toy:heldout",) if self.run.data.train.startswith("toy:") else ())
-        examples = []
-        for spec in specs:
-            examples += load_examples(self.run, self.policy, spec, self.run.seed)[0]
-        return examples[: self.run.eval.limit] if self.run.eval.limit else examples
+    def _held_out(self) -> tuple[dict[str, list[data.Example]], dict[str, dict]]:
+        """Benchmark name -> examples, and name -> load report; the toy task validates on its own held-out set."""
+        specs = self.run.eval.benchmarks or (("toy:heldout",) if data.is_generated(self.run.data.train) else ())
+        loaded = load_benchmarks(self.run, self.policy, specs)
+        return {name: ex for name, (ex, _) in loaded.items()}, {name: report for name, (_, report) in loaded.items()}
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save(self) -> None:
@@ -173,13 +155,17 @@ class Run:
         self.order.restore(meta["order"])
 
     # ----------------------------------------------------------------------------------------- loop
-    def validate(self) -> dict[str, float] | None:
-        if not self.held_out:
+    def validate(self) -> dict[str, dict[str, float]] | None:
+        """Score every held-out benchmark; one ``eval`` record per benchmark. Returns name -> metrics."""
+        if not any(self.held_out.values()):
             return None
         key = jax.random.fold_in(jax.random.key(self.run.seed + 1), self.state.step)
-        result = evaluate(self.run, self.policy, self.state.params, self.held_out, self.pool, key)
-        self.log.write({"kind": "eval", "step": self.state.step, **result})
-        return result
+        results = evaluation.evaluate_benchmarks(
+            self.run, self.policy, self.state.params, self.held_out, self.pool, key
+        )
+        for name, result in results.items():
+            self.log.write({"kind": "eval", "step": self.state.step, "benchmark": name, **result})
+        return results
 
     def train(self) -> dict[str, Any]:
         run, start = self.run, time.perf_counter()
@@ -224,6 +210,7 @@ class Run:
             "rescue_pass_rate": totals["rerolls_passed"] / totals["rerolls"] if totals["rerolls"] else None,
             "held_out_before": before,
             "held_out_after": after,
+            "held_out_data": self.held_out_data,
             "nonfinite_updates": self.state.nonfinite_total,
             "data": self.data_report,
         }

@@ -137,7 +137,7 @@ def _warm_start(config, tokenizer, *, steps: int, seed: int, batch: int = 64):
     if steps == 0:
         return base  # the random init: what tests want, without encoding the warm-start rows
     rows = addition_rows(6000, (1, 3), seed=seed + 1, prefix="warm")
-    examples, _ = data.encode_rows(rows, tokenizer, DataConfig())
+    examples, _ = data.encode_rows(rows, tokenizer, DataConfig(), instruction=False)  # the task's own format
     prompt_slots = max(len(ex.prompt_ids) for ex in examples)
     target_slots = max(len(ex.solution_ids) for ex in examples)
     sft = rollout.pack_sft(

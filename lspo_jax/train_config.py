@@ -45,16 +45,31 @@ class ModelSource:
         _require(self.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype", "float32 or bfloat16")
 
 
+R1_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Training prompts: a JSONL file in the shared schema, or ``toy:addition`` (the demo's own task).
+    """Training prompts: a file or directory of rows, or ``toy:addition`` (the demo's own task).
+
+    ``format`` says how rows are read: ``shared`` (``id, problem, answer, solution``, the schema of
+    ``../shared/data``), ``deepmath`` (DeepMath-103K: ``question, final_answer, difficulty, topic,
+    r1_solution_1..3``; ``solution_field`` names the trace the scaffold learns from), or ``auto`` (told
+    apart by the fields of each file). Files are JSONL or parquet; a directory is read file by file.
+
+    Each problem is sent as one user turn: ``instruction`` is placed ``after`` or ``before`` the problem
+    (joined by a newline), or left out (``none``); generated tasks (``toy:``) never get it.
 
     Prompts longer than ``max_prompt_tokens`` and solutions longer than ``max_solution_tokens`` follow
     their policy, ``skip`` or ``truncate``, and are counted; rows without a solution are counted and
-    never used by the scaffold.
+    never used by the scaffold; rows lacking a required field are counted, listed and skipped.
     """
 
     train: str = "toy:addition"
+    format: str = "auto"
+    solution_field: str = "r1_solution_1"
+    instruction: str = R1_INSTRUCTION
+    instruction_position: str = "after"
     max_prompt_tokens: int = 512
     prompt_policy: str = "skip"
     max_solution_tokens: int = 4096
@@ -64,6 +79,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         for name in ("prompt_policy", "solution_policy"):
             _require(getattr(self, name) in ("skip", "truncate"), f"data.{name}", "must be 'skip' or 'truncate'")
+        _require(self.format in ("auto", "shared", "deepmath"), "data.format", "must be auto, shared or deepmath")
+        solutions = ("r1_solution_1", "r1_solution_2", "r1_solution_3")
+        _require(self.solution_field in solutions, "data.solution_field", f"must be one of {solutions}")
+        _require(self.instruction_position in ("after", "before", "none"), "data.instruction_position",
+                 "must be after, before or none")  # fmt: skip
         _require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be positive")
         _require(self.max_solution_tokens > 0, "data.max_solution_tokens", "must be positive")
 
@@ -134,7 +154,12 @@ class ScaffoldConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """Held-out validation every ``every`` steps (0: only before and after training), pass@k over ``n``."""
+    """Held-out validation every ``every`` steps (0: only before and after training), pass@k over ``n``.
+
+    ``benchmarks`` are names (``math500`` reads ``DATA_DIR/math500.jsonl``, ``DATA_DIR`` being ``data_dir`` or
+    the project's ``../shared/data``) or paths; each is scored and logged on its own. ``limit`` keeps the
+    first problems of each benchmark.
+    """
 
     every: int = 10
     benchmarks: tuple[str, ...] = ()
@@ -143,10 +168,15 @@ class EvalConfig:
     max_new_tokens: int = 8192
     temperature: float = 1.0
     limit: int | None = None
+    data_dir: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "eval.every", "must be >= 0")
+        _require(self.n > 0, "eval.n", "must be positive")
         _require(all(0 < k <= self.n for k in self.ks), "eval.ks", f"each k must be in 1..n={self.n}")
+        _require(self.max_new_tokens > 0, "eval.max_new_tokens", "must be positive")
+        _require(self.temperature > 0, "eval.temperature", "must be positive")
+        _require(self.limit is None or self.limit > 0, "eval.limit", "must be positive or null")
 
 
 @dataclasses.dataclass(frozen=True)

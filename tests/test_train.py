@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lspo_jax import losses, model, optim, rollout, toy, train
+from lspo_jax import evaluation, losses, model, optim, rollout, toy, train
 from lspo_jax import run as run_module
 from lspo_jax.checkpoint import Checkpointer
+from lspo_jax.cli import format_summary
 from lspo_jax.export import export_checkpoint
 from lspo_jax.metrics_log import read_metrics
 from lspo_jax.run import Run, RunStopped, checkpoint_state
@@ -65,15 +66,19 @@ class FakeVerifier:
 @contextlib.contextmanager
 def flag_adapter(verifier):
     """Tell ``verifier`` whether the rollouts it scores next were sampled with the adapter on."""
-    real = train.sample_rows
+    real, real_eval = train.sample_rows, evaluation.sample_responses
 
     def sample_rows(run, policy, params, prompts, key, *, lora_scale):
         verifier.adapter_on = lora_scale == 1.0
         return real(run, policy, params, prompts, key, lora_scale=lora_scale)
 
+    def sample_responses(run, policy, params, prompts, key):  # validation samples the base policy
+        verifier.adapter_on = False
+        return real_eval(run, policy, params, prompts, key)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train, "sample_rows", sample_rows)
-        patch.setattr(run_module, "sample_rows", sample_rows)  # validation
+        patch.setattr(evaluation, "sample_responses", sample_responses)
         yield verifier
 
 
@@ -123,6 +128,7 @@ def make_config(model_dir, train_file):
     def make(**overrides):
         values = {
             "model.path": model_dir, "model.lora": {"rank": 4, "alpha": 16.0}, "data.train": train_file,
+            "data.instruction_position": "none",  # column sums: the character vocabulary has no capitals
             "data.max_prompt_tokens": 16, "data.max_solution_tokens": 48, "data.shuffle": False,
             "rollout.prompts_per_step": 2, "rollout.group_size": K, "rollout.max_new_tokens": 12,
             "reward.overlong_buffer": 4, "reward.workers": 0, "optim.lr": 1e-3, "scaffold.sft_steps": 2,
@@ -274,12 +280,19 @@ def test_resume_is_exact(tmp_path, make_config, train_file, easy_rule, trained_r
 
 def test_validation_before_and_after(trained_run):
     evals = [r for r in read_metrics(os.path.join(trained_run["dir"], "metrics.jsonl")) if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 4]
+    # One record per benchmark and validation; the benchmark is named after its file (train.jsonl).
+    assert [(r["step"], r["benchmark"]) for r in evals] == [(0, "train"), (4, "train")]
     summary = trained_run["job"].summary
-    assert summary["held_out_after"] == {k: v for k, v in evals[1].items() if k not in ("kind", "step")}
-    assert {"pass@1", "pass@2", "pass@1_unbiased", "pass@2_unbiased", "accuracy"} == set(summary["held_out_before"])
-    # Prompt 0 is a cliff (never passes) and prompt 1 passes in one of its two samples.
-    assert summary["held_out_before"]["pass@2"] == 0.5 and summary["held_out_before"]["accuracy"] == 0.25
+    assert set(summary["held_out_before"]) == set(summary["held_out_after"]) == {"train"}
+    assert summary["held_out_after"]["train"] == {
+        k: v for k, v in evals[1].items() if k not in ("kind", "step", "benchmark")
+    }
+    before = summary["held_out_before"]["train"]
+    assert {"pass@1", "pass@2", "pass@1_unbiased", "pass@2_unbiased", "accuracy", "problems"} == set(before)
+    # eval.limit = 2: prompt 0 is a cliff (never passes) and prompt 1 passes in one of its two samples.
+    assert before["problems"] == 2 and before["pass@2"] == 0.5 and before["accuracy"] == 0.25
+    assert summary["held_out_data"]["train"]["kept"] == 8
+    assert "held-out train (2 problems): accuracy before 25.0%" in format_summary(summary)
 
 
 def test_checkpoints_hold_no_adapter(trained_run):

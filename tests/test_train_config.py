@@ -41,6 +41,10 @@ def test_demo_config_loads():
         ("rollout=8", "rollout"),  # a value where a section belongs
         ("rollout.group_size.x=3", "rollout.group_size.x"),  # a section where a value belongs
         ("rollout.group_size=1", "rollout.group_size"),  # the right type, refused by the section's check
+        ("data.format=csv", "data.format"),
+        ("data.instruction_position=middle", "data.instruction_position"),
+        ("data.solution_field=answer", "data.solution_field"),
+        ("eval.n=0", "eval.n"),
     ],
 )
 def test_bad_keys_and_values_name_the_dotted_key(override, key):
@@ -108,3 +112,6 @@ def test_paper_recipes_differ_only_in_the_scaffold():
         2.5e-5,
     )
     assert (lspo.eval.every, lspo.steps, lspo.seed) == (10, 1500, 42)
+    # R1's prompt: the instruction after the question; validation on MATH500 and AIME 2024-2026, one record each.
+    assert (lspo.data.instruction_position, lspo.data.solution_field) == ("after", "r1_solution_1")
+    assert lspo.eval.benchmarks == ("math500", "aime24", "aime25", "aime26") and lspo.eval.ks == (1, 4, 8, 16)

@@ -1,8 +1,9 @@
 """LSPO against the DAPO baseline on the same task with paired seeds, in the layout of the paper's Table 1.
 
 Each seed trains both arms from the same model with the same data order; the arms differ only in
-``scaffold.enabled``. Per (run, k) the peak of held-out pass@k over the validation trace is taken, then
-the mean and range over seeds per arm, and the difference LSPO - DAPO. The scaffold's own figures
+``scaffold.enabled``. Per (run, benchmark, k) the peak of held-out pass@k over the validation trace is taken,
+then the mean and range over seeds per arm, and the difference LSPO - DAPO (the tables of
+``tools/compare_runs.py``, from ``lspo_jax.tables``). The scaffold's own figures
 (cliff groups, surpass rate, per-rollout pass rate of the re-rollouts) are reported beside it.
 
     .venv/bin/python tools/compare_arms.py --config configs/demo.yaml --seeds 42 43 44 --out runs/arms \\
@@ -20,8 +21,8 @@ import time
 from datetime import date
 
 import jax
-import numpy as np
 
+from lspo_jax import tables
 from lspo_jax.metrics_log import read_metrics
 from lspo_jax.run import train_run
 from lspo_jax.train_config import apply_overrides, from_dict, load_config, to_dict
@@ -43,28 +44,10 @@ def run_arm(base_config, arm: str, seed: int, out_root: str) -> dict:
     return {"arm": arm, "seed": seed, "summary": summary, "evals": evals}
 
 
-def peak(evals: list[dict], key: str, horizon: int | None) -> float:
-    values = [r[key] for r in evals if key in r and (horizon is None or r["step"] <= horizon)]
-    return max(values) if values else float("nan")
-
-
-def table(results: list[dict], ks: list[int], horizon: int | None) -> str:
-    """Markdown: peak pass@k per seed, mean [min, max] per arm, and the LSPO - DAPO difference of means."""
-    seeds = sorted({r["seed"] for r in results})
-    cell = {(r["arm"], r["seed"]): r for r in results}
-    head = "| arm | " + " | ".join(f"pass@{k} seed {s}" for k in ks for s in seeds) + " | "
-    head += " | ".join(f"pass@{k} mean [min, max]" for k in ks) + " |"
-    lines = [head, "|" + "---|" * (1 + len(ks) * (len(seeds) + 1))]
-    means = {}
-    for arm in ARMS:
-        peaks = {k: [peak(cell[arm, s]["evals"], f"pass@{k}", horizon) for s in seeds] for k in ks}
-        means[arm] = {k: float(np.mean(v)) for k, v in peaks.items()}
-        per_seed = [f"{100 * v:.1f}" for k in ks for v in peaks[k]]
-        summary = [f"{100 * np.mean(v):.1f} [{100 * min(v):.1f}, {100 * max(v):.1f}]" for v in peaks.values()]
-        lines.append(f"| {arm} | " + " | ".join(per_seed + summary) + " |")
-    diff = [f"{100 * (means['lspo'][k] - means['dapo'][k]):+.1f}" for k in ks]
-    lines.append("| lspo - dapo | " + " | ".join([""] * len(ks) * len(seeds) + diff) + " |")
-    return "\n".join(lines)
+def peak_table(results: list[dict], ks: list[int], horizon: int | None) -> tables.PeakTable:
+    """Peak held-out pass@k per (run, benchmark, k), per arm and seed (``lspo_jax.tables``, DAPO the baseline)."""
+    runs = [tables.RunTrace(r["arm"], r["seed"], tuple(r["evals"])) for r in results]
+    return tables.peak_table(runs, ks=ks, horizon=horizon, baseline="dapo")
 
 
 def scaffold_figures(results: list[dict]) -> str:
@@ -93,13 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = [run_arm(base, arm, seed, args.out) for seed in args.seeds for arm in ARMS]
     minutes = (time.perf_counter() - start) / 60
+    table = peak_table(results, list(base.eval.ks), args.horizon)
     command = " ".join(["tools/compare_arms.py", *(argv if argv is not None else sys.argv[1:])])
     text = "\n\n".join([
         f"## LSPO vs DAPO on `{args.config}` ({date.today().isoformat()})",
         f"Command: `.venv/bin/python {command}`; {len(results)} runs in {minutes:.1f} min on "
         f"{platform.machine()} ({os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()}).",
-        "Peak held-out pass@k over the validation trace (%), per seed and per arm:",
-        table(results, list(base.eval.ks), args.horizon),
+        tables.caption(table),
+        tables.markdown(table),
+        "Per seed:",
+        tables.markdown_per_seed(table),
         "The scaffold's mechanism figures (LSPO arm, whole run):",
         scaffold_figures(results),
     ])  # fmt: skip

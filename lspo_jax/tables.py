@@ -1,0 +1,246 @@
+"""Arms x seeds of training runs in the layout of the paper's Table 1, from their validation records.
+
+Per (run, benchmark, k): the peak of held-out pass@k over the run's validation trace, up to a step horizon.
+Per arm: the mean and range [min, max] of those peaks over its seeds. Per other arm: the difference of its
+mean from the baseline arm's (``lspo - dapo``), with the range of the per-seed differences when both arms
+ran the same seeds (paired). ``tools/compare_runs.py`` (recorded runs) and ``tools/compare_arms.py`` (runs it
+trains) both print these tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import yaml
+
+from lspo_jax.evaluation import ESTIMATORS, metric_key
+from lspo_jax.metrics_log import read_metrics
+
+# The benchmark of validation records written before records named theirs (one pooled held-out set).
+UNNAMED_BENCHMARK = "held_out"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTrace:
+    """One training run: its arm, its seed and its validation records (``kind: eval`` of ``metrics.jsonl``)."""
+
+    arm: str
+    seed: int
+    evals: tuple[dict[str, Any], ...]
+    path: str = ""
+
+
+def benchmark_of(record: dict[str, Any]) -> str:
+    return record.get("benchmark", UNNAMED_BENCHMARK)
+
+
+def read_run(path: str, arm: str | None = None, seed: int | None = None) -> RunTrace:
+    """A run directory's validation trace; ``arm`` and ``seed`` default to its ``config.yaml``
+    (``scaffold.enabled`` -> ``lspo``, else ``dapo``; ``seed``)."""
+    config_path = os.path.join(path, "config.yaml")
+    config: dict[str, Any] = {}
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            config = yaml.safe_load(f) or {}
+    if arm is None:
+        if not config:
+            raise ValueError(f"{path}: no config.yaml to tell the arm from; write it as ARM=DIR")
+        arm = "lspo" if (config.get("scaffold") or {}).get("enabled", True) else "dapo"
+    if seed is None:
+        if "seed" not in config:
+            raise ValueError(f"{path}: no seed in a config.yaml; write it as ARM:SEED=DIR")
+        seed = int(config["seed"])
+    records = read_metrics(os.path.join(path, "metrics.jsonl"))
+    return RunTrace(arm, seed, tuple(r for r in records if r.get("kind") == "eval"), path)
+
+
+def peak(evals: Iterable[dict[str, Any]], benchmark: str, key: str, horizon: int | None = None) -> float:
+    """The largest ``key`` over the records of ``benchmark`` at steps <= ``horizon``; NaN when there is none."""
+    values = [
+        r[key]
+        for r in evals
+        if benchmark_of(r) == benchmark and r.get(key) is not None and (horizon is None or r["step"] <= horizon)
+    ]
+    return max(values) if values else math.nan
+
+
+@dataclasses.dataclass
+class PeakTable:
+    """Peak pass@k per (benchmark, k, arm, seed), and what it was computed over."""
+
+    benchmarks: list[str]
+    ks: list[int]
+    arms: list[str]  # the baseline first
+    seeds: dict[str, list[int]]
+    peaks: dict[tuple[str, int, str, int], float]
+    estimator: str
+    horizon: int | None
+
+    @property
+    def baseline(self) -> str:
+        return self.arms[0]
+
+    def values(self, benchmark: str, k: int, arm: str) -> list[float]:
+        """The arm's peaks over its seeds (in seed order), runs without a record left out."""
+        values = [self.peaks[benchmark, k, arm, s] for s in self.seeds[arm]]
+        return [v for v in values if not math.isnan(v)]
+
+    def summary(self, benchmark: str, k: int, arm: str) -> tuple[float, float, float] | None:
+        """``(mean, min, max)`` over the arm's seeds, or None without any value."""
+        values = self.values(benchmark, k, arm)
+        return (float(np.mean(values)), min(values), max(values)) if values else None
+
+    def difference(self, benchmark: str, k: int, arm: str) -> tuple[float, tuple[float, float] | None] | None:
+        """``arm``'s mean minus the baseline's, and the [min, max] of per-seed differences when the seeds pair."""
+        mine, base = self.summary(benchmark, k, arm), self.summary(benchmark, k, self.baseline)
+        if mine is None or base is None:
+            return None
+        paired = None
+        if self.seeds[arm] == self.seeds[self.baseline]:
+            diffs = [self.peaks[benchmark, k, arm, s] - self.peaks[benchmark, k, self.baseline, s]
+                     for s in self.seeds[arm]]  # fmt: skip
+            diffs = [d for d in diffs if not math.isnan(d)]
+            paired = (min(diffs), max(diffs)) if diffs else None
+        return mine[0] - base[0], paired
+
+
+def _ks_in(runs: Sequence[RunTrace], estimator: str) -> list[int]:
+    suffix = ESTIMATORS[estimator]
+    ks = set()
+    for run in runs:
+        for record in run.evals:
+            for key in record:
+                k = (
+                    key[len("pass@") : len(key) - len(suffix)]
+                    if key.startswith("pass@") and key.endswith(suffix)
+                    else ""
+                )
+                if k.isdigit():
+                    ks.add(int(k))
+    return sorted(ks)
+
+
+def peak_table(
+    runs: Sequence[RunTrace],
+    *,
+    ks: Sequence[int] | None = None,
+    benchmarks: Sequence[str] | None = None,
+    estimator: str = "first_k",
+    horizon: int | None = None,
+    baseline: str | None = None,
+) -> PeakTable:
+    """Peaks of every run. Benchmarks and ks default to all the records hold (benchmarks in order of first
+    appearance); the baseline defaults to ``dapo`` when there is such an arm, else the last arm."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
+    arms = list(dict.fromkeys(run.arm for run in runs))
+    baseline = baseline or ("dapo" if "dapo" in arms else arms[-1])
+    if baseline not in arms:
+        raise ValueError(f"baseline arm {baseline!r} has no runs; arms: {arms}")
+    seeds = {arm: sorted(run.seed for run in runs if run.arm == arm) for arm in arms}
+    for arm, arm_seeds in seeds.items():
+        if len(set(arm_seeds)) != len(arm_seeds):
+            raise ValueError(f"arm {arm!r} has two runs with the same seed: {arm_seeds}")
+    benchmarks = list(benchmarks or dict.fromkeys(benchmark_of(r) for run in runs for r in run.evals))
+    ks = list(ks or _ks_in(runs, estimator))
+    peaks = {
+        (b, k, run.arm, run.seed): peak(run.evals, b, metric_key(k, estimator), horizon)
+        for run in runs
+        for b in benchmarks
+        for k in ks
+    }
+    arms = [baseline] + [a for a in arms if a != baseline]
+    return PeakTable(benchmarks, ks, arms, seeds, peaks, estimator, horizon)
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _signed(x: float) -> str:
+    return f"{100 * x:+.1f}"
+
+
+def markdown(table: PeakTable) -> str:
+    """Rows (benchmark, arm) and (benchmark, arm - baseline); columns pass@k; cells in %: mean [min, max]
+    over seeds, and for a difference the difference of means [min, max of paired per-seed differences]."""
+    lines = [
+        "| benchmark | arm | " + " | ".join(f"pass@{k}" for k in table.ks) + " |",
+        "|---|---|" + "---|" * len(table.ks),
+    ]
+    for b in table.benchmarks:
+        for arm in table.arms:
+            cells = []
+            for k in table.ks:
+                s, count = table.summary(b, k, arm), len(table.values(b, k, arm))
+                cell = "n/a" if s is None else f"{_pct(s[0])} [{_pct(s[1])}, {_pct(s[2])}]"
+                if s is not None and count < len(table.seeds[arm]):  # some runs have no record of this benchmark
+                    cell += f" ({count} of {len(table.seeds[arm])} runs)"
+                cells.append(cell)
+            lines.append(f"| {b} | {arm} (n={len(table.seeds[arm])}) | " + " | ".join(cells) + " |")
+        for arm in table.arms[1:]:
+            cells = []
+            for k in table.ks:
+                d = table.difference(b, k, arm)
+                if d is None:
+                    cells.append("n/a")
+                else:
+                    cells.append(_signed(d[0]) + ("" if d[1] is None else f" [{_signed(d[1][0])}, {_signed(d[1][1])}]"))
+            lines.append(f"| {b} | {arm} - {table.baseline} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_per_seed(table: PeakTable) -> str:
+    """Every run's peak pass@k (%): rows (benchmark, arm, seed), columns pass@k."""
+    lines = ["| benchmark | arm | seed | " + " | ".join(f"pass@{k}" for k in table.ks) + " |",
+             "|---|---|---|" + "---|" * len(table.ks)]  # fmt: skip
+    for b in table.benchmarks:
+        for arm in table.arms:
+            for seed in table.seeds[arm]:
+                values = [table.peaks[b, k, arm, seed] for k in table.ks]
+                cells = ["n/a" if math.isnan(v) else _pct(v) for v in values]
+                lines.append(f"| {b} | {arm} | {seed} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def caption(table: PeakTable) -> str:
+    horizon = "the whole trace" if table.horizon is None else f"validation steps <= {table.horizon}"
+    estimator = "first-k slice" if table.estimator == "first_k" else "unbiased estimator"
+    return (f"Peak held-out pass@k (%, {estimator}) over {horizon}, per arm: mean [min, max] over seeds; "
+            "a difference row: the difference of the means [min, max of the per-seed differences].")  # fmt: skip
+
+
+def plot(table: PeakTable, path: str) -> str:
+    """One panel per benchmark: each arm's mean peak pass@k against k, the band its [min, max] over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(table.benchmarks), figsize=(4.5 * len(table.benchmarks), 3.8),
+                             constrained_layout=True, squeeze=False)  # fmt: skip
+    for ax, b in zip(axes[0], table.benchmarks, strict=True):
+        for arm in table.arms:
+            points = [(k, s) for k in table.ks if (s := table.summary(b, k, arm)) is not None]
+            if not points:
+                continue
+            ks = [k for k, _ in points]
+            mean, low, high = (np.array([100 * s[i] for _, s in points]) for i in range(3))
+            line = ax.plot(ks, mean, marker="o", label=f"{arm} (n={len(table.seeds[arm])})")[0]
+            ax.fill_between(ks, low, high, color=line.get_color(), alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(table.ks, [str(k) for k in table.ks])
+        ax.set_xlabel("k")
+        ax.set_ylabel("peak pass@k (%)")
+        ax.set_title(b)
+        ax.legend()
+    fig.suptitle(caption(table), fontsize=9)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

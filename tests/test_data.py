@@ -1,0 +1,215 @@
+"""Reading training and benchmark rows: DeepMath-103K (parquet and JSONL) into the shared schema, bad rows
+counted and skipped, the R1 chat prompt to the character, SFT targets, and the benchmarks' gold answers."""
+
+from __future__ import annotations
+
+import json
+import string
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lspo_jax import data, evaluation, rollout, toy
+from lspo_jax.rewards import math_reward
+from lspo_jax.train_config import DataConfig
+
+TRACE = "Add them: 2+3=5.\n</think>\n\nThe sum is \\boxed{5}."  # an R1 trace: no opening <think>, one </think>
+
+
+def deepmath_record(i: int, **fields) -> dict:
+    record = {
+        "question": f"What is {i}+{i}?", "final_answer": str(2 * i), "difficulty": 1.0 + i, "topic": "Arithmetic",
+        "r1_solution_1": f"trace 1 of {i}\n</think>\n\\boxed{{{2 * i}}}", "r1_solution_2": f"trace 2 of {i}",
+        "r1_solution_3": f"trace 3 of {i}",
+    }  # fmt: skip
+    return {**record, **fields}
+
+
+def write_parquet(path, records) -> str:
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return str(path)
+
+
+def write_jsonl(path, lines) -> str:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------- DeepMath
+def test_deepmath_parquet_maps_to_the_shared_schema_and_skips_bad_rows(tmp_path):
+    records = [deepmath_record(i) for i in range(5)]
+    records[1]["final_answer"] = None  # missing in the parquet sense: a null
+    records[3]["question"] = "  "  # blank counts as missing
+    path = write_parquet(tmp_path / "deepmath.parquet", records)
+    report = data.DataReport()
+    rows = data.read_rows(path, DataConfig(), report=report)
+    assert [r["id"] for r in rows] == ["0", "2", "4"]  # the row index: the file has no id column
+    assert rows[1] == {
+        "id": "2", "problem": "What is 2+2?", "answer": "4", "solution": "trace 1 of 2\n</think>\n\\boxed{4}",
+        "source": "deepmath", "meta": {"difficulty": 3.0, "topic": "Arithmetic"},
+    }  # fmt: skip
+    assert report.rows_invalid == 2
+    assert report.row_errors == ["row 1 (id 1): missing final_answer", "row 3 (id 3): missing question"]
+    # Which trace feeds the scaffold is configurable; the format can be named instead of detected.
+    rows = data.read_rows(path, DataConfig(solution_field="r1_solution_3", format="deepmath"))
+    assert [r["solution"] for r in rows] == ["trace 3 of 0", "trace 3 of 2", "trace 3 of 4"]
+
+
+def test_deepmath_jsonl_with_ids_bad_lines_and_a_directory_of_shards(tmp_path):
+    lines = [
+        deepmath_record(0, id="dm-a"), "{not json", deepmath_record(1, id="dm-b", final_answer=""),
+        deepmath_record(2, id="dm-c", r1_solution_1=None), "",
+    ]  # fmt: skip
+    report = data.DataReport()
+    rows = data.read_rows(write_jsonl(tmp_path / "dm.jsonl", lines), report=report)
+    assert [(r["id"], r["solution"] is None) for r in rows] == [("dm-a", False), ("dm-c", True)]
+    assert report.row_errors == ["line 2: not a JSON object", "line 3 (id dm-b): missing final_answer"]
+    # DeepMath-103K ships as parquet shards: a directory is read in file-name order, row ids run across files.
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_parquet(shards / "train-00001.parquet", [deepmath_record(i) for i in (7, 8)])
+    write_parquet(shards / "train-00000.parquet", [deepmath_record(i) for i in (5, 6)])
+    rows = data.read_rows(str(shards))
+    assert [(r["id"], r["answer"]) for r in rows] == [("0", "10"), ("1", "12"), ("2", "14"), ("3", "16")]
+
+
+def test_shared_rows_with_missing_fields_are_reported_and_a_useless_file_is_an_error(tmp_path):
+    good = {"id": "a", "problem": "1+1=", "answer": "2", "solution": "1+1=2;\\boxed{2}"}
+    report = data.DataReport()
+    rows = data.read_rows(write_jsonl(tmp_path / "s.jsonl", [good, {"id": "b", "problem": "2+2="}]), report=report)
+    assert [r["id"] for r in rows] == ["a"] and report.row_errors == ["line 2 (id b): missing answer"]
+    with pytest.raises(ValueError, match="none of its 2 rows is usable"):
+        data.read_rows(write_jsonl(tmp_path / "bad.jsonl", [{"text": 1}, {"text": 2}]), DataConfig(format="shared"))
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        data.read_rows(write_jsonl(tmp_path / "other.jsonl", [{"text": 1}]))
+
+
+def test_load_examples_sft_targets_length_policy_and_golds(tmp_path):
+    tokenizer = toy.char_tokenizer()
+    records = [deepmath_record(0, r1_solution_1=TRACE), deepmath_record(1, final_answer="\\frac{"),
+               deepmath_record(2, r1_solution_1="x" * 80), deepmath_record(3, question=None)]  # fmt: skip
+    path = write_parquet(tmp_path / "dm.parquet", records)
+    config = DataConfig(instruction_position="none", max_solution_tokens=64, solution_policy="skip")
+    examples, report = data.load_examples(path, tokenizer, config)
+    # Row 1's gold does not parse (a permanent cliff), row 3 lacks its question, row 2's trace is too long.
+    assert [ex.id for ex in examples] == ["0", "2"] and report.gold_unparseable == ["1"]
+    assert (report.rows, report.rows_invalid, report.kept, report.solution_skipped) == (4, 1, 2, 1)
+    # The SFT target is the trace as given (the prompt's template already opened the thought) + EOS.
+    assert examples[0].solution_ids == (*tokenizer.encode(TRACE, add_special_tokens=False), toy.EOS_ID)
+    assert examples[0].prompt_ids == (toy.BOS_ID, *tokenizer.encode("What is 0+0?", add_special_tokens=False))
+    assert examples[1].solution_ids is None
+    # Truncation keeps the head of the trace, counted; EOS still ends it.
+    config = DataConfig(instruction_position="none", max_solution_tokens=64)
+    examples, report = data.load_examples(path, tokenizer, config)
+    x = tokenizer.convert_tokens_to_ids("x")
+    assert report.solution_truncated == 1 and examples[1].solution_ids == (*[x] * 63, toy.EOS_ID)
+    # Prompt tokens are masked in the SFT rows, the target tokens (EOS included) are not.
+    sft = rollout.pack_sft([examples[0].prompt_ids], [examples[0].solution_ids], 16, 64)
+    assert sft["mask"][0, :16].sum() == 0 and sft["mask"][0, 16:].sum() == len(examples[0].solution_ids)
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+BOS, USER, ASSISTANT, EOS = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
+# DeepSeek-R1-Distill-Qwen's template, reduced to what it renders for one user turn with a generation prompt.
+R1_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '<｜User｜>' + message['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+)
+
+
+def r1_tokenizer():
+    """A character-level tokenizer with R1's special tokens (each one id) and its chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = (EOS, BOS, USER, ASSISTANT, "<think>", "</think>", "<unk>")
+    vocab = {tok: i for i, tok in enumerate(specials + tuple(dict.fromkeys(string.printable)))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines are characters too
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token="<unk>",
+        extra_special_tokens={"user": USER, "assistant": ASSISTANT},
+    )  # fmt: skip
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = R1_TEMPLATE
+    return tokenizer
+
+
+def test_r1_prompt_renders_exactly_and_round_trips(tmp_path):
+    tokenizer = r1_tokenizer()
+    question = "Find $x$ if $2x = 6$."
+    text = data.prompt_text(question, DataConfig())
+    expected = (
+        "<｜begin▁of▁sentence｜><｜User｜>Find $x$ if $2x = 6$.\n"
+        "Please reason step by step, and put your final answer within \\boxed{}.<｜Assistant｜><think>\n"
+    )
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == expected
+    ids = data.render_prompt(tokenizer, text)
+    chars = lambda s: [tokenizer.convert_tokens_to_ids(c) for c in s]
+    # One BOS (the template's; none added on top), each special token one id, every character one id.
+    assert ids == [1, 2, *chars(text), 3, 4, *chars("\n")]
+    assert tokenizer.decode(ids) == expected
+    assert tokenizer.encode(expected, add_special_tokens=False) == ids
+    # The template travels with the tokenizer files, as a model directory would hold it.
+    tokenizer.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    assert data.render_prompt(AutoTokenizer.from_pretrained(tmp_path), text) == ids
+
+
+def test_instruction_placement_and_plain_template():
+    tokenizer = toy.char_tokenizer()
+    config = DataConfig(instruction="show work")
+    assert data.prompt_text("1+2=", config) == "1+2=\nshow work"
+    assert (
+        data.prompt_text("1+2=", DataConfig(instruction="show work", instruction_position="before"))
+        == "show work\n1+2="
+    )
+    assert data.prompt_text("1+2=", DataConfig(instruction_position="none")) == "1+2="
+    # Without a chat template: BOS and the text.
+    assert data.render_prompt(tokenizer, "1+2=") == [toy.BOS_ID, *tokenizer.encode("1+2=", add_special_tokens=False)]
+    # The demo's generated task keeps its own format: no instruction whatever the config says.
+    examples, _ = data.load_examples("toy:heldout", tokenizer, config)
+    row = toy.heldout_rows()[0]
+    assert examples[0].prompt_ids == (toy.BOS_ID, *tokenizer.encode(row["problem"], add_special_tokens=False))
+
+
+# ------------------------------------------------------------------------------------------ benchmark golds
+def test_benchmark_gold_answers_verify_against_themselves():
+    """Every MATH500 / AIME24-26 gold, written as an R1 response (reasoning, ``</think>``, ``\\boxed{gold}``) and
+    graded as in training (only the text after ``</think>``), must score 1; a neighbouring problem's different
+    answer must score 0. At the time of writing all 590 golds verify (no failure to list). The one neighbour
+    that verifies is MATH500 test/algebra/1837, gold ``5`` against ``x=5``: the same answer."""
+    golds = []
+    for name in ("math500", "aime24", "aime25", "aime26"):
+        path = evaluation.benchmark_path(name)
+        try:
+            with open(path) as f:
+                golds += [(name, json.loads(line)["id"], json.loads(line)["answer"]) for line in f if line.strip()]
+        except FileNotFoundError:
+            pytest.skip(f"benchmark data not found at {path}")
+    assert len(golds) == 590
+    failures = [
+        (name, id_, gold)
+        for name, id_, gold in golds
+        if math_reward(
+            f"Checking: 2+2=4, 17.\n</think>\n\nThe answer is $\\boxed{{{gold}}}$.", gold, require_think_close=True
+        )
+        != 1.0  # fmt: skip
+    ]
+    rate = 1 - len(failures) / len(golds)
+    print(f"gold answers verifying against themselves: {100 * rate:.1f}% of {len(golds)}; failures: {failures}")
+    assert rate >= 0.99, failures
+    wrong = [
+        (id_, gold, other)
+        for (_, id_, gold), (_, _, other) in zip(golds, golds[1:] + golds[:1], strict=True)
+        if other.strip() != gold.strip() and math_reward(f"\\boxed{{{other}}}", gold) == 1.0
+    ]
+    print(f"neighbouring answers accepted: {wrong}")
+    assert len(wrong) <= 0.01 * len(golds), wrong

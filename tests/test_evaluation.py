@@ -1,0 +1,172 @@
+"""pass@k by hand, benchmark names, and ``lspo-eval`` end to end on a tiny model: from a Hugging Face directory
+with the JAX sampler on MATH500, and from a training run's checkpoint with scripted responses."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from lspo_jax import cli, evaluation, hf, toy
+from lspo_jax.evaluation import pass_at_k
+from lspo_jax.rewards import math_reward
+
+F, T = False, True
+
+
+# ------------------------------------------------------------------------------------------------ pass@k
+def test_pass_at_k_by_hand():
+    one = np.array([[F, F, T, F]])  # 4 samples, 1 correct (the third)
+    # Unbiased: 1 - C(n - c, k) / C(n, k) = 1 - C(3, 2) / C(4, 2) = 1 - 3/6 = 0.5.
+    assert pass_at_k(one, 2, "unbiased") == 0.5
+    # First-k slice, in sample order: the first two fail, the first three hold the pass.
+    assert [pass_at_k(one, k) for k in (1, 2, 3, 4)] == [0.0, 0.0, 1.0, 1.0]
+    # Two problems: [F F T F] and [T T F F]. Unbiased pass@2 = (0.5 + (1 - C(2,2)/C(4,2))) / 2 = (0.5 + 5/6) / 2.
+    two = np.array([[F, F, T, F], [T, T, F, F]])
+    assert pass_at_k(two, 2, "unbiased") == pytest.approx((0.5 + 5 / 6) / 2)
+    assert pass_at_k(two, 2) == 0.5  # problem 1 fails its first two samples, problem 2 passes both
+    # k = 1: the first-k slice is the mean of the first samples, the unbiased estimator the mean of all samples.
+    assert pass_at_k(two, 1) == np.mean(two[:, 0]) == 0.5
+    assert pass_at_k(two, 1, "unbiased") == np.mean(two) == 3 / 8
+    # k = n: both are "any sample passes".
+    assert pass_at_k(two, 4) == pass_at_k(two, 4, "unbiased") == 1.0
+
+
+def test_unbiased_is_the_first_k_slice_averaged_over_sample_orders():
+    correct = np.array([[F, T, F, T, F], [F, F, F, F, T], [T, T, T, F, T]])
+    for k in range(1, 6):
+        orders = [correct[:, list(p)] for p in itertools.permutations(range(5))]
+        mean = np.mean([pass_at_k(c, k) for c in orders])
+        assert pass_at_k(correct, k, "unbiased") == pytest.approx(mean)
+
+
+def test_pass_at_k_refuses_bad_input():
+    with pytest.raises(ValueError, match="k must be in 1..2"):
+        pass_at_k(np.ones((3, 2), bool), 3)
+    with pytest.raises(ValueError, match="estimator"):
+        pass_at_k(np.ones((3, 2), bool), 1, "mean")
+    with pytest.raises(ValueError, match="zero problems"):
+        pass_at_k(np.ones((0, 2), bool), 1)
+
+
+def test_metrics_keys_and_table():
+    metrics = evaluation.pass_at_k_metrics(np.array([[F, T], [F, F]]), [1, 2])
+    assert metrics == {"pass@1": 0.0, "pass@2": 0.5, "pass@1_unbiased": 0.25, "pass@2_unbiased": 0.5,
+                       "accuracy": 0.25, "problems": 2}  # fmt: skip
+    lines = evaluation.format_results({"math500": metrics}, [1, 2]).splitlines()
+    assert lines[2:] == [
+        "| math500 | 2 | first_k | 0.0 | 50.0 | 25.0 |",
+        "| math500 | 2 | unbiased | 25.0 | 50.0 | 25.0 |",
+    ]
+
+
+def test_benchmark_names_and_paths(tmp_path):
+    assert evaluation.benchmark_path("math500") == str(evaluation.DEFAULT_DATA_DIR / "math500.jsonl")
+    assert evaluation.benchmark_path("aime24", tmp_path) == str(tmp_path / "aime24.jsonl")
+    for value in ("runs/x.jsonl", "x.parquet", "toy:heldout", "/abs/dir"):
+        assert evaluation.benchmark_path(value) == value  # anything but a bare name is a path
+    names = [evaluation.benchmark_name(v) for v in ("math500", "../d/aime25.jsonl", "toy:heldout", "shards/dm")]
+    assert names == ["math500", "aime25", "toy_heldout", "dm"]
+
+
+# ---------------------------------------------------------------------------------------------- lspo-eval
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return toy.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
+
+
+@pytest.fixture(autouse=True)
+def no_disk_cache(monkeypatch):
+    monkeypatch.setenv("LSPO_JAX_COMPILATION_CACHE", "")  # eval_main would turn on the on-disk XLA cache
+
+
+def test_lspo_eval_on_math500_with_the_jax_sampler(model_dir, tmp_path, monkeypatch, capsys):
+    if not (evaluation.DEFAULT_DATA_DIR / "math500.jsonl").exists():
+        pytest.skip(f"benchmark data not found in {evaluation.DEFAULT_DATA_DIR}")
+    sampled = []
+    real = evaluation.sample_responses
+
+    def spy(run, policy, params, prompts, key):
+        texts = real(run, policy, params, prompts, key)
+        sampled.extend(texts)
+        return texts
+
+    monkeypatch.setattr(evaluation, "sample_responses", spy)
+    out = tmp_path / "results.json"
+    argv = ["--model", model_dir, "--benchmarks", "math500", "--limit", "4", "--n", "2", "--max-new-tokens", "8",
+            "--workers", "0", "--out", str(out), "data.instruction_position=none"]  # fmt: skip
+    assert cli.eval_main(argv) == 0
+    results = json.loads(out.read_text())
+    assert (results["n"], results["ks"], results["max_new_tokens"], results["checkpoint_step"]) == (2, [1], 8, None)
+    math500 = results["benchmarks"]["math500"]
+    with open(evaluation.benchmark_path("math500")) as f:
+        rows = [json.loads(next(f)) for _ in range(4)]
+    assert [p["id"] for p in math500["per_problem"]] == [r["id"] for r in rows]
+    # 2 samples of at most 8 tokens per problem, graded against the right gold in the right order.
+    assert len(sampled) == 8 and all(isinstance(t, str) for t in sampled)
+    expected = [[math_reward(sampled[2 * i + j], r["answer"]) == 1.0 for j in range(2)] for i, r in enumerate(rows)]
+    assert [p["correct"] for p in math500["per_problem"]] == expected
+    # The load report covers the whole file: character tokens put a few problems over the 512 prompt slots.
+    assert math500["problems"] == 4 and math500["data"]["rows"] == 500
+    assert math500["data"]["kept"] + math500["data"]["prompt_skipped"] == 500
+    assert math500["pass@1"] == np.mean(np.array(expected)[:, 0])
+    assert math500["pass@1_unbiased"] == math500["accuracy"] == np.mean(expected)
+    assert "| math500 | 4 | first_k |" in capsys.readouterr().out
+
+
+def test_lspo_eval_from_a_checkpoint(model_dir, tmp_path, monkeypatch):
+    from lspo_jax.run import Run
+    from lspo_jax.train_config import load_config
+
+    rows = [("p0", "2"), ("p1", "3"), ("p2", "5"), ("p3", "2")]
+    bench = tmp_path / "sums.jsonl"
+    bench.write_text("".join(json.dumps({"id": i, "problem": f"{a}+0=", "answer": a}) + "\n" for i, a in rows))
+    config = load_config(None, [f"model.path={model_dir}", f"data.train={bench}", "data.instruction_position=none",
+                                "eval.n=2", "eval.ks=[1, 2]"])  # fmt: skip
+    job = Run(config, str(tmp_path / "run"), verifier=_NoVerifier())
+    job.save()  # a checkpoint of step 0: the base as loaded from model_dir
+    job.close()
+    seen = []
+
+    def scripted(run, policy, params, prompts, key):  # sample 0 answers 2 and sample 1 answers 3, every problem
+        seen.append(params)
+        return [f"so \\boxed{{{answer}}}" for _ in prompts for answer in (2, 3)]
+
+    monkeypatch.setattr(evaluation, "sample_responses", scripted)
+    out = tmp_path / "results.json"
+    argv = ["--model", str(tmp_path / "run"), "--benchmarks", str(bench), "--workers", "0", "--out", str(out)]
+    assert cli.eval_main(argv) == 0
+    results = json.loads(out.read_text())
+    sums = results["benchmarks"]["sums"]
+    assert results["checkpoint_step"] == 0 and results["ks"] == [1, 2]
+    # Golds 2, 3, 5, 2 against answers (2, 3): [T F], [F T], [F F], [T F].
+    assert [p["correct"] for p in sums["per_problem"]] == [[T, F], [F, T], [F, F], [T, F]]
+    # first-k: pass@1 = 2/4 (first samples), pass@2 = 3/4; unbiased: pass@1 = 3/8 (all samples), pass@2 = 3/4.
+    assert (sums["pass@1"], sums["pass@2"], sums["pass@1_unbiased"], sums["pass@2_unbiased"]) == (
+        0.5,
+        0.75,
+        0.375,
+        0.75,
+    )
+    # The params sampled from are the checkpoint's, which hold the model directory's weights.
+    _, loaded = hf.load_pretrained(model_dir)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(seen[0]["base"]), jax.device_get(loaded["base"]))
+    assert math.isclose(sums["accuracy"], 3 / 8)
+
+
+def test_lspo_eval_reports_a_missing_benchmark(model_dir, tmp_path, capsys):
+    argv = ["--model", model_dir, "--benchmarks", "nosuch", "--data-dir", str(tmp_path), "--workers", "0"]
+    assert cli.eval_main(argv) == 2
+    assert "no such data file" in capsys.readouterr().err
+
+
+class _NoVerifier:
+    def score(self, responses, golds):
+        return np.zeros(len(responses), np.float32)
+
+    def close(self):
+        pass

@@ -1,0 +1,112 @@
+"""Peak-over-trace tables of two arms x two seeds from recorded ``metrics.jsonl`` files, checked by hand, through
+``tools/compare_runs.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lspo_jax import tables
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "compare_runs.py"
+
+# (arm, seed) -> benchmark -> [(step, pass@1, pass@4)]. Step 30 lies past the horizon of 20 used below.
+TRACES = {
+    ("lspo", 42): {"math500": [(0, 0.50, 0.70), (10, 0.60, 0.72), (20, 0.55, 0.80), (30, 0.90, 0.95)],
+                   "aime24": [(10, 0.10, 0.30), (20, 0.20, 0.25)]},
+    ("lspo", 43): {"math500": [(0, 0.40, 0.60), (10, 0.52, 0.66), (20, 0.58, 0.64), (30, 0.99, 0.99)]},
+    ("dapo", 42): {"math500": [(0, 0.50, 0.70), (10, 0.51, 0.71), (20, 0.53, 0.69)],
+                   "aime24": [(10, 0.10, 0.20)]},
+    ("dapo", 43): {"math500": [(0, 0.40, 0.60), (10, 0.45, 0.62), (20, 0.44, 0.65)],
+                   "aime24": [(10, 0.00, 0.10)]},
+}  # fmt: skip
+
+
+def write_run(directory: Path, trace: dict, config: dict | None = None) -> str:
+    directory.mkdir()
+    records = []
+    for step in (0, 10, 20, 30):
+        records.append({"kind": "train", "step": step + 1, "accuracy_mean": 0.3, "pass@1": 1.0})  # never read
+        for benchmark, points in trace.items():
+            for s, p1, p4 in (p for p in points if p[0] == step):
+                # The unbiased values are written as half the first-k ones, to tell the estimators apart.
+                unbiased = {"pass@1_unbiased": p1 / 2, "pass@4_unbiased": p4 / 2}
+                records.append(
+                    {"kind": "eval", "step": s, "benchmark": benchmark, "pass@1": p1, "pass@4": p4, **unbiased}
+                )
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if config is not None:
+        (directory / "config.yaml").write_text(yaml.safe_dump(config))
+    return str(directory)
+
+
+@pytest.fixture
+def run_args(tmp_path) -> list[str]:
+    """The LSPO runs named on the command line (ARM:SEED=DIR); the DAPO runs told apart by their config.yaml."""
+    args = []
+    for (arm, seed), trace in TRACES.items():
+        if arm == "lspo":
+            args.append(f"lspo:{seed}={write_run(tmp_path / f'l{seed}', trace)}")
+        else:
+            args.append(write_run(tmp_path / f"d{seed}", trace, {"scaffold": {"enabled": False}, "seed": seed}))
+    return args
+
+
+def compare_runs():
+    spec = importlib.util.spec_from_file_location("compare_runs", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_runs_table_by_hand(run_args, tmp_path, capsys):
+    out, png = tmp_path / "table.md", tmp_path / "table.png"
+    assert compare_runs().main([*run_args, "--horizon", "20", "--per-seed", "--out", str(out), "--plot", str(png)]) == 0
+    text = out.read_text()
+    assert text in capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0].startswith("Peak held-out pass@k (%, first-k slice) over validation steps <= 20")
+    table = lines[lines.index("| benchmark | arm | pass@1 | pass@4 |") :]
+    # Peaks up to step 20. math500 pass@1: lspo 0.60, 0.58; dapo 0.53, 0.45 -> means 0.59, 0.49, difference +0.10,
+    # paired per seed 0.60 - 0.53 = +0.07 and 0.58 - 0.45 = +0.13. pass@4: lspo 0.80, 0.66; dapo 0.71, 0.65
+    # -> means 0.73, 0.68, difference +0.05, paired +0.09 and +0.01.
+    # aime24: lspo seed 43 never recorded it; pass@1 lspo 0.20; dapo 0.10, 0.00 -> +0.15, paired (seed 42) +0.10.
+    assert table[2:8] == [
+        "| math500 | dapo (n=2) | 49.0 [45.0, 53.0] | 68.0 [65.0, 71.0] |",
+        "| math500 | lspo (n=2) | 59.0 [58.0, 60.0] | 73.0 [66.0, 80.0] |",
+        "| math500 | lspo - dapo | +10.0 [+7.0, +13.0] | +5.0 [+1.0, +9.0] |",
+        "| aime24 | dapo (n=2) | 5.0 [0.0, 10.0] | 15.0 [10.0, 20.0] |",
+        "| aime24 | lspo (n=2) | 20.0 [20.0, 20.0] (1 of 2 runs) | 30.0 [30.0, 30.0] (1 of 2 runs) |",
+        "| aime24 | lspo - dapo | +15.0 [+10.0, +10.0] | +15.0 [+10.0, +10.0] |",
+    ]
+    per_seed = lines[lines.index("| benchmark | arm | seed | pass@1 | pass@4 |") :]
+    assert per_seed[2:4] == ["| math500 | dapo | 42 | 53.0 | 71.0 |", "| math500 | dapo | 43 | 45.0 | 65.0 |"]
+    assert "| aime24 | lspo | 43 | n/a | n/a |" in per_seed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_estimator_horizon_and_baseline(run_args):
+    runs = [compare_runs().parse_run(a) for a in run_args]
+    assert [(r.arm, r.seed) for r in runs] == list(TRACES)
+    whole = tables.peak_table(runs, estimator="unbiased", benchmarks=["math500"], ks=[1])
+    # No horizon: step 30 counts; the unbiased values were written as half the first-k ones.
+    assert whole.summary("math500", 1, "lspo") == pytest.approx(((0.90 + 0.99) / 4, 0.45, 0.495))
+    assert whole.arms == ["dapo", "lspo"] and whole.seeds == {"lspo": [42, 43], "dapo": [42, 43]}
+    flipped = tables.peak_table(runs, baseline="lspo", horizon=20, ks=[1])
+    mean, (low, high) = flipped.difference("math500", 1, "dapo")
+    assert (mean, low, high) == pytest.approx((-0.10, -0.13, -0.07))
+    with pytest.raises(ValueError, match="baseline arm 'grpo'"):
+        tables.peak_table(runs, baseline="grpo")
+
+
+def test_records_without_a_benchmark_are_one_pooled_set():
+    evals = [{"kind": "eval", "step": 10, "pass@1": 0.3}, {"kind": "eval", "step": 20, "pass@1": 0.2}]
+    assert tables.peak(evals, tables.UNNAMED_BENCHMARK, "pass@1") == 0.3
+    assert tables.peak(evals, tables.UNNAMED_BENCHMARK, "pass@1", horizon=15) == 0.3
+    assert math.isnan(tables.peak(evals, tables.UNNAMED_BENCHMARK, "pass@1", horizon=5))
+    assert math.isnan(tables.peak(evals, "math500", "pass@1"))

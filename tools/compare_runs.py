@@ -1,0 +1,62 @@
+"""Recorded training runs (arms x seeds) -> the paper's Table 1 layout, as Markdown and as a PNG plot.
+
+Each run is a training output directory (its ``metrics.jsonl``; ``config.yaml`` for the arm and seed),
+given as ``DIR`` (arm from ``scaffold.enabled``: lspo or dapo; seed from the config), ``ARM=DIR`` or
+``ARM:SEED=DIR``. Per (run, benchmark, k) the peak of validation pass@k up to ``--horizon`` steps, then
+the mean and [min, max] per arm and the difference from the baseline arm (``lspo_jax.tables``).
+
+    .venv/bin/python tools/compare_runs.py runs/lspo_seed4{2,3,4} runs/dapo_seed4{2,3,4} --horizon 500 \\
+        [--out table.md] [--plot table.png] [--per-seed] [--estimator unbiased]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lspo_jax import tables
+
+
+def parse_run(item: str) -> tables.RunTrace:
+    """``DIR``, ``ARM=DIR`` or ``ARM:SEED=DIR``."""
+    label, sep, path = item.partition("=")
+    if not sep:
+        return tables.read_run(item)
+    arm, _, seed = label.partition(":")
+    return tables.read_run(path, arm=arm, seed=int(seed) if seed else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", help="DIR, ARM=DIR or ARM:SEED=DIR")
+    p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this count")
+    p.add_argument("--estimator", default="first_k", choices=["first_k", "unbiased"])
+    p.add_argument("--ks", default=None, help="comma-separated k (default: all the records hold)")
+    p.add_argument("--benchmarks", default=None, help="comma-separated (default: all, in order of appearance)")
+    p.add_argument("--baseline", default=None, help="the arm others are compared with (default: dapo)")
+    p.add_argument("--per-seed", action="store_true", help="also the table of every run's peaks")
+    p.add_argument("--out", default=None, help="write the Markdown here")
+    p.add_argument("--plot", default=None, help="write the PNG plot here")
+    args = p.parse_args(argv)
+    table = tables.peak_table(
+        [parse_run(item) for item in args.runs],
+        ks=[int(k) for k in args.ks.split(",")] if args.ks else None,
+        benchmarks=args.benchmarks.split(",") if args.benchmarks else None,
+        estimator=args.estimator,
+        horizon=args.horizon,
+        baseline=args.baseline,
+    )
+    parts = [tables.caption(table), tables.markdown(table)]
+    if args.per_seed:
+        parts += ["Per run:", tables.markdown_per_seed(table)]
+    text = "\n\n".join(parts) + "\n"
+    print(text, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.plot:
+        print(f"plot: {tables.plot(table, args.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
