@@ -84,14 +84,15 @@ def _logprobs(config: ModelConfig, params: Params, tokens, attention_mask, lora_
 
 
 def teacher_forced_logprobs(
-    config: ModelConfig, params: Params, rows: Rows, *, lora_scale: float, temperature: float
+    config: ModelConfig, params: Params, rows: Rows, *, lora_scale: float, temperature: float, min_rows: int = 1
 ) -> np.ndarray:
     """``log pi(tokens[t] | tokens[<t])`` at the sampling temperature, zero off the response mask.
 
-    Rows are padded to a power-of-two count first, so a varying number of rows reuses compiled programs.
+    Rows are padded to a power-of-two count (at least ``min_rows``) first, so a varying number of rows
+    reuses compiled programs.
     """
     count = len(rows["tokens"])
-    padded = pad_rows({k: rows[k] for k in ("tokens", "attention_mask")}, pow2_rows(count))
+    padded = pad_rows({k: rows[k] for k in ("tokens", "attention_mask")}, pow2_rows(max(count, min_rows)))
     logp = _logprobs(
         config, params, padded["tokens"], padded["attention_mask"], lora_scale=lora_scale, temperature=temperature
     )

@@ -150,7 +150,8 @@ def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows
             [ex.prompt_ids for ex in cliff_examples], [ex.solution_ids for ex in cliff_examples],
             run.data.max_prompt_tokens, run.data.max_solution_tokens,
         )  # fmt: skip
-        sft_batch = rollout.pad_rows(sft_batch, rollout.pow2_rows(len(cliff_examples)))
+        slots = max(len(cliff_examples), run.scaffold.min_cliff_bucket)
+        sft_batch = rollout.pad_rows(sft_batch, rollout.pow2_rows(slots))
         for _ in range(run.scaffold.sft_steps):
             state.params, state.opt_state, sft_metrics = sft_update(
                 policy.config, state.params, state.opt_state, sft_batch, sft=run.scaffold.sft
@@ -158,14 +159,17 @@ def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows
         metrics["sft_loss"] = float(sft_metrics["sft_loss"])
     with phases("reroll"):
         prompts = [ex.prompt_ids for ex in cliff_examples]
-        rerolls = sample_rows(run, policy, state.params, prompts, reroll_key, lora_scale=1.0)
+        padding = [prompts[0]] * (slots - len(prompts))  # sampled, then dropped: only fixes the shape
+        rerolls = sample_rows(run, policy, state.params, prompts + padding, reroll_key, lora_scale=1.0)
+        rerolls = {name: value[: len(prompts) * k] for name, value in rerolls.items()}
     with phases("reward"):
         score_rows(run, policy, pool, rerolls, [ex.answer for ex in cliff_examples])
     with phases("logprob"):
         # The spliced rows' importance-ratio denominator: the adapter-on policy that sampled them.
         rerolls["old_logp"] = rollout.teacher_forced_logprobs(
-            policy.config, state.params, rerolls, lora_scale=1.0, temperature=run.rollout.temperature
-        )
+            policy.config, state.params, rerolls, lora_scale=1.0, temperature=run.rollout.temperature,
+            min_rows=slots * k,
+        )  # fmt: skip
     spliced, spliced_rows, stats = scaffold.splice(rows, rerolls, usable, k)
     metrics.update(
         surpassed_groups=stats.num_surpassed,

@@ -147,9 +147,14 @@ class ScaffoldConfig:
     enabled: bool = True
     sft_steps: int = 4
     sft: SFTOptimConfig = dataclasses.field(default_factory=SFTOptimConfig)
+    # The SFT, re-roll and log-prob batches hold at least this many cliff prompts (padding repeats one):
+    # set it to rollout.prompts_per_step to compile one program per phase, where compiling costs more
+    # than the padded compute (small models on CPU). 1 sizes them by the cliff count (power-of-two buckets).
+    min_cliff_bucket: int = 1
 
     def __post_init__(self) -> None:
         _require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive")
+        _require(self.min_cliff_bucket > 0, "scaffold.min_cliff_bucket", "must be positive")
 
 
 @dataclasses.dataclass(frozen=True)

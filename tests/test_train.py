@@ -447,3 +447,32 @@ def test_train_records_hold_the_documented_keys(trained_run):
 def test_a_finished_run_is_not_overwritten_without_resume(trained_run, make_config, easy_rule):
     with pytest.raises(FileExistsError, match="already holds a run .* pass --resume"):
         Run(make_config(steps=4), trained_run["dir"], verifier=FakeVerifier(easy_rule))
+
+
+def test_cliff_bucket_pads_the_reroll_and_drops_the_padding(tmp_path, make_config, easy_rule, monkeypatch):
+    # min_cliff_bucket 2 with one cliff: the re-roll samples the cliff prompt twice (a fixed shape) and the
+    # copy is dropped before scoring, so exactly K re-rollouts are scored and one of them (slot 1) splices.
+    verifier = FakeVerifier(easy_rule, lambda response, gold, slot: slot == 1)
+    scored, prompts_seen = [], []
+    real_score, real_sample = verifier.score, train.sample_rows
+
+    def score(responses, golds):
+        scored.append(len(responses))
+        return real_score(responses, golds)
+
+    def sample_rows(run, policy, params, prompts, key, *, lora_scale):
+        verifier.adapter_on = lora_scale == 1.0
+        prompts_seen.append(list(prompts))
+        return real_sample(run, policy, params, prompts, key, lora_scale=lora_scale)
+
+    monkeypatch.setattr(verifier, "score", score)
+    monkeypatch.setattr(train, "sample_rows", sample_rows)
+    config = make_config(steps=1, scaffold__min_cliff_bucket=2, reward__overlong_factor=0.0)
+    job = Run(config, str(tmp_path), verifier=verifier)
+    summary = job.train()
+    job.close()
+    (record,) = [m for m in read_metrics(os.path.join(str(tmp_path), "metrics.jsonl")) if m["kind"] == "train"]
+    assert len(prompts_seen) == 2 and len(prompts_seen[1]) == 2 and prompts_seen[1][0] == prompts_seen[1][1]
+    assert scored == [2 * K, K]  # base rollouts, then the cliff's K re-rollouts without the padding copy
+    assert (record["cliff_groups"], record["surpassed_groups"], record["spliced_rows"]) == (1, 1, 1)
+    assert record["rescue_pass_rate"] == 0.5 and summary["rerolls"] == K
