@@ -2,7 +2,8 @@
 
 The adapter is never written: it lives for one step and is discarded (the deliverable is base-only).
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-write
-leaves the previous checkpoint intact; ``keep`` bounds how many are kept.
+leaves the previous checkpoint intact; ``keep`` bounds how many are kept. Sharded arrays are written by
+the devices (and hosts) that hold them; every process of a multi-host run calls ``save`` and ``restore``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def restore(self, step: int | None, target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Restore into the structure, shapes and dtypes of ``target`` (arrays or ShapeDtypeStructs)."""
+        """Restore into the structure, shapes, dtypes and shardings of ``target`` (arrays or ShapeDtypeStructs).
+
+        Each leaf comes back in its target's layout, whatever mesh wrote it: a run saved with fsdp = 8 resumes
+        on fsdp = 2 x tp = 4 given a target from ``sharding.abstract_params`` / ``opt_state_shardings``.
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")

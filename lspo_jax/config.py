@@ -13,6 +13,9 @@ from typing import Any
 # Projections of a Qwen2 decoder layer that can carry a LoRA adapter (peft's q_proj ... down_proj).
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 _DTYPES = ("float32", "bfloat16", "float16")
+# Rematerialisation of the layer scan: "full" saves only each layer's input and recomputes the rest in the
+# backward pass; "dots" also saves the outputs of the weight matmuls (not the attention scores).
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 def _check(ok: bool, cls: str, field: str, message: str) -> None:
@@ -56,7 +59,8 @@ class ModelConfig:
     """Shape and numerics of a Qwen2 decoder-only model.
 
     ``param_dtype`` is how weights are stored (float32 master copy for training); ``compute_dtype`` is
-    the matmul dtype (bfloat16 on accelerators). Norms, softmax and logits are always float32.
+    the matmul dtype (bfloat16 on accelerators). Norms, softmax and logits are always float32. ``remat``
+    trades compute for activation memory in differentiated passes (one of ``REMAT_POLICIES``).
     """
 
     vocab_size: int
@@ -75,6 +79,7 @@ class ModelConfig:
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         if self.head_dim is None and self.num_heads > 0:
@@ -106,6 +111,9 @@ class ModelConfig:
             value = getattr(self, name)
             _check(value in _DTYPES, "ModelConfig", name, f"must be one of {_DTYPES}, got {value!r}")
         _check(isinstance(self.lora, LoraConfig), "ModelConfig", "lora", f"must be a LoraConfig, got {self.lora!r}")
+        _check(
+            self.remat in REMAT_POLICIES, "ModelConfig", "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}"
+        )
 
     # ----------------------------------------------------------------------------------------- presets
     @classmethod

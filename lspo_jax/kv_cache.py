@@ -2,7 +2,8 @@
 
 Letters as in ``model.py`` (L layers, B rows, S cache slots, K key/value heads, E head dim). The cache is
 never mutated in place by Python code: functions take it and return a new one, and the jitted decode
-loop that owns it has it donated, so XLA updates the buffer in place.
+loop that owns it has it donated, so XLA updates the buffer in place. Under a mesh every function here
+returns the cache in the layout ``sharding.kv_cache_sharding`` describes.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lspo_jax import sharding
 from lspo_jax.config import ModelConfig
-from lspo_jax.model import Params
+from lspo_jax.model import CACHE_AXES, Params
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype: str | None = None) -> Params:
@@ -21,17 +23,24 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype: str | None =
     """
     shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
     dtype = jnp.dtype(dtype or config.compute_dtype)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return constrain({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
 
 
 def repeat_rows(cache: Params, n: int) -> Params:
     """Each row ``n`` times in a row (row b becomes rows b*n .. b*n+n-1), as ``jnp.repeat`` on the B axis."""
-    return jax.tree.map(lambda x: jnp.repeat(x, n, axis=1), cache)
+    return constrain(jax.tree.map(lambda x: jnp.repeat(x, n, axis=1), cache))
 
 
 def grow_cache(cache: Params, length: int) -> Params:
     """The same cache with empty slots appended up to ``length`` (written slots keep their indices)."""
-    return jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0), (0, 0))), cache)
+    return constrain(
+        jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0), (0, 0))), cache)
+    )
+
+
+def constrain(cache: Params) -> Params:
+    """Pin the cache's layout under a mesh: rows over the data axes, KV heads over ``tp`` (``sharding``)."""
+    return jax.tree.map(lambda x: sharding.constrain(x, CACHE_AXES), cache)
 
 
 def cache_nbytes(config: ModelConfig, batch: int, length: int, dtype: str | None = None) -> int:

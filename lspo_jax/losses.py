@@ -76,6 +76,45 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
     return jax.nn.logsumexp(z, axis=-1) - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
 
 
+def chunked_token_logprobs(
+    hidden_BTD: jax.Array,
+    head_fn: Callable[[jax.Array], jax.Array],
+    targets_BT: jax.Array,
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """``token_logprobs(head_fn(hidden), targets)`` computed ``chunk_size`` positions at a time.
+
+    ``head_fn`` maps hidden states ``[B, C, D]`` to logits ``[B, C, V]`` (the LM head). Only one chunk's
+    logits exist at once: for the 1.5B model's V = 151936 a whole ``[B, T, V]`` float32 array is 0.6 MB per
+    token, 5.6 GB per 9216-token row. Each chunk is rematerialised, so the backward pass recomputes its
+    logits instead of keeping them. T is padded up to a multiple of ``chunk_size`` (pad logits are dropped).
+
+    Returns ``(logp [B, T], entropy [B, T] or None)``; the entropy (``token_entropy``, a metric: no gradient)
+    is computed from the same chunk when ``with_entropy``.
+    """
+    b, t, d = hidden_BTD.shape
+    n = -(-t // chunk_size)
+    pad = n * chunk_size - t
+    h_NBCD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk_size, d).swapaxes(0, 1)
+    y_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n, chunk_size).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(xs):
+        h_BCD, y_BC = xs
+        logits_BCV = head_fn(h_BCD)
+        logp_BC = token_logprobs(logits_BCV, y_BC, temperature)
+        if not with_entropy:
+            return logp_BC, None
+        return logp_BC, jax.lax.stop_gradient(token_entropy(logits_BCV, temperature))
+
+    logp_NBC, entropy_NBC = jax.lax.map(one_chunk, (h_NBCD, y_NBC))
+    unchunk = lambda x_NBC: x_NBC.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
+    return unchunk(logp_NBC), None if entropy_NBC is None else unchunk(entropy_NBC)
+
+
 def masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
     """``sum(x * mask)`` computed with ``where`` so that masked garbage (inf, NaN) cannot leak in."""
     return jnp.sum(jnp.where(mask.astype(bool), x, 0.0))
@@ -192,7 +231,8 @@ def accumulate_gradients(
     would weight the tokens of short micro-batches more.
 
     Every leaf of ``batch`` has the rows on axis 0, and the row count must divide by ``num_micro_batches``.
-    Micro-batches are consecutive row blocks run by ``lax.scan``, so only one block's activations are live.
+    Micro-batch m holds rows ``m, m + M, m + 2M, ...`` (M = ``num_micro_batches``), run by ``lax.scan``, so only
+    one micro-batch's activations are live.
     Gradients are accumulated in float32 and returned in the dtype of each parameter. Jittable (with
     ``loss_fn`` and ``num_micro_batches`` static).
 
@@ -204,7 +244,7 @@ def accumulate_gradients(
     if num_micro_batches == 1:
         (loss, metrics), grads = grad_fn(params, batch, num_tokens)
         return loss, grads, metrics
-    micro_batches = jax.tree.map(lambda x: _split_rows(x, num_micro_batches), batch)
+    micro_batches = jax.tree.map(lambda x: split_rows(x, num_micro_batches), batch)
 
     def step(carry, micro_batch):
         loss_sum, grad_sum = carry
@@ -218,11 +258,20 @@ def accumulate_gradients(
     return loss, grads, merge_micro_batch_metrics(stacked)
 
 
-def _split_rows(x: jax.Array, num_micro_batches: int) -> jax.Array:
+def split_rows(x: jax.Array, num_micro_batches: int) -> jax.Array:
+    """``[rows, ...] -> [M, rows / M, ...]``: micro-batch m holds rows ``m, m + M, m + 2M, ...``."""
     rows = x.shape[0]
     if rows % num_micro_batches:
         raise ValueError(f"batch of {rows} rows does not split into {num_micro_batches} micro-batches")
-    return x.reshape(num_micro_batches, rows // num_micro_batches, *x.shape[1:])
+    # Micro-batch m takes rows m, m + M, m + 2M, ... (strided, not a consecutive block): the row axis of a
+    # batch split over D data-parallel devices is D consecutive blocks, and a strided split keeps every
+    # micro-batch spread over all D of them, where a block split would put it on one device.
+    return x.reshape(rows // num_micro_batches, num_micro_batches, *x.shape[1:]).swapaxes(0, 1)
+
+
+def merge_rows(x: jax.Array) -> jax.Array:
+    """Inverse of ``split_rows``: ``[M, rows / M, ...] -> [rows, ...]`` in the original row order."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def merge_micro_batch_metrics(stacked: Metrics) -> Metrics:

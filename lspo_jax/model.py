@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lspo_jax import sharding
 from lspo_jax.config import ModelConfig
 
 Params = dict[str, Any]
@@ -156,6 +157,10 @@ def logical_axes(config: ModelConfig) -> Params:
     return jax.tree.map(lambda s: s.axes, param_specs(config), is_leaf=_is_spec)
 
 
+# Logical axes of each KV-cache leaf ``[L, B, S, K, E]`` (``decoder``), for its layout on a mesh.
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
 def count_params(tree: Any) -> int:
     """Total number of elements over the leaves of a pytree of arrays or ShapeDtypeStructs."""
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
@@ -260,6 +265,9 @@ def block(
         q_BTHE = _linear(h_BTD, layer["q"], lora.get("q"), lora_c) + layer["q_bias"].astype(dt)
         k_BTKE = _linear(h_BTD, layer["k"], lora.get("k"), lora_c) + layer["k_bias"].astype(dt)
         v_BTKE = _linear(h_BTD, layer["v"], lora.get("v"), lora_c) + layer["v_bias"].astype(dt)
+        q_BTHE = sharding.constrain(q_BTHE, ("batch", None, "heads", None))
+        k_BTKE = sharding.constrain(k_BTKE, ("batch", None, "kv_heads", None))
+        v_BTKE = sharding.constrain(v_BTKE, ("batch", None, "kv_heads", None))
         q_BTHE = rotary(q_BTHE, positions_BT, config.rope_theta)
         k_BTKE = rotary(k_BTKE, positions_BT, config.rope_theta)
         if kv_cache is not None:
@@ -271,8 +279,17 @@ def block(
         h_BTD = rms_norm(x_BTD, layer["mlp_norm"], config.rms_norm_eps)
         gate_BTF = _linear(h_BTD, layer["gate"], lora.get("gate"), lora_c)
         up_BTF = _linear(h_BTD, layer["up"], lora.get("up"), lora_c)
+        gate_BTF = sharding.constrain(gate_BTF, ("batch", None, "mlp"))
+        up_BTF = sharding.constrain(up_BTF, ("batch", None, "mlp"))
         x_BTD = x_BTD + _linear(jax.nn.silu(gate_BTF) * up_BTF, layer["down"], lora.get("down"), lora_c)
     return x_BTD, kv_cache
+
+
+# Logical axes of the residual stream [B, T, D]; None is replicated (see ``sharding.constrain``).
+_RESIDUAL_AXES = ("batch", None, None)
+# "dots" saves matmuls without batch dimensions: the projections, whose outputs are cheap to keep, and not
+# the [B, K, G, T, S] attention scores, which are the largest activations of long sequences.
+_REMAT_POLICY = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def _effective_lora(config: ModelConfig, params: Params, lora_scale: jax.Array | float) -> tuple[Params | None, Any]:
@@ -286,7 +303,8 @@ def _effective_lora(config: ModelConfig, params: Params, lora_scale: jax.Array |
 def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array) -> jax.Array:
     """Token embeddings ``E[tokens]`` in the compute dtype."""
     with jax.named_scope("embed"):
-        return jnp.take(params["base"]["embed"], tokens_BT, axis=0).astype(config.compute_dtype)
+        x_BTD = jnp.take(params["base"]["embed"], tokens_BT, axis=0).astype(config.compute_dtype)
+        return sharding.constrain(x_BTD, _RESIDUAL_AXES)
 
 
 def decoder(
@@ -305,9 +323,13 @@ def decoder(
     ``kv_cache``, when given, is ``{"k": [L, B, S, K, E], "v": [L, B, S, K, E]}``; see ``block``.
     """
     lora, lora_c = _effective_lora(config, params, lora_scale)
+    layers = params["base"]["layers"]
 
     def layer_step(x_BTD, xs):
         layer, layer_lora, layer_cache = xs
+        # The residual stream is split by rows only (embed whole), so each layer gathers its FSDP-split
+        # weights instead of the partitioner gathering activations: the weights are the smaller of the two.
+        x_BTD = sharding.constrain(x_BTD, _RESIDUAL_AXES)
         return block(
             config,
             layer,
@@ -320,8 +342,28 @@ def decoder(
             cache_index=cache_index,
         )
 
+    def cached_layer_step(carry, xs):
+        # The cache rides in the carry and layer i updates its own slice, in place. Passed as scan input and
+        # output instead, it would be written out whole as a new array at every decode step (for 512 rows of
+        # 9216 slots that held three cache-sized buffers per device where this holds one).
+        x_BTD, cache = carry
+        layer, layer_lora, i = xs
+        x_BTD, layer_cache = layer_step(x_BTD, (layer, layer_lora, jax.tree.map(lambda c: c[i], cache)))
+        cache = jax.tree.map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, i, 0), cache, layer_cache)
+        return (x_BTD, cache), None
+
+    if config.remat != "none" and kv_cache is None:
+        # Only the layer inputs (and, for "dots", the weight matmul outputs) stay alive for the backward
+        # pass; the rest of a layer is recomputed there. prevent_cse=False: scan already keeps XLA from
+        # merging the recomputation into the forward pass (jax.checkpoint's documented advice for scans).
+        layer_step = jax.checkpoint(layer_step, policy=_REMAT_POLICY[config.remat], prevent_cse=False)
     with jax.named_scope("layers"):
-        x_BTD, kv_cache = jax.lax.scan(layer_step, x_BTD, (params["base"]["layers"], lora, kv_cache))
+        if kv_cache is None:
+            x_BTD, _ = jax.lax.scan(layer_step, x_BTD, (layers, lora, None))
+        else:
+            xs = (layers, lora, jnp.arange(config.num_layers))
+            (x_BTD, kv_cache), _ = jax.lax.scan(cached_layer_step, (x_BTD, kv_cache), xs)
+            kv_cache = jax.tree.map(lambda c: sharding.constrain(c, CACHE_AXES), kv_cache)
     with jax.named_scope("final_norm"):
         return rms_norm(x_BTD, params["base"]["final_norm"], config.rms_norm_eps), kv_cache
 
@@ -352,9 +394,12 @@ def lm_logits(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Arra
     with jax.named_scope("lm_head"):
         if config.tie_word_embeddings:
             w_VD = base["embed"].astype(h_BTD.dtype)
-            return jnp.einsum("...d,vd->...v", h_BTD, w_VD, preferred_element_type=jnp.float32)
-        w_DV = base["lm_head"].astype(h_BTD.dtype)
-        return jnp.einsum("...d,dv->...v", h_BTD, w_DV, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("...d,vd->...v", h_BTD, w_VD, preferred_element_type=jnp.float32)
+        else:
+            w_DV = base["lm_head"].astype(h_BTD.dtype)
+            logits = jnp.einsum("...d,dv->...v", h_BTD, w_DV, preferred_element_type=jnp.float32)
+        rows = ("batch", *(None,) * (logits.ndim - 2)) if logits.ndim > 1 else ()
+        return sharding.constrain(logits, (*rows, "vocab"))
 
 
 def forward(

@@ -152,16 +152,57 @@ def sequence_logprobs(
     *,
     lora_scale: float = 0.0,
     temperature: float = 1.0,
-) -> tuple[jax.Array, jax.Array]:
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
     """Per-token log-probs aligned with ``tokens``, and the logits they came from.
 
     ``logp[:, t] = log softmax(logits[:, t - 1] / temperature)[tokens[:, t]]`` for ``t >= 1`` and
     ``logp[:, 0] = 0`` (nothing predicts the first token), so a loss mask in token coordinates (True on the
     generated tokens) applies directly; position 0 must be masked out. Returns ``(logp [B, T], logits)``.
+    With ``chunk_size`` the LM head runs that many positions at a time (``losses.chunked_token_logprobs``)
+    and the logits, never held whole, are returned as None.
     """
+    if chunk_size is not None:
+        logp, _ = _chunked_logprobs(config, params, tokens, attention_mask, lora_scale, temperature, chunk_size)
+        return logp, None
     logits = model.forward(config, params, tokens, attention_mask, lora_scale=lora_scale)
     logp = losses.token_logprobs(logits[:, :-1], tokens[:, 1:], temperature)
     return jnp.pad(logp, ((0, 0), (1, 0))), logits
+
+
+def _chunked_logprobs(config, params, tokens, attention_mask, lora_scale, temperature, chunk_size, entropy=False):
+    h_BTD = model.hidden_states(config, params, tokens, attention_mask, lora_scale=lora_scale)
+    logp, ent = losses.chunked_token_logprobs(
+        h_BTD[:, :-1],
+        lambda h: model.lm_logits(config, params, h),
+        tokens[:, 1:],
+        chunk_size=chunk_size,
+        temperature=temperature,
+        with_entropy=entropy,
+    )
+    shift = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+    return shift(logp), None if ent is None else shift(ent)
+
+
+def logprobs_and_entropy(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    *,
+    lora_scale: float = 0.0,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``sequence_logprobs`` and the entropy of each predicting distribution (``losses.token_entropy``,
+    a metric without gradient), ``[B, T]`` each, aligned alike (position 0 holds 0); chunked as there."""
+    if chunk_size is not None:
+        return _chunked_logprobs(config, params, tokens, attention_mask, lora_scale, temperature, chunk_size, True)
+    logp, logits = sequence_logprobs(
+        config, params, tokens, attention_mask, lora_scale=lora_scale, temperature=temperature
+    )
+    entropy = losses.token_entropy(jax.lax.stop_gradient(logits[:, :-1]), temperature)
+    return logp, jnp.pad(entropy, ((0, 0), (1, 0)))
 
 
 def rl_step(
@@ -176,25 +217,31 @@ def rl_step(
     clip_c: float | None = None,
     temperature: float = 1.0,
     num_micro_batches: int = 1,
+    chunk_size: int | None = None,
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
     """One RL update of the base: ``policy_loss`` token-mean over the whole batch, adapter off.
 
     ``batch``: ``tokens``, ``attention_mask``, ``mask`` (response tokens) and ``old_logp``, all ``[B, T]`` and
     aligned as in ``sequence_logprobs``, and ``advantages`` ``[B]`` or ``[B, T]``. The forward pass gets only
     ``params["base"]`` with ``lora_scale = 0``, so the adapter is neither computed nor differentiated.
+    ``chunk_size`` runs the LM head in sequence chunks (see ``sequence_logprobs``).
     Jittable with ``config`` and the keyword arguments static.
     """
 
     def loss_fn(base: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
-        logp, logits = sequence_logprobs(
-            config, {BASE: base}, micro["tokens"], micro["attention_mask"], temperature=temperature
+        logp, entropy = logprobs_and_entropy(
+            config,
+            {BASE: base},
+            micro["tokens"],
+            micro["attention_mask"],
+            temperature=temperature,
+            chunk_size=chunk_size,
         )
         clip = {"eps_low": eps_low, "eps_high": eps_high, "clip_c": clip_c}
         loss, metrics = losses.policy_loss(
             logp, micro["old_logp"], micro["advantages"], micro["mask"], num_tokens=num_tokens, **clip
         )
-        entropy = losses.token_entropy(jax.lax.stop_gradient(logits[:, :-1]), temperature)
-        metrics["entropy"] = losses.masked_mean(jnp.pad(entropy, ((0, 0), (1, 0))), micro["mask"])
+        metrics["entropy"] = losses.masked_mean(entropy, micro["mask"])
         return loss, metrics
 
     with jax.named_scope("rl_grad"):
@@ -212,17 +259,21 @@ def sft_step(
     *,
     sft: SFTOptimConfig = SFTOptimConfig(),
     num_micro_batches: int = 1,
+    chunk_size: int | None = None,
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
     """One SFT update of the adapter: token-mean cross-entropy with the adapter on (``lora_scale = 1``).
 
     ``batch``: ``tokens``, ``attention_mask`` and ``mask`` (solution tokens; prompt and padding False),
     ``[B, T]``, aligned as in ``sequence_logprobs``. Only ``params["lora"]`` is differentiated and updated;
     the base enters the forward as a constant. Temperature 1: the adapter fits the data distribution.
+    ``chunk_size`` as in ``rl_step``.
     """
 
     def loss_fn(lora: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
         full = {BASE: params[BASE], LORA: lora}
-        logp, _ = sequence_logprobs(config, full, micro["tokens"], micro["attention_mask"], lora_scale=1.0)
+        logp, _ = sequence_logprobs(
+            config, full, micro["tokens"], micro["attention_mask"], lora_scale=1.0, chunk_size=chunk_size
+        )
         loss = losses.sft_loss(logp, micro["mask"], num_tokens=num_tokens)
         return loss, {"num_tokens": jnp.sum(micro["mask"].astype(jnp.float32))}
 

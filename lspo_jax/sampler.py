@@ -19,6 +19,9 @@ How a call runs:
   the step, that removes about a third of the decode's memory traffic. Between segments the cache is
   copied into a larger one (once per window).
 
+On a device mesh (``generate(..., mesh=mesh)``) the same programs run under ``jax.set_mesh``: weights split
+over ``tp`` only, rows and the KV cache over the data axes; XLA inserts the collectives.
+
 Every shape is bucketed (powers of two), so a run compiles a bounded number of programs:
 per (batch bucket, prompt bucket, new-token bucket, sampling options, adapter on/off) one prefill and one
 decode program per window.
@@ -31,6 +34,7 @@ temperature given too (so greedy with T = 1 reports the model's plain log-probs)
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -39,10 +43,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from lspo_jax import sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.kv_cache import grow_cache, init_cache, repeat_rows
-from lspo_jax.model import Params, attention_positions, causal_padding_mask, decoder, embed, lm_logits
+from lspo_jax.model import Params, abstract_params, attention_positions, causal_padding_mask, decoder, embed, lm_logits
 
 PAD_ID = 0  # what a finished row emits; its log-prob is 0 and it is cut from every returned record
 MIN_PROMPT_BUCKET = 16
@@ -357,6 +363,17 @@ def _check_args(prompts, max_new_tokens, temperature, top_p, top_k, n, cache_win
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def _place_on_mesh(config: ModelConfig, tree: Params, mesh: jax.sharding.Mesh | None) -> Params:
+    """The sampling params in the decode layout: split over ``tp`` only, whole on every data-parallel replica.
+
+    Gathering FSDP-split weights at every generated token would move the whole model per step; holding
+    them (in the compute dtype) on each replica costs less than the KV cache of a long rollout.
+    """
+    if mesh is None:
+        return tree
+    return sharding.shard_params(tree, sharding.param_shardings(config, mesh, gather_fsdp=True))
+
+
 class _Call(NamedTuple):
     """Everything about one call except the key: padded inputs, buckets, the params tree the programs see."""
 
@@ -372,13 +389,23 @@ class _Call(NamedTuple):
     ends: list[int]
     n: int
     max_new_tokens: int
+    mesh: jax.sharding.Mesh | None = None
+
+    def in_mesh(self):
+        """The context the programs trace and run in: under a mesh, the model's layout constraints apply."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def prefill(self, key: jax.Array) -> _State:
         args = (self.tokens_BP, self.mask_BP, self.live_B, key, self.temperature, self.scale, self.eos_E)
         static = dict(options=self.options, n=self.n, window=self.ends[0], total_new=self.ends[-1])
-        return _prefill(self.config, self.tree, *args, **static)
+        with self.in_mesh():
+            return _prefill(self.config, self.tree, *args, **static)
 
     def decode(self, state: _State, key: jax.Array) -> _State:
+        with self.in_mesh():
+            return self._decode(state, key)
+
+    def _decode(self, state: _State, key: jax.Array) -> _State:
         prompt_slots = self.tokens_BP.shape[1]
         for i, end in enumerate(self.ends):
             if i > 0:
@@ -406,9 +433,11 @@ def _plan(
     lora_scale: float | jax.Array = 0.0,
     greedy: bool = False,
     cache_window: int = DEFAULT_CACHE_WINDOW,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> _Call:
     _check_args(prompts, max_new_tokens, temperature, top_p, top_k, n, cache_window)
     tree, scale = _sampling_params(config, params, lora_scale)
+    tree = _place_on_mesh(config, tree, mesh)
     batch = _pow2_at_least(len(prompts))
     prompt_slots = _pow2_at_least(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
     return _Call(
@@ -422,7 +451,55 @@ def _plan(
         window_ends(max_new_tokens, cache_window),
         n,
         max_new_tokens,
+        mesh,
     )
+
+
+def lower_decode(
+    config: ModelConfig,
+    *,
+    rows: int,
+    prompt_slots: int,
+    cache_slots: int,
+    total_new: int,
+    mesh: jax.sharding.Mesh | None = None,
+    options: SamplingOptions = SamplingOptions(),
+) -> jax.stages.Lowered:
+    """The decode-segment program for abstract inputs (nothing is allocated), for memory plans of shapes too
+    big to run: ``rows`` completion rows, a cache of ``cache_slots`` slots, base params in the compute dtype.
+    """
+    dtype = jnp.dtype(config.compute_dtype)
+    params = {"base": jax.tree.map(lambda a: a.update(dtype=dtype), abstract_params(config)["base"])}
+    cache = jax.ShapeDtypeStruct((config.num_layers, rows, cache_slots, config.num_kv_heads, config.head_dim), dtype)
+    row = lambda shape, dt: jax.ShapeDtypeStruct((rows, *shape), dt)
+    state = _State(
+        cache={"k": cache, "v": cache},
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        token_C=row((), jnp.int32),
+        done_C=row((), bool),
+        eos_C=row((), bool),
+        length_C=row((), jnp.int32),
+        tokens_CN=row((total_new,), jnp.int32),
+        logp_CN=row((total_new,), jnp.float32),
+        prompt_len_C=row((), jnp.int32),
+        prompt_valid_CP=row((prompt_slots,), bool),
+    )
+    if mesh is not None:
+        place = lambda tree, shardings: jax.tree.map(lambda a, s: a.update(sharding=s), tree, shardings)
+        params = place(params, {"base": sharding.param_shardings(config, mesh, gather_fsdp=True)["base"]})
+        state = place(state, _state_shardings(config, mesh, state))
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    args = (jax.eval_shape(jax.random.key, 0), scalar, scalar, _eos_array(()), jax.ShapeDtypeStruct((), jnp.int32))
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        return _decode_segment.lower(config, params, state, *args, options=options)
+
+
+def _state_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, state: _State) -> _State:
+    """Rows over the data axes, scalars replicated, the cache as ``sharding.kv_cache_sharding``."""
+    rows = state.token_C.shape[0]
+    by_rows, whole = sharding.batch_sharding(mesh, rows), sharding.replicated(mesh)
+    cache = sharding.kv_cache_sharding(config, mesh, rows)
+    return jax.tree.map(lambda a: by_rows if a.ndim else whole, state)._replace(cache={"k": cache, "v": cache})
 
 
 def prefill_only(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *, key: jax.Array, **kwargs):
@@ -445,6 +522,7 @@ def generate_arrays(
     lora_scale: float | jax.Array = 0.0,
     greedy: bool = False,
     cache_window: int = DEFAULT_CACHE_WINDOW,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> SampleBatch:
     """Sample ``n`` continuations of each prompt; padded arrays (see ``generate`` for the arguments)."""
     call = _plan(
@@ -460,12 +538,13 @@ def generate_arrays(
         lora_scale=lora_scale,
         greedy=greedy,
         cache_window=cache_window,
+        mesh=mesh,
     )
     state = call.decode(call.prefill(key), key)
     rows = len(prompts) * n  # padding rows come last: drop them
-    tokens, logp, lengths, eos, steps = jax.device_get(
-        (state.tokens_CN, state.logp_CN, state.length_C, state.eos_C, state.step)
-    )
+    # On several hosts each holds only its devices' rows: gather them so every host gets the whole result.
+    fetch = jax.device_get if jax.process_count() == 1 else multihost_utils.process_allgather
+    tokens, logp, lengths, eos, steps = fetch((state.tokens_CN, state.logp_CN, state.length_C, state.eos_C, state.step))
     return SampleBatch(
         tokens=tokens[:rows, :max_new_tokens],
         logprobs=logp[:rows, :max_new_tokens],
@@ -491,6 +570,7 @@ def generate(
     lora_scale: float | jax.Array = 0.0,
     greedy: bool = False,
     cache_window: int = DEFAULT_CACHE_WINDOW,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> list[Completion]:
     """Sample ``n`` continuations of each prompt (token-id lists); ``n`` consecutive records per prompt.
 
@@ -500,6 +580,11 @@ def generate(
     Python 0 runs the base program without adapter matmuls. The result depends only on ``key``, the
     inputs and the shape buckets (batch size rounded up to a power of two), not on ``cache_window``,
     which sets the first cache growth step (see the module docstring).
+
+    With a ``mesh`` (``sharding.make_mesh``) the programs run on all its devices: weights split over ``tp``
+    (whole on each data-parallel replica), rows and the KV cache over ``data`` and ``fsdp`` when the row
+    bucket divides, KV heads over ``tp`` when they divide. The tokens equal the single-device ones up to
+    ties that a different order of floating-point sums can break.
     """
     batch = generate_arrays(
         config,
@@ -515,5 +600,6 @@ def generate(
         lora_scale=lora_scale,
         greedy=greedy,
         cache_window=cache_window,
+        mesh=mesh,
     )
     return batch.completions()

@@ -1,5 +1,6 @@
 """Disjoint gradient routing on the tiny Qwen2: RL moves only the base, SFT only the adapter."""
 
+import dataclasses
 import functools
 
 import jax
@@ -187,3 +188,40 @@ def test_config_defaults_and_validation():
             optim.RLOptimConfig(**bad)
     with pytest.raises(ValueError, match="extra"):
         optim.param_labels({"base": {}, "other": {}})
+
+
+# ------------------------------------------------------------------------------------ memory savers
+@functools.partial(jax.jit, static_argnames=("config", "chunk_size"))
+def _logprob_outputs(config, chunk_size, params, batch):
+    """Log-probs, entropies and the RL gradient of the base, by ``chunk_size`` (None: whole logits)."""
+
+    def loss(base):
+        args = (config, {"base": base}, batch["tokens"], batch["attention_mask"])
+        logp, entropy = optim.logprobs_and_entropy(*args, temperature=0.7, chunk_size=chunk_size)
+        value = losses.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"])[0]
+        return value, (logp, entropy, optim.sequence_logprobs(*args, temperature=0.7, chunk_size=chunk_size))
+
+    (_, (logp, entropy, (seq_logp, logits))), grads = jax.value_and_grad(loss, has_aux=True)(params["base"])
+    return logp, entropy, seq_logp, logits is None, grads
+
+
+@pytest.mark.parametrize("chunk_size", [5, 16])  # 5 does not divide the 11 predicted positions: padded
+def test_chunked_logprobs_equal_full_logits(chunk_size):
+    logp, entropy, _, _, grads = _logprob_outputs(CONFIG, None, _params(), _batch())
+    c_logp, c_entropy, c_seq_logp, no_logits, c_grads = _logprob_outputs(CONFIG, chunk_size, _params(), _batch())
+    np.testing.assert_allclose(c_logp, logp, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(c_seq_logp, logp, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(c_entropy, entropy, atol=1e-6, rtol=0)
+    assert no_logits  # the chunked path never holds them whole
+    for got, want in zip(jax.tree.leaves(c_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_gives_the_same_gradient(remat):
+    _, _, _, _, grads = _logprob_outputs(CONFIG, None, _params(), _batch())
+    _, _, _, _, remat_grads = _logprob_outputs(dataclasses.replace(CONFIG, remat=remat), None, _params(), _batch())
+    for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="remat"):
+        dataclasses.replace(CONFIG, remat="some")

@@ -1,0 +1,155 @@
+"""The update steps and the log-prob pass jitted for a device mesh, with layouts from ``sharding``.
+
+Each builder returns a function with the signature of its single-device counterpart, minus the config:
+
+    rl  = sharded_rl_step(config, mesh, rl=..., num_micro_batches=...)   # (params, opt_state, batch)
+    sft = sharded_sft_step(config, mesh, sft=...)                         # (params, opt_state, batch)
+    lp  = sharded_logprobs(config, mesh, lora_scale=0.0, temperature=T)    # (params, tokens, attention_mask)
+
+Params and optimizer state are split as ``sharding.param_shardings`` / ``opt_state_shardings`` say (FSDP over
+``fsdp``, tensor parallel over ``tp``) and donated, so a step updates them in place; batch rows are split over
+``data`` and ``fsdp`` (the row count must divide by their product). Arrays already on the mesh in these
+layouts pass through untouched; host arrays are placed on the way in. The numbers equal the single-device
+step's up to the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from lspo_jax import losses, optim, sharding
+from lspo_jax.config import ModelConfig
+from lspo_jax.model import Params
+from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
+
+_RL, _SFT = RLOptimConfig(), SFTOptimConfig()
+
+
+def step_shardings(
+    config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation
+) -> tuple[Params, optax.OptState, jax.sharding.NamedSharding]:
+    """``(params, optimizer state, batch)`` shardings of an update step of ``tx`` on ``mesh``."""
+    return (
+        sharding.param_shardings(config, mesh),
+        sharding.opt_state_shardings(config, mesh, tx),
+        sharding.batch_sharding(mesh),
+    )
+
+
+def in_mesh(mesh: Mesh, fn: Callable) -> Callable:
+    """``fn`` traced with ``mesh`` as the context mesh, so the model's ``sharding.constrain`` calls apply."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
+def _jit_step(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, step: Callable) -> Callable:
+    params_sh, state_sh, batch_sh = step_shardings(config, mesh, tx)
+    return jax.jit(
+        in_mesh(mesh, step),
+        in_shardings=(params_sh, state_sh, batch_sh),
+        out_shardings=(params_sh, state_sh, sharding.replicated(mesh)),
+        donate_argnums=(0, 1),
+    )
+
+
+def sharded_rl_step(
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    rl: RLOptimConfig = _RL,
+    sft: SFTOptimConfig = _SFT,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    clip_c: float | None = None,
+    temperature: float = 1.0,
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> Callable:
+    """``optim.rl_step`` on ``mesh``: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    ``rl`` and ``sft`` must be the configs of the optimizer (``optim.make_optimizer(rl, sft)``) whose state
+    is passed in: they fix the state's structure, hence its layout.
+    """
+    step = functools.partial(
+        optim.rl_step,
+        config,
+        rl=rl,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_c=clip_c,
+        temperature=temperature,
+        num_micro_batches=num_micro_batches,
+        chunk_size=chunk_size,
+    )
+    return _jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
+
+
+def sharded_sft_step(
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    rl: RLOptimConfig = _RL,
+    sft: SFTOptimConfig = _SFT,
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> Callable:
+    """``optim.sft_step`` on ``mesh``: ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+    step = functools.partial(
+        optim.sft_step, config, sft=sft, num_micro_batches=num_micro_batches, chunk_size=chunk_size
+    )
+    return _jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
+
+
+def sharded_logprobs(
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    lora_scale: float = 0.0,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    num_micro_batches: int = 1,
+) -> Callable:
+    """``optim.sequence_logprobs`` on ``mesh``: ``(params, tokens, attention_mask) -> logp [B, T]``.
+
+    ``num_micro_batches`` runs the rows in that many groups, one after another (as the RL step does), so a
+    whole rollout batch of long rows does not hold every row's activations at once. A Python ``lora_scale``
+    of 0 runs the base alone (the adapter subtree is not even passed in), as the single-device pass does.
+    """
+    keys = ("base",) if lora_scale == 0 else ("base", "lora")
+    params_sh = sharding.param_shardings(config, mesh)
+    batch_sh = sharding.batch_sharding(mesh)
+
+    def logprobs(params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        def one(rows):
+            kwargs = dict(lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size)
+            return optim.sequence_logprobs(config, params, *rows, **kwargs)[0]
+
+        if num_micro_batches == 1:
+            return one((tokens, attention_mask))
+        split = lambda x: losses.split_rows(x, num_micro_batches)
+        return losses.merge_rows(jax.lax.map(one, (split(tokens), split(attention_mask))))
+
+    jitted = jax.jit(
+        in_mesh(mesh, logprobs),
+        in_shardings=({k: params_sh[k] for k in keys}, batch_sh, batch_sh),
+        out_shardings=batch_sh,
+    )
+
+    def run(params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        return jitted({k: params[k] for k in keys}, tokens, attention_mask)
+
+    # Abstract inputs (ShapeDtypeStructs) give the compiled program without running it: memory plans.
+    run.lower = lambda params, tokens, attention_mask: jitted.lower(
+        {k: params[k] for k in keys}, tokens, attention_mask
+    )
+    return run

@@ -1,0 +1,228 @@
+"""Sharded-equals-unsharded checks on 8 CPU devices, run by ``test_sharding.py`` in a fresh process.
+
+The device count is fixed when JAX starts, and the pytest process has already started it with one device,
+so these checks run here: ``python tests/sharded_checks.py`` (it asks JAX for 8 CPU devices) prints one JSON
+object of measured numbers (largest differences, byte ratios, token matches) and the test file asserts on
+them. Everything runs in one process so JAX starts once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from lspo_jax import distributed, losses, model, optim, sampler, sharding
+from lspo_jax.checkpoint import Checkpointer
+from lspo_jax.config import ModelConfig
+
+# Before the first use of JAX (nothing above touches a device): 8 CPU devices to build meshes from.
+jax.config.update("jax_num_cpu_devices", 8)
+
+CONFIG = ModelConfig.preset("tiny")
+# A large Adam eps: the first Adam step is lr * g / (|g| + eps), which for eps = 1e-8 is lr * sign(g) and
+# turns float32 rounding of a near-zero gradient into a difference of order lr; eps = 1e-3 keeps the
+# update proportional to the gradient, so updated params can be compared tightly.
+RL = optim.RLOptimConfig(lr=1e-3, eps=1e-3)
+LAYOUTS = {"fsdp8": (1, 8, 1), "fsdp4_tp2": (1, 4, 2), "fsdp2_tp4": (1, 2, 4)}
+ROWS, LENGTH, PROMPT = 8, 16, 5
+
+
+def _max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True))
+
+
+def _tree_diff(a, b) -> float:
+    return _max_diff(jax.tree.leaves(a), jax.tree.leaves(b))
+
+
+def _params():
+    """Random tiny params, drawn with numpy: ``jax.random`` would compile a program per shape, slowly on CPU."""
+    rng = np.random.default_rng(0)
+
+    def draw(spec: model.ParamSpec) -> np.ndarray:
+        if spec.init in ("zeros", "ones"):
+            return np.full(spec.shape, float(spec.init == "ones"), spec.dtype)
+        return (0.05 * rng.standard_normal(spec.shape)).astype(spec.dtype)  # adapter B too: it computes something
+
+    return jax.tree.map(draw, model.param_specs(CONFIG), is_leaf=lambda x: isinstance(x, model.ParamSpec))
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    lengths = np.array([16, 9, 12, 7, 16, 10, 13, 8])
+    positions = np.arange(LENGTH)[None, :]
+    attention = positions < lengths[:, None]
+    return {
+        "tokens": rng.integers(0, CONFIG.vocab_size, (ROWS, LENGTH)).astype(np.int32),
+        "attention_mask": attention.astype(np.int32),
+        "mask": (attention & (positions >= PROMPT)).astype(np.int32),
+        "old_logp": (-np.log(CONFIG.vocab_size) + rng.uniform(-0.3, 0.3, (ROWS, LENGTH))).astype(np.float32),
+        "advantages": np.array([1.0, -1.0, 0.5, -0.5, 1.0, 0.0, -1.0, 0.5], np.float32),
+    }
+
+
+def _loss_and_grads(base, batch):
+    """RL loss (chunked head, 2 micro-batches would not change a gradient: plain here) and its base gradient."""
+
+    def loss(b):
+        logp, logits = optim.sequence_logprobs(CONFIG, {"base": b}, batch["tokens"], batch["attention_mask"])
+        return losses.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"])[0], logits
+
+    (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(base)
+    return logits, value, grads
+
+
+def check_steps(params, batch) -> dict:
+    """Forward logits, RL loss and its gradient on each mesh vs one device; then the jitted builders on the
+    fsdp x tp mesh."""
+    reference = jax.jit(_loss_and_grads)(params["base"], batch)
+    out = {"grad_scale": max(float(np.max(np.abs(g))) for g in jax.tree.leaves(reference[2]))}
+    for name, (data, fsdp, tp) in LAYOUTS.items():
+        mesh = sharding.make_mesh(sharding.MeshConfig(data, fsdp, tp))
+        in_shardings = (sharding.param_shardings(CONFIG, mesh)["base"], sharding.batch_sharding(mesh))
+        grad_fn = jax.jit(distributed.in_mesh(mesh, _loss_and_grads), in_shardings=in_shardings)
+        logits, value, grads = grad_fn(params["base"], batch)
+        out[name] = {
+            "logits": _max_diff([logits], [reference[0]]),
+            "loss": abs(float(value) - float(reference[1])),
+            "grads": _tree_diff(grads, reference[2]),
+        }
+    out["builders"] = check_builders(params, batch, sharding.make_mesh(sharding.MeshConfig(*LAYOUTS["fsdp4_tp2"])))
+    return out
+
+
+def check_builders(params, batch, mesh) -> dict:
+    """``sharded_rl_step`` (2 micro-batches, chunked head) and ``sharded_logprobs``; the SFT builder shares
+    the RL one's plumbing and is left out to keep the run short (each step compiles for several seconds)."""
+    tx = optim.make_optimizer(RL)
+    rl_kwargs = dict(rl=RL, num_micro_batches=2, chunk_size=5)
+    ref_rl = jax.jit(functools.partial(optim.rl_step, CONFIG, **rl_kwargs))(params, tx.init(params), batch)
+    ref_logp, _ = jax.jit(optim.sequence_logprobs, static_argnums=0)(
+        CONFIG, params, batch["tokens"], batch["attention_mask"]
+    )
+    params_sh, state_sh, _ = distributed.step_shardings(CONFIG, mesh, tx)
+    init = jax.jit(tx.init, out_shardings=state_sh)
+
+    def fresh():  # the steps donate params and state: each gets its own copy
+        sharded = sharding.shard_params(params, params_sh)
+        return sharded, init(sharded)
+
+    rl = distributed.sharded_rl_step(CONFIG, mesh, **rl_kwargs)(*fresh(), batch)
+    logprobs = distributed.sharded_logprobs(CONFIG, mesh, num_micro_batches=2)
+    logp = logprobs(fresh()[0], batch["tokens"], batch["attention_mask"])
+    return {
+        "rl_step_params": _tree_diff(rl[0], ref_rl[0]),
+        "rl_step_metrics": _tree_diff(rl[2], ref_rl[2]),
+        "logprobs": _max_diff([logp], [ref_logp]),
+        "q_spec": str(rl[0]["base"]["layers"]["q"].sharding.spec),
+        "embed_mu_spec": str(rl[1].inner_states["base"].inner_state[1][0].mu["base"]["embed"].sharding.spec),
+    }
+
+
+def check_sampler(params) -> dict:
+    """Greedy rollouts on two meshes vs one device: tokens exactly, log-probs to float32 rounding."""
+    prompts = [[5, 9, 13, 17, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38], [60, 61]]
+    kwargs = dict(key=jax.random.key(1), max_new_tokens=10, n=2, greedy=True, cache_window=8, temperature=0.7)
+    reference = sampler.generate_arrays(CONFIG, params, prompts, **kwargs)
+    out = {}
+    for name in ("fsdp4_tp2",):
+        mesh = sharding.make_mesh(sharding.MeshConfig(*LAYOUTS[name]))
+        got = sampler.generate_arrays(CONFIG, params, prompts, mesh=mesh, **kwargs)
+        out[name] = {
+            "tokens_equal": bool(np.array_equal(got.tokens, reference.tokens)),
+            "lengths_equal": bool(np.array_equal(got.lengths, reference.lengths)),
+            "logprobs": _max_diff([got.logprobs], [reference.logprobs]),
+        }
+    return out
+
+
+def check_param_bytes(params) -> dict:
+    """Per-device share of the parameters under fsdp = 8: measured on the tiny model, from shapes for 1.5B.
+
+    The base is split 8 ways; adapter factors without an embed axis (B of q/k/v/gate/up, A of o/down) and
+    the q/k/v biases stay whole, which the tiny model's adapter (a large part of it) makes visible.
+    """
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=8))
+    sharded = sharding.shard_params(params, sharding.param_shardings(CONFIG, mesh))
+    nbytes = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+    abstract = sharding.abstract_params(ModelConfig.preset("deepseek-r1-distill-qwen-1.5b"), mesh)
+    full = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    shard = lambda tree: sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+    batch = _batch()
+    placed = [sharding.global_batch(mesh, batch), sharding.host_local_batch(mesh, batch)]
+    return {
+        "batch_placed": all(
+            np.array_equal(np.asarray(p[k]), batch[k]) and p[k].sharding.spec == PartitionSpec("fsdp")
+            for p in placed
+            for k in batch
+        ),
+        "tiny_base": sharding.device_bytes(sharded["base"]) / nbytes(params["base"]),
+        "tiny_all": sharding.device_bytes(sharded) / nbytes(params),
+        "r1_base": shard(abstract["base"]) / full(abstract["base"]),
+        "r1_all": shard(abstract) / full(abstract),
+    }
+
+
+def check_checkpoint(params) -> dict:
+    """Save base + RL optimizer state from an fsdp = 8 mesh, restore onto fsdp = 2 x tp = 4."""
+    tx = optim.make_optimizer(RL)
+    save_mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=8))
+    load_mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=2, tp=4))
+
+    def state_on(mesh, values):
+        params_sh, state_sh, _ = distributed.step_shardings(CONFIG, mesh, tx)
+        opt_state = jax.jit(tx.init, out_shardings=state_sh)(sharding.shard_params(values, params_sh))
+        opt_state = jax.tree.map(lambda x: x + 0.25 if x.ndim else x, opt_state)  # moments worth checking
+        return {"base": sharding.shard_params(values, params_sh)["base"], "rl_opt": opt_state.inner_states["base"]}
+
+    saved = state_on(save_mesh, params)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        state_on(load_mesh, jax.tree.map(np.zeros_like, params)),
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        checkpointer = Checkpointer(directory)
+        checkpointer.save(3, saved, {"step": 3})
+        restored, meta = checkpointer.restore(None, target)
+        checkpointer.close()
+    layouts_match = all(
+        r.sharding.is_equivalent_to(t.sharding, r.ndim)
+        for r, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True)
+    )
+    q = restored["base"]["layers"]["q"]
+    return {
+        "values": _tree_diff(restored, saved),
+        "layouts_match": layouts_match,
+        "q_spec": str(q.sharding.spec),
+        "meta_step": meta["step"],
+    }
+
+
+def main() -> None:
+    assert jax.device_count() == 8, jax.devices()
+    params, batch = _params(), _batch()
+    results = {}
+    for name, check in (
+        ("steps", check_steps),
+        ("sampler", check_sampler),
+        ("param_bytes", check_param_bytes),
+        ("checkpoint", check_checkpoint),
+    ):
+        start = time.perf_counter()
+        results[name] = check(params, batch) if name == "steps" else check(params)
+        results[name]["seconds"] = time.perf_counter() - start
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

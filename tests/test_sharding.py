@@ -1,0 +1,122 @@
+"""Meshes and layouts: sharded equals unsharded on 8 CPU devices, and the pure rules without devices.
+
+The 8-device checks run in one subprocess (``sharded_checks.py``): this process started JAX with one device
+before any test here ran, and the device count cannot change afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from lspo_jax import model, sharding
+from lspo_jax.config import ModelConfig
+
+TOL = 1e-5  # float32: a sharded program sums in a different order, nothing more
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict:
+    script = os.path.join(os.path.dirname(__file__), "sharded_checks.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+# ---------------------------------------------------------------------------------------- 8 devices
+@pytest.mark.parametrize("layout", ["fsdp8", "fsdp4_tp2", "fsdp2_tp4"])
+def test_sharded_forward_loss_and_gradients_equal_single_device(checks, layout):
+    got = checks["steps"][layout]
+    assert got["logits"] < TOL and got["loss"] < TOL
+    assert got["grads"] < TOL * checks["steps"]["grad_scale"]
+
+
+def test_sharded_step_builders_equal_single_device(checks):
+    got = checks["steps"]["builders"]
+    assert got["rl_step_params"] < TOL and got["rl_step_metrics"] < TOL and got["logprobs"] < TOL
+    # The layouts came from the rules: q is [layers, embed, heads, head_dim]; Adam's moment of the embedding
+    # [vocab, embed] follows the parameter.
+    assert got["q_spec"] == str(PartitionSpec(None, "fsdp", "tp", None))
+    assert got["embed_mu_spec"] == str(PartitionSpec("tp", "fsdp"))
+
+
+def test_sampler_on_a_mesh_equals_single_device(checks):
+    got = checks["sampler"]["fsdp4_tp2"]
+    assert got["tokens_equal"] and got["lengths_equal"]
+    assert got["logprobs"] < TOL
+
+
+def test_fsdp8_holds_an_eighth_of_the_parameters_per_device(checks):
+    got = checks["param_bytes"]
+    assert got["batch_placed"]  # sharding.global_batch and host_local_batch: rows split over fsdp
+    assert got["r1_base"] == pytest.approx(1 / 8, rel=1e-3)
+    assert got["tiny_base"] == pytest.approx(1 / 8, rel=0.05)  # the q/k/v biases are whole on every device
+    assert got["r1_all"] < 1.06 / 8  # the adapter is 0.8% of the 1.5B model's parameters
+
+
+def test_checkpoint_saved_on_one_mesh_restores_on_another(checks):
+    got = checks["checkpoint"]
+    assert got["values"] == 0.0 and got["layouts_match"] and got["meta_step"] == 3
+    assert got["q_spec"] == str(PartitionSpec(None, "fsdp", "tp", None))
+
+
+# ---------------------------------------------------------------------------------------- no devices
+def test_mesh_config_resolves_and_validates():
+    assert sharding.MeshConfig().shape(8) == (1, 8, 1)
+    assert sharding.MeshConfig(data=2, fsdp=-1, tp=2).shape(8) == (2, 2, 2)
+    assert sharding.MeshConfig(data=1, fsdp=4, tp=2).shape(8) == (1, 4, 2)
+    with pytest.raises(ValueError, match="at most one axis"):
+        sharding.MeshConfig(data=-1, fsdp=-1)
+    with pytest.raises(ValueError, match="tp"):
+        sharding.MeshConfig(tp=0)
+    with pytest.raises(ValueError, match="do not divide"):
+        sharding.MeshConfig(tp=3).shape(8)
+    with pytest.raises(ValueError, match="there are 8 devices"):
+        sharding.MeshConfig(data=2, fsdp=2, tp=1).shape(8)
+
+
+def test_rules_drop_axes_that_do_not_divide():
+    mesh = AbstractMesh((1, 2, 4), sharding.MESH_AXES)
+    config = ModelConfig.preset("tiny")  # 4 heads, 2 KV heads, embed 64
+    axes = model.logical_axes(config)["base"]["layers"]
+    shapes = model.abstract_params(config)["base"]["layers"]
+    spec = lambda name: sharding.logical_spec(shapes[name].shape, axes[name], mesh)
+    assert spec("q") == PartitionSpec(None, "fsdp", "tp", None)
+    assert spec("k") == PartitionSpec(None, "fsdp", None, None)  # 2 KV heads on tp = 4: replicated
+    assert spec("down") == PartitionSpec(None, "tp", "fsdp")
+    # Rows over data and fsdp together; a mesh axis of size 1 is left out; a row count that does not divide
+    # is replicated rather than an error.
+    assert sharding.logical_spec((8, 16), ("batch", None), mesh) == PartitionSpec("fsdp", None)
+    assert sharding.logical_spec((3, 16), ("batch", None), mesh) == PartitionSpec(None, None)
+    both = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+    assert sharding.logical_spec((8,), ("batch",), both) == PartitionSpec(("data", "fsdp"))
+    # A mesh axis is used once per array: batch takes fsdp first, so embed stays whole.
+    assert sharding.logical_spec((8, 64), ("batch", "embed"), both) == PartitionSpec(("data", "fsdp"), None)
+
+
+def test_host_batch_slice_tiles_the_batch():
+    slices = [sharding.host_batch_slice(512, i, 4) for i in range(4)]
+    assert [(s.start, s.stop) for s in slices] == [(0, 128), (128, 256), (256, 384), (384, 512)]
+    with pytest.raises(ValueError, match="does not split"):
+        sharding.host_batch_slice(10, 0, 4)
+    with pytest.raises(ValueError, match="process_index"):
+        sharding.host_batch_slice(8, 4, 4)
+
+
+def test_initialize_distributed_is_a_no_op_for_one_process(monkeypatch):
+    for name in (
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    assert sharding.initialize_distributed() is False
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+    assert sharding.initialize_distributed(coordinator="localhost:1234") is False
