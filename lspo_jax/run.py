@@ -41,7 +41,9 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
 
     path = model_dir(run, cache_dir)
     config, params = hf.load_pretrained(path)
-    config = dataclasses.replace(config, compute_dtype=run.model.compute_dtype, lora=run.model.lora)
+    config = dataclasses.replace(
+        config, compute_dtype=run.model.compute_dtype, remat=run.model.remat, lora=run.model.lora
+    )
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple | list) else (int(eos),)

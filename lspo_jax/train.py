@@ -85,7 +85,7 @@ def rl_update(
     new_params, new_state, metrics = optim.rl_step(
         config, params, opt_state, batch,
         rl=rl, eps_low=loss.eps_low, eps_high=loss.eps_high, clip_c=loss.clip_c,
-        temperature=temperature, num_micro_batches=loss.micro_batches,
+        temperature=temperature, num_micro_batches=loss.micro_batches, chunk_size=loss.chunk_size,
     )  # fmt: skip
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
     keep = lambda new, old: jnp.where(finite, new, old)

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from lspo_jax.config import LoraConfig
+from lspo_jax.config import REMAT_POLICIES, LoraConfig
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
 
 
@@ -30,19 +30,21 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    """The policy: a Hugging Face directory (``path``), or a ``preset`` with random weights.
+    """The policy: a local Hugging Face directory (``path``); ``path: toy`` is the demo's own model.
 
-    ``path: toy`` is the demo's own warm-started character-level model, made at first use.
+    ``remat`` rematerialises the layer scan in the backward pass (none, full, dots): the paper's shape
+    fits in 80 GB per device only with ``full`` (see ``tools/memory_plan.py``).
     """
 
-    path: str | None = None
-    preset: str | None = None
+    path: str = "toy"
     compute_dtype: str = "float32"
+    remat: str = "none"
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        _require((self.path is None) != (self.preset is None), "model", "set exactly one of path or preset")
+        _require(bool(self.path), "model.path", "must name a Hugging Face directory or 'toy'")
         _require(self.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype", "float32 or bfloat16")
+        _require(self.remat in REMAT_POLICIES, "model.remat", f"must be one of {REMAT_POLICIES}")
 
 
 R1_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -132,8 +134,11 @@ class LossConfig:
     eps_high: float = 0.28
     clip_c: float | None = None
     micro_batches: int = 1
+    # Run the LM head over this many positions at a time, so [rows, length, vocab] logits are never whole.
+    chunk_size: int | None = None
 
     def __post_init__(self) -> None:
+        _require(self.chunk_size is None or self.chunk_size > 0, "loss.chunk_size", "must be positive or null")
         _require(0 <= self.eps_low < 1, "loss.eps_low", "must be in [0, 1)")
         _require(self.eps_high >= 0, "loss.eps_high", "must be >= 0")
         _require(self.clip_c is None or self.clip_c > 1, "loss.clip_c", "must be > 1 or null")

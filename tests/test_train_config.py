@@ -115,3 +115,12 @@ def test_paper_recipes_differ_only_in_the_scaffold():
     # R1's prompt: the instruction after the question; validation on MATH500 and AIME 2024-2026, one record each.
     assert (lspo.data.instruction_position, lspo.data.solution_field) == ("after", "r1_solution_1")
     assert lspo.eval.benchmarks == ("math500", "aime24", "aime25", "aime26") and lspo.eval.ks == (1, 4, 8, 16)
+
+
+def test_memory_settings_of_the_paper_recipe_and_their_checks():
+    lspo = load_config(DEMO.parent / "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
+    assert (lspo.model.remat, lspo.loss.micro_batches, lspo.loss.chunk_size) == ("full", 32, 1024)
+    with pytest.raises(ConfigError, match=r"^model\.remat"):
+        load_config(None, ["model.remat=sometimes"])
+    with pytest.raises(ConfigError, match=r"^loss\.chunk_size"):
+        load_config(None, ["loss.chunk_size=0"])
