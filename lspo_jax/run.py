@@ -50,6 +50,21 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
     return Policy(config, tokenizer, eos_ids), params
 
 
+def make_engine(run: TrainConfig, policy: Policy, out_dir: str) -> Any:
+    """The run's vLLM rollout engine (``rollout.engine: vllm``) on the policy's Hugging Face directory.
+
+    It computes in ``model.compute_dtype`` and holds sequences of up to ``data.max_prompt_tokens +
+    rollout.max_new_tokens`` tokens; its weights are synced from the trainer's params before each call.
+    """
+    from lspo_jax.vllm_sampler import VLLMSampler
+
+    return VLLMSampler(
+        model_dir(run, os.path.join(out_dir, "cache")), policy.config,
+        kv_cache_space_gib=run.rollout.vllm_kv_cache_gib, dtype=run.model.compute_dtype, seed=run.seed,
+        max_model_len=run.data.max_prompt_tokens + run.rollout.max_new_tokens,
+    )  # fmt: skip
+
+
 def load_examples(run: TrainConfig, policy: Policy, spec: str, seed: int) -> tuple[list[data.Example], dict]:
     """Tokenised examples of ``spec`` with invalid rows and unparseable gold answers excluded, and the report."""
     examples, report = data.load_examples(spec, policy.tokenizer, run.data, seed=seed)
@@ -133,6 +148,8 @@ class Run:
                 require_think_close=run.reward.require_think_close,
             )  # fmt: skip
         self.pool = verifier
+        if run.rollout.engine == "vllm":  # last: nothing after it can fail and leave the engine running
+            self.policy = dataclasses.replace(self.policy, engine=make_engine(run, self.policy, out_dir))
 
     def _held_out(self) -> tuple[dict[str, list[data.Example]], dict[str, dict]]:
         """Benchmark name -> examples, and name -> load report; the toy task validates on its own held-out set."""
@@ -221,6 +238,9 @@ class Run:
         return summary
 
     def close(self) -> None:
+        if self.policy.engine is not None:
+            self.policy.engine.close()
+            self.policy = dataclasses.replace(self.policy, engine=None)
         self.pool.close()
         self.log.close()
         self.checkpointer.close()

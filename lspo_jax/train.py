@@ -37,11 +37,16 @@ from lspo_jax.train_config import LossConfig, TrainConfig
 
 @dataclasses.dataclass
 class Policy:
-    """What the loop needs about the model besides its params."""
+    """What the loop needs about the model besides its params.
+
+    ``engine``: the run's rollout engine when ``rollout.engine`` is ``vllm`` (a ``VLLMSampler``, which syncs
+    the params it is given before sampling); None samples with our JAX sampler.
+    """
 
     config: ModelConfig
     tokenizer: Any
     eos_ids: tuple[int, ...]
+    engine: Any = None
 
 
 @dataclasses.dataclass
@@ -101,12 +106,16 @@ def sft_update(config: ModelConfig, params: Params, opt_state: Any, batch: dict,
 
 # ------------------------------------------------------------------------------------------- sampling
 def sample_rows(run: TrainConfig, policy: Policy, params: Params, prompts, key, *, lora_scale: float):
-    """``group_size`` rollouts per prompt, packed into fixed-shape rows."""
-    sample = generate_arrays(
-        policy.config, params, prompts, key=key, n=run.rollout.group_size,
-        max_new_tokens=run.rollout.max_new_tokens, temperature=run.rollout.temperature,
-        top_p=run.rollout.top_p, top_k=run.rollout.top_k, eos_token_ids=policy.eos_ids, lora_scale=lora_scale,
+    """``group_size`` rollouts per prompt, packed into fixed-shape rows (from ``policy.engine`` when set)."""
+    options = dict(
+        key=key, n=run.rollout.group_size, max_new_tokens=run.rollout.max_new_tokens,
+        temperature=run.rollout.temperature, top_p=run.rollout.top_p, top_k=run.rollout.top_k,
+        eos_token_ids=policy.eos_ids, lora_scale=lora_scale,
     )  # fmt: skip
+    if policy.engine is not None:  # syncs params (merged with the adapter when lora_scale != 0) first
+        sample = policy.engine.generate_arrays(params, prompts, **options)
+    else:
+        sample = generate_arrays(policy.config, params, prompts, **options)
     rows = rollout.pack_samples(prompts, sample, run.data.max_prompt_tokens)
     rows["sampler_logp"] = np.concatenate(
         [np.zeros((len(prompts) * sample.n, run.data.max_prompt_tokens), np.float32), sample.logprobs], axis=1
@@ -184,6 +193,7 @@ def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows
 def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_examples, key) -> dict[str, Any]:
     """One RL step on ``batch_examples`` (B prompts); updates ``state`` in place and returns its metrics."""
     phases = Phases()
+    engine_sync_before = policy.engine.stats["sync_s_total"] if policy.engine is not None else 0.0
     sample_key, scaffold_key = jax.random.split(key)
     prompts = [ex.prompt_ids for ex in batch_examples]
     with phases("sample"):
@@ -201,6 +211,9 @@ def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_
             policy.config, state.params, rows, lora_scale=0.0, temperature=run.rollout.temperature
         )
     spliced_ratio = _spliced_ratio_mean(base_logp, rows, spliced_rows)
+    engine_metrics = {}
+    if policy.engine is not None:
+        engine_metrics = _engine_metrics(policy.engine, engine_sync_before, base_logp, rows, spliced_rows)
     rows["old_logp"] = np.where(spliced_rows[:, None], rows["old_logp"], base_logp)
     with phases("update"):
         advantages = losses.group_advantages(jnp.asarray(rows["reward"]), run.rollout.group_size)
@@ -232,6 +245,7 @@ def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_
         "update_skipped": not finite,
         "nonfinite_total": state.nonfinite_total,
         **{k: v for k, v in update_metrics.items() if k.startswith(("ratio", "approx_kl"))},
+        **engine_metrics,
         **phases.seconds,
     }
 
@@ -243,6 +257,18 @@ def _rollout_metrics(run: TrainConfig, rows: dict) -> dict[str, float]:
         "reward_mean": float(rows["reward"].mean()),
         "response_len_mean": float(rows["lengths"].mean()),
         "overlong_frac": float(overlong.mean()),
+    }
+
+
+def _engine_metrics(engine, sync_before: float, base_logp: np.ndarray, rows: dict, spliced_rows: np.ndarray):
+    """``vllm_sync_seconds`` (weight pushes in this step) and how far the engine's log-probs of its sampled
+    tokens are from the trainer's teacher-forced base log-probs, on the rows the base policy sampled."""
+    from lspo_jax.vllm_sampler import logprob_mismatch
+
+    mask = (rows["mask"] > 0) & ~spliced_rows[:, None]
+    return {
+        "vllm_sync_seconds": engine.stats["sync_s_total"] - sync_before,
+        **logprob_mismatch(base_logp, rows["sampler_logp"], mask),
     }
 
 

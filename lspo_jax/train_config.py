@@ -90,9 +90,18 @@ class DataConfig:
         _require(self.max_solution_tokens > 0, "data.max_solution_tokens", "must be positive")
 
 
+ROLLOUT_ENGINES = ("jax", "vllm")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Sampling per step: ``prompts_per_step`` x ``group_size`` rollouts (the paper: 32 x 16, 8192 tokens)."""
+    """Sampling per step: ``prompts_per_step`` x ``group_size`` rollouts (the paper: 32 x 16, 8192 tokens).
+
+    ``engine`` picks what samples the training rollouts (the step's rows and the scaffold's re-rolls):
+    ``jax`` (our sampler) or ``vllm`` (one ``vllm_sampler.VLLMSampler`` per run, fed the current params
+    before each call; ``vllm_kv_cache_gib`` is its CPU KV-cache space in whole GiB). Held-out evaluation
+    samples with our sampler either way, and ``old_logp`` is always the trainer's own forward pass.
+    """
 
     prompts_per_step: int = 32
     group_size: int = 16
@@ -100,6 +109,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    engine: str = "jax"
+    vllm_kv_cache_gib: int = 1
 
     def __post_init__(self) -> None:
         _require(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be positive")
@@ -108,6 +119,8 @@ class RolloutConfig:
         _require(self.temperature > 0, "rollout.temperature", "must be positive")
         _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 disables it)")
+        _require(self.engine in ROLLOUT_ENGINES, "rollout.engine", f"must be one of {ROLLOUT_ENGINES}")
+        _require(self.vllm_kv_cache_gib > 0, "rollout.vllm_kv_cache_gib", "must be a positive number of GiB")
 
 
 @dataclasses.dataclass(frozen=True)

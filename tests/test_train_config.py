@@ -19,6 +19,7 @@ def test_defaults_are_the_papers_recipe():
     assert (config.optim.lr, config.scaffold.sft.lr, config.scaffold.sft_steps) == (1e-6, 2.5e-5, 4)
     assert (config.model.lora.rank, config.model.lora.alpha) == (16, 64.0)
     assert config.scaffold.enabled and config.model.path == "toy"
+    assert (config.rollout.engine, config.rollout.vllm_kv_cache_gib) == ("jax", 1)
 
 
 def test_demo_config_loads():
@@ -45,6 +46,8 @@ def test_demo_config_loads():
         ("data.instruction_position=middle", "data.instruction_position"),
         ("data.solution_field=answer", "data.solution_field"),
         ("eval.n=0", "eval.n"),
+        ("rollout.engine=sglang", "rollout.engine"),
+        ("rollout.vllm_kv_cache_gib=0", "rollout.vllm_kv_cache_gib"),
     ],
 )
 def test_bad_keys_and_values_name_the_dotted_key(override, key):

