@@ -164,8 +164,8 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from lspo_jax import evaluation, rewards
-    from lspo_jax.run import load_benchmarks
+    from lspo_jax import evaluation
+    from lspo_jax.run import load_benchmarks, make_verifier
     from lspo_jax.train_config import ConfigError
 
     try:
@@ -177,9 +177,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"lspo-eval: {err}", file=sys.stderr)
         return 2
-    pool = rewards.VerifierPool(
-        workers=run.reward.workers, timeout=run.reward.timeout_s, require_think_close=run.reward.require_think_close
-    )
+    pool = make_verifier(run)
     results, key = {}, jax.random.key(run.seed)
     try:
         for name, (examples, report) in benchmarks.items():

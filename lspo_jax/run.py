@@ -50,6 +50,14 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
     return Policy(config, tokenizer, eos_ids), params
 
 
+def make_verifier(run: TrainConfig) -> rewards.VerifierPool:
+    """The math-verify worker pool of ``run.reward`` (workers, per-item timeout, ``</think>`` grading)."""
+    reward = run.reward
+    return rewards.VerifierPool(
+        workers=reward.workers, timeout=reward.timeout_s, require_think_close=reward.require_think_close
+    )
+
+
 def make_engine(run: TrainConfig, policy: Policy, out_dir: str) -> Any:
     """The run's vLLM rollout engine (``rollout.engine: vllm``) on the policy's Hugging Face directory.
 
@@ -143,10 +151,7 @@ class Run:
             self._restore()
         self.log = MetricsLog(out_dir)
         if verifier is None:
-            verifier = rewards.VerifierPool(
-                workers=run.reward.workers, timeout=run.reward.timeout_s,
-                require_think_close=run.reward.require_think_close,
-            )  # fmt: skip
+            verifier = make_verifier(run)
         self.pool = verifier
         if run.rollout.engine == "vllm":  # last: nothing after it can fail and leave the engine running
             self.policy = dataclasses.replace(self.policy, engine=make_engine(run, self.policy, out_dir))
