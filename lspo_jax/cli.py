@@ -39,6 +39,10 @@ def train_main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"lspo-train: config error: {err}", file=sys.stderr)
         return 2
+    from lspo_jax.sharding import initialize_distributed
+
+    # Before any other JAX call: every process of a multi-host job must join before devices are listed.
+    initialize_distributed(config.mesh.coordinator, config.mesh.num_processes, config.mesh.process_id)
     try:
         summary = train_run(config, args.out, resume=args.resume)
     except RunStopped as err:

@@ -52,7 +52,8 @@ def in_mesh(mesh: Mesh, fn: Callable) -> Callable:
     return traced
 
 
-def _jit_step(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, step: Callable) -> Callable:
+def jit_step(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, step: Callable) -> Callable:
+    """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` jitted on ``mesh`` with donation."""
     params_sh, state_sh, batch_sh = step_shardings(config, mesh, tx)
     return jax.jit(
         in_mesh(mesh, step),
@@ -91,7 +92,7 @@ def sharded_rl_step(
         num_micro_batches=num_micro_batches,
         chunk_size=chunk_size,
     )
-    return _jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
+    return jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
 
 
 def sharded_sft_step(
@@ -107,7 +108,7 @@ def sharded_sft_step(
     step = functools.partial(
         optim.sft_step, config, sft=sft, num_micro_batches=num_micro_batches, chunk_size=chunk_size
     )
-    return _jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
+    return jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
 
 
 def sharded_logprobs(

@@ -87,7 +87,7 @@ def sample_responses(run, policy, params, prompts: Sequence[Sequence[int]], key)
     sample = generate_arrays(
         policy.config, params, prompts, key=key, n=cfg.n, max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature, top_p=run.rollout.top_p, top_k=run.rollout.top_k,
-        eos_token_ids=policy.eos_ids, lora_scale=0.0,
+        eos_token_ids=policy.eos_ids, lora_scale=0.0, mesh=policy.mesh,
     )  # fmt: skip
     return [
         policy.tokenizer.decode(tokens[:length], skip_special_tokens=True)

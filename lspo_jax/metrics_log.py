@@ -38,6 +38,16 @@ class MetricsLog:
             self._tb.close()
 
 
+class NullLog:
+    """The metrics log of a process that does not write (every process of a multi-host job but the first)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()

@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
-from lspo_jax import optim
+from lspo_jax import distributed, optim, sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import Params
 from lspo_jax.sampler import SampleBatch
@@ -84,19 +86,49 @@ def _logprobs(config: ModelConfig, params: Params, tokens, attention_mask, lora_
 
 
 def teacher_forced_logprobs(
-    config: ModelConfig, params: Params, rows: Rows, *, lora_scale: float, temperature: float, min_rows: int = 1
-) -> np.ndarray:
+    config: ModelConfig, params: Params, rows: Rows, *, lora_scale: float, temperature: float, min_rows: int = 1,
+    mesh: Mesh | None = None, micro_batches: int = 1, chunk_size: int | None = None,
+) -> np.ndarray:  # fmt: skip
     """``log pi(tokens[t] | tokens[<t])`` at the sampling temperature, zero off the response mask.
 
     Rows are padded to a power-of-two count (at least ``min_rows``) first, so a varying number of rows
-    reuses compiled programs.
+    reuses compiled programs. On a ``mesh`` the pass runs split like the RL step, rows over the data axes in
+    ``micro_batches`` groups and the LM head in ``chunk_size`` sequence chunks, so a long rollout batch never
+    holds every row's activations or a whole ``[rows, length, vocab]`` logits array.
     """
     count = len(rows["tokens"])
     padded = pad_rows({k: rows[k] for k in ("tokens", "attention_mask")}, pow2_rows(max(count, min_rows)))
-    logp = _logprobs(
-        config, params, padded["tokens"], padded["attention_mask"], lora_scale=lora_scale, temperature=temperature
-    )
+    if mesh is None:
+        logp = _logprobs(
+            config, params, padded["tokens"], padded["attention_mask"], lora_scale=lora_scale, temperature=temperature
+        )
+    else:
+        program = _mesh_logprobs(config, mesh, lora_scale, temperature, chunk_size, micro_batches)
+        placed = mesh_rows(mesh, padded, multiple=micro_batches)
+        logp = fetch(program(params, placed["tokens"], placed["attention_mask"]))
     return np.where(rows["mask"] > 0, np.asarray(logp)[:count], 0.0).astype(np.float32)
+
+
+@functools.cache
+def _mesh_logprobs(config: ModelConfig, mesh: Mesh, lora_scale: float, temperature: float, chunk_size, micro_batches):
+    return distributed.sharded_logprobs(
+        config, mesh, lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size,
+        num_micro_batches=micro_batches,
+    )  # fmt: skip
+
+
+def mesh_rows(mesh: Mesh, rows: Rows, *, multiple: int = 1) -> dict[str, jax.Array]:
+    """``rows`` as global arrays split over the mesh's data axes, padded with masked rows to a count that
+    divides by the data-parallel device count times ``multiple`` (e.g. the micro-batch count)."""
+    rows = {k: np.asarray(v) for k, v in rows.items()}
+    count = len(next(iter(rows.values())))
+    step = sharding.batch_shards(mesh) * multiple
+    return sharding.global_batch(mesh, pad_rows(rows, -(-count // step) * step))
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """A global array as one host array on every host (gathered across hosts when there are several)."""
+    return np.asarray(x) if jax.process_count() == 1 else np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def decode_responses(tokenizer, rows: Rows, prompt_slots: int) -> list[str]:

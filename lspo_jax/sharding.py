@@ -212,8 +212,13 @@ def batch_sharding(mesh: Mesh, rows: int | None = None) -> NamedSharding:
     count that does not divide gives the replicated layout instead of an error.
     """
     if rows is None:
-        rows = math.prod(mesh.shape[a] for a in dict(LOGICAL_RULES)["batch"])
+        rows = batch_shards(mesh)
     return NamedSharding(mesh, logical_spec((rows,), ("batch",), mesh))
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many ways ``batch_sharding`` splits the rows: the product of the data-parallel axes' sizes."""
+    return math.prod(mesh.shape[a] for a in dict(LOGICAL_RULES)["batch"])
 
 
 def kv_cache_sharding(config: ModelConfig, mesh: Mesh, rows: int) -> NamedSharding:
