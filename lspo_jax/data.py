@@ -35,12 +35,15 @@ MAX_LISTED = 100  # rows named in ``DataReport.row_errors``; the count is always
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One training prompt: token ids of the prompt and of its worked solution (EOS appended), if any."""
+    """One training prompt: token ids of the prompt and of its worked solution (EOS appended), if any; the
+    problem and solution texts for a judge that reads them (``first_mistake``)."""
 
     id: str
     answer: str
     prompt_ids: tuple[int, ...]
     solution_ids: tuple[int, ...] | None
+    problem: str = ""
+    solution: str | None = None
 
 
 @dataclasses.dataclass
@@ -235,8 +238,10 @@ def encode_rows(
                 continue
             report.prompt_truncated += 1
             prompt = prompt[-config.max_prompt_tokens :]  # keep the end: the template's assistant turn
+        solution_ids = _solution(row, tokenizer, config, report)
+        solution = row.get("solution") or None
         examples.append(
-            Example(str(row["id"]), str(row["answer"]), tuple(prompt), _solution(row, tokenizer, config, report))
+            Example(str(row["id"]), str(row["answer"]), tuple(prompt), solution_ids, str(row["problem"]), solution)
         )
     report.kept = len(examples)
     return examples, report

@@ -15,14 +15,15 @@ from typing import Any
 
 import jax
 import yaml
+from jax.sharding import Mesh
 from tqdm import tqdm
 
-from lspo_jax import data, evaluation, hf, model, optim, rewards, toy
+from lspo_jax import data, evaluation, first_mistake, hf, model, optim, rewards, sharding, toy
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
-from lspo_jax.metrics_log import MetricsLog
+from lspo_jax.metrics_log import MetricsLog, NullLog
 from lspo_jax.model import Params
-from lspo_jax.train import Policy, StopFlag, TrainState, train_step
+from lspo_jax.train import Policy, StopFlag, TrainState, place_state, train_step
 from lspo_jax.train_config import TrainConfig, to_dict
 
 
@@ -48,6 +49,17 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple | list) else (int(eos),)
     return Policy(config, tokenizer, eos_ids), params
+
+
+def run_mesh(run: TrainConfig) -> Mesh | None:
+    """The run's device mesh (``mesh`` section), or None for the single-device programs.
+
+    ``mesh.enabled: null`` uses a mesh only when JAX sees more than one device.
+    """
+    enabled = run.mesh.enabled if run.mesh.enabled is not None else jax.device_count() > 1
+    if not enabled:
+        return None
+    return sharding.make_mesh(sharding.MeshConfig(data=run.mesh.data, fsdp=run.mesh.fsdp, tp=run.mesh.tp))
 
 
 def make_verifier(run: TrainConfig) -> rewards.VerifierPool:
@@ -120,25 +132,32 @@ class Run:
     """The state and resources of one training run.
 
     ``verifier`` replaces the math-verify pool: any object with ``score(responses, golds) -> array`` and
-    ``close()``.
+    ``close()``. ``judge`` replaces the first-mistake judge built from ``first_mistake`` (a
+    ``first_mistake.Judge``, e.g. over a scripted ``generate``).
     """
 
-    def __init__(self, run: TrainConfig, out_dir: str, *, resume: bool = False, verifier: Any = None):
+    def __init__(
+        self, run: TrainConfig, out_dir: str, *, resume: bool = False, verifier: Any = None, judge: Any = None
+    ):
         self.run, self.out_dir = run, out_dir
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(to_dict(run), f, sort_keys=False)
+        # Several hosts share out_dir: process 0 writes the files, all of them write checkpoint shards.
+        self.writer = jax.process_index() == 0
+        if self.writer:
+            with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(to_dict(run), f, sort_keys=False)
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
+        self.policy = dataclasses.replace(self.policy, mesh=run_mesh(run))
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
         self.held_out, self.held_out_data = self._held_out()
         self.order = data.PromptOrder(len(self.examples), seed=run.seed, shuffle=run.data.shuffle)
         key = jax.random.key(run.seed)
-        # Committed to the device like the arrays a restore returns: jit keys its cache on committedness, so
-        # a run resumed in the same process (tests, notebooks) reuses the programs instead of recompiling.
-        device = jax.devices()[0]
-        params = jax.device_put({"base": base["base"], "lora": model.init_lora(self.policy.config, key)}, device)
+        # Committed to the device (or split over the mesh) like the arrays a restore returns: jit keys its cache
+        # on placement, so a run resumed in the same process (tests, notebooks) reuses the compiled programs.
+        params = {"base": base["base"], "lora": model.init_lora(self.policy.config, key)}
         self.tx = optim.make_optimizer(run.optim, run.scaffold.sft)
-        self.state = TrainState(step=0, params=params, opt_state=jax.device_put(self.tx.init(params), device))
+        params, opt_state = place_state(run, self.policy, params, self.tx.init(params))
+        self.state = TrainState(step=0, params=params, opt_state=opt_state)
         self.checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=run.checkpoint.keep)
         latest = self.checkpointer.latest_step()
         if latest is not None and not resume:
@@ -149,7 +168,10 @@ class Run:
             )
         if latest is not None:
             self._restore()
-        self.log = MetricsLog(out_dir)
+        if run.first_mistake.enabled:
+            judge = judge or first_mistake.make_judge(run.first_mistake, policy=self.policy, params=self.state.params)
+            self.policy = dataclasses.replace(self.policy, judge=judge)
+        self.log = MetricsLog(out_dir) if self.writer else NullLog()
         if verifier is None:
             verifier = make_verifier(run)
         self.pool = verifier
@@ -195,7 +217,8 @@ class Run:
         run, start = self.run, time.perf_counter()
         before = self.validate()
         totals = {"cliff_groups": 0, "surpassed_groups": 0, "rerolls_passed": 0, "rerolls": 0}
-        bar = tqdm(total=run.steps, initial=self.state.step, desc="lspo", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=run.steps, initial=self.state.step, desc="lspo", unit="step", dynamic_ncols=True,
+                   disable=not self.writer)  # fmt: skip
         with StopFlag() as stop:
             while self.state.step < run.steps and not stop.requested:
                 metrics = self.one_step()
@@ -238,8 +261,9 @@ class Run:
             "nonfinite_updates": self.state.nonfinite_total,
             "data": self.data_report,
         }
-        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        if self.writer:
+            with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
         return summary
 
     def close(self) -> None:

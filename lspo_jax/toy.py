@@ -76,6 +76,28 @@ def addition_rows(n: int, digits: tuple[int, int], seed: int, prefix: str = "add
     return rows
 
 
+def first_mistake_judge(prompt: str) -> str:
+    """A scripted teacher for the addition task's first-mistake judge (``first_mistake.JUDGE_TEMPLATE``).
+
+    It knows the task: a worked solution is a chain of ``;``-separated column sums, so the first numbered
+    student sentence that differs from the reference's sentence at the same place is the first mistake;
+    a student who matches the reference throughout is ``correct``.
+    """
+    import re
+
+    reference = re.search(r"Reference solution:\n(.*?)\n\n", prompt, re.S)
+    student = re.findall(r"^\[(\d+)\] (.*)$", prompt, re.M)
+    if reference is None or not student:
+        return "I cannot read this prompt."
+    steps = [step.strip() + ";" for step in reference.group(1).split(";")]
+    steps[-1] = steps[-1][:-1]  # the boxed answer has no separator after it
+    for number, sentence in student:
+        index = int(number) - 1
+        if index >= len(steps) or sentence.strip() != steps[index]:
+            return f"The first wrong step is {number}. \\boxed{{{number}}}"
+    return "\\boxed{correct}"
+
+
 def heldout_rows(n: int = 64, seed: int = 0) -> list[dict]:
     """Held-out problems of the training difficulty, drawn from a stream the training rows never use."""
     return addition_rows(n, (2, 4), seed=10_000 + seed, prefix="heldout")

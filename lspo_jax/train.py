@@ -26,8 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from lspo_jax import losses, optim, rewards, rollout, scaffold
+from lspo_jax import distributed, losses, optim, rewards, rollout, scaffold, sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import Params
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
@@ -40,13 +41,17 @@ class Policy:
     """What the loop needs about the model besides its params.
 
     ``engine``: the run's rollout engine when ``rollout.engine`` is ``vllm`` (a ``VLLMSampler``, which syncs
-    the params it is given before sampling); None samples with our JAX sampler.
+    the params it is given before sampling); None samples with our JAX sampler. ``mesh``: the device mesh
+    the run's programs are split over (``sharding.make_mesh``); None runs them on one device. ``judge``: the
+    ``first_mistake.Judge`` of a run with ``first_mistake.enabled``.
     """
 
     config: ModelConfig
     tokenizer: Any
     eos_ids: tuple[int, ...]
     engine: Any = None
+    mesh: Mesh | None = None
+    judge: Any = None
 
 
 @dataclasses.dataclass
@@ -63,7 +68,7 @@ class TrainState:
 class Phases:
     """Wall-clock seconds per phase of a step (``time_sample``, ``time_reward``, ...)."""
 
-    NAMES = ("sample", "reward", "sft", "reroll", "logprob", "update")
+    NAMES = ("sample", "reward", "sft", "reroll", "logprob", "judge", "update")
 
     def __init__(self):
         # Every phase is reported, 0 when it did not run (a step without cliffs has no sft or reroll).
@@ -79,10 +84,7 @@ class Phases:
 
 
 # --------------------------------------------------------------------------------------------- update
-# The static arguments are only the config sections a step reads, not the whole TrainConfig: a run that
-# differs in an unrelated field (steps, data path, checkpointing) reuses the compiled programs.
-@functools.partial(jax.jit, static_argnames=("config", "rl", "loss", "temperature"), donate_argnums=(1, 2))
-def rl_update(
+def guarded_rl_step(
     config: ModelConfig, params: Params, opt_state: Any, batch: dict, *, rl: RLOptimConfig, loss: LossConfig,
     temperature: float,
 ):  # fmt: skip
@@ -99,9 +101,80 @@ def rl_update(
     return params, opt_state, {**metrics, "finite": finite}
 
 
+# The single-device programs. The static arguments are only the config sections a step reads, not the whole
+# TrainConfig: a run that differs in an unrelated field (steps, data path, checkpointing) reuses them.
+rl_update = jax.jit(guarded_rl_step, static_argnames=("config", "rl", "loss", "temperature"), donate_argnums=(1, 2))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "sft"), donate_argnums=(1, 2))
 def sft_update(config: ModelConfig, params: Params, opt_state: Any, batch: dict, *, sft: SFTOptimConfig):
     return optim.sft_step(config, params, opt_state, batch, sft=sft)
+
+
+# The same steps on a device mesh: params and optimizer state split by ``sharding``'s rules, rows over the
+# data-parallel axes. Built once per (model, mesh, config sections) and cached.
+@functools.cache
+def _mesh_rl_update(config: ModelConfig, mesh: Mesh, rl: RLOptimConfig, sft: SFTOptimConfig, loss, temperature):
+    step = functools.partial(guarded_rl_step, config, rl=rl, loss=loss, temperature=temperature)
+    return distributed.jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
+
+
+@functools.cache
+def _mesh_sft_update(config: ModelConfig, mesh: Mesh, rl: RLOptimConfig, sft: SFTOptimConfig):
+    return distributed.sharded_sft_step(config, mesh, rl=rl, sft=sft)
+
+
+@functools.cache
+def state_layouts(config: ModelConfig, mesh: Mesh, rl: RLOptimConfig, sft: SFTOptimConfig) -> tuple[Any, Any]:
+    """``(params, optimizer state)`` shardings of a run on ``mesh``."""
+    tx = optim.make_optimizer(rl, sft)
+    return sharding.param_shardings(config, mesh), sharding.opt_state_shardings(config, mesh, tx)
+
+
+def place_state(run: TrainConfig, policy: Policy, params: Params, opt_state: Any) -> tuple[Params, Any]:
+    """Params and optimizer state in the run's layout: split over ``policy.mesh``, or on the first device."""
+    if policy.mesh is None:
+        device = jax.devices()[0]
+        return jax.device_put(params, device), jax.device_put(opt_state, device)
+    params_sh, state_sh = state_layouts(policy.config, policy.mesh, run.optim, run.scaffold.sft)
+    return sharding.shard_params(params, params_sh), jax.device_put(opt_state, state_sh)
+
+
+def apply_rl_update(run: TrainConfig, policy: Policy, state: TrainState, batch: dict) -> dict:
+    """The RL update of ``state`` on ``batch``, on one device or on the mesh; returns the step's metrics."""
+    if policy.mesh is None:
+        state.params, state.opt_state, metrics = rl_update(
+            policy.config, state.params, state.opt_state, batch,
+            rl=run.optim, loss=run.loss, temperature=run.rollout.temperature,
+        )  # fmt: skip
+    else:
+        step = _mesh_rl_update(
+            policy.config, policy.mesh, run.optim, run.scaffold.sft, run.loss, run.rollout.temperature
+        )
+        batch = rollout.mesh_rows(policy.mesh, batch, multiple=run.loss.micro_batches)
+        state.params, state.opt_state, metrics = step(state.params, state.opt_state, batch)
+    return jax.device_get(metrics)
+
+
+def apply_sft_update(run: TrainConfig, policy: Policy, state: TrainState, batch: dict) -> dict:
+    """One adapter SFT step of ``state`` on ``batch``, on one device or on the mesh."""
+    if policy.mesh is None:
+        state.params, state.opt_state, metrics = sft_update(
+            policy.config, state.params, state.opt_state, batch, sft=run.scaffold.sft
+        )
+    else:
+        step = _mesh_sft_update(policy.config, policy.mesh, run.optim, run.scaffold.sft)
+        batch = rollout.mesh_rows(policy.mesh, batch)
+        state.params, state.opt_state, metrics = step(state.params, state.opt_state, batch)
+    return metrics
+
+
+def logprobs(run: TrainConfig, policy: Policy, params: Params, rows: dict, *, lora_scale: float, min_rows: int = 1):
+    """Teacher-forced log-probs of ``rows`` at the sampling temperature (see ``rollout.teacher_forced_logprobs``)."""
+    return rollout.teacher_forced_logprobs(
+        policy.config, params, rows, lora_scale=lora_scale, temperature=run.rollout.temperature,
+        min_rows=min_rows, mesh=policy.mesh, micro_batches=run.loss.micro_batches, chunk_size=run.loss.chunk_size,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- sampling
@@ -115,7 +188,7 @@ def sample_rows(run: TrainConfig, policy: Policy, params: Params, prompts, key, 
     if policy.engine is not None:  # syncs params (merged with the adapter when lora_scale != 0) first
         sample = policy.engine.generate_arrays(params, prompts, **options)
     else:
-        sample = generate_arrays(policy.config, params, prompts, **options)
+        sample = generate_arrays(policy.config, params, prompts, mesh=policy.mesh, **options)
     rows = rollout.pack_samples(prompts, sample, run.data.max_prompt_tokens)
     rows["sampler_logp"] = np.concatenate(
         [np.zeros((len(prompts) * sample.n, run.data.max_prompt_tokens), np.float32), sample.logprobs], axis=1
@@ -152,9 +225,10 @@ def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows
     cliff_examples = [batch_examples[g] for g in np.flatnonzero(usable)]
     adapter_key, reroll_key = jax.random.split(key)
     with phases("sft"):
-        state.params, state.opt_state = optim.reset_adapter(
+        params, opt_state = optim.reset_adapter(
             policy.config, state.params, state.opt_state, adapter_key, sft=run.scaffold.sft
         )
+        state.params, state.opt_state = place_state(run, policy, params, opt_state)
         sft_batch = rollout.pack_sft(
             [ex.prompt_ids for ex in cliff_examples], [ex.solution_ids for ex in cliff_examples],
             run.data.max_prompt_tokens, run.data.max_solution_tokens,
@@ -162,9 +236,7 @@ def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows
         slots = max(len(cliff_examples), run.scaffold.min_cliff_bucket)
         sft_batch = rollout.pad_rows(sft_batch, rollout.pow2_rows(slots))
         for _ in range(run.scaffold.sft_steps):
-            state.params, state.opt_state, sft_metrics = sft_update(
-                policy.config, state.params, state.opt_state, sft_batch, sft=run.scaffold.sft
-            )
+            sft_metrics = apply_sft_update(run, policy, state, sft_batch)
         metrics["sft_loss"] = float(sft_metrics["sft_loss"])
     with phases("reroll"):
         prompts = [ex.prompt_ids for ex in cliff_examples]
@@ -175,10 +247,7 @@ def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows
         score_rows(run, policy, pool, rerolls, [ex.answer for ex in cliff_examples])
     with phases("logprob"):
         # The spliced rows' importance-ratio denominator: the adapter-on policy that sampled them.
-        rerolls["old_logp"] = rollout.teacher_forced_logprobs(
-            policy.config, state.params, rerolls, lora_scale=1.0, temperature=run.rollout.temperature,
-            min_rows=slots * k,
-        )  # fmt: skip
+        rerolls["old_logp"] = logprobs(run, policy, state.params, rerolls, lora_scale=1.0, min_rows=slots * k)
     spliced, spliced_rows, stats = scaffold.splice(rows, rerolls, usable, k)
     metrics.update(
         surpassed_groups=stats.num_surpassed,
@@ -207,23 +276,21 @@ def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_
         run, policy, state, pool, rows, batch_examples, scaffold_key, phases
     )
     with phases("logprob"):
-        base_logp = rollout.teacher_forced_logprobs(
-            policy.config, state.params, rows, lora_scale=0.0, temperature=run.rollout.temperature
-        )
+        base_logp = logprobs(run, policy, state.params, rows, lora_scale=0.0)
     spliced_ratio = _spliced_ratio_mean(base_logp, rows, spliced_rows)
     engine_metrics = {}
     if policy.engine is not None:
         engine_metrics = _engine_metrics(policy.engine, engine_sync_before, base_logp, rows, spliced_rows)
     rows["old_logp"] = np.where(spliced_rows[:, None], rows["old_logp"], base_logp)
+    advantages = np.asarray(losses.group_advantages(jnp.asarray(rows["reward"]), run.rollout.group_size))
+    judge_metrics = {}
+    if run.first_mistake.enabled:
+        with phases("judge"):
+            advantages, judge_metrics = judge_advantages(run, policy, state, pool, rows, batch_examples, advantages)
     with phases("update"):
-        advantages = losses.group_advantages(jnp.asarray(rows["reward"]), run.rollout.group_size)
         batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
         batch["advantages"] = advantages
-        state.params, state.opt_state, update_metrics = rl_update(
-            policy.config, state.params, state.opt_state, batch,
-            rl=run.optim, loss=run.loss, temperature=run.rollout.temperature,
-        )  # fmt: skip
-        update_metrics = jax.device_get(update_metrics)
+        update_metrics = apply_rl_update(run, policy, state, batch)
     finite = bool(update_metrics.pop("finite"))
     state.nonfinite_in_row = 0 if finite else state.nonfinite_in_row + 1
     state.nonfinite_total += int(not finite)
@@ -246,8 +313,31 @@ def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_
         "nonfinite_total": state.nonfinite_total,
         **{k: v for k, v in update_metrics.items() if k.startswith(("ratio", "approx_kl"))},
         **engine_metrics,
+        **judge_metrics,
         **phases.seconds,
     }
+
+
+def judge_advantages(run: TrainConfig, policy: Policy, state: TrainState, pool, rows: dict, batch_examples, outcome):
+    """``[rows, length]`` first-mistake token advantages of the (spliced) batch and the judge's metrics.
+
+    A teacher names the first wrong sentence of each failed rollout in a mixed group; see ``first_mistake``.
+    When the policy judges itself (``judge_path: null``) it judges with this step's weights.
+    """
+    from lspo_jax.first_mistake import SamplerGenerate, first_mistake_advantages
+
+    if run.first_mistake.judge_path is None and isinstance(policy.judge.generate, SamplerGenerate):
+        policy.judge.generate.params = {"base": state.params["base"]}
+    slots = run.data.max_prompt_tokens
+    return first_mistake_advantages(
+        problems=[ex.problem for ex in batch_examples], golds=[ex.answer for ex in batch_examples],
+        references=[ex.solution for ex in batch_examples],
+        response_texts=rollout.decode_responses(policy.tokenizer, rows, slots),
+        response_ids=[t[slots : slots + int(n)].tolist() for t, n in zip(rows["tokens"], rows["lengths"], strict=True)],
+        response_mask=rows["mask"], truncated=(~rows["eos"]) & (rows["lengths"] >= run.rollout.max_new_tokens),
+        accuracy=rows["accuracy"], outcome_adv=outcome, group_size=run.rollout.group_size, score=pool.score,
+        judge=policy.judge, tokenizer=policy.tokenizer, config=run.first_mistake,
+    )  # fmt: skip
 
 
 def _rollout_metrics(run: TrainConfig, rows: dict) -> dict[str, float]:

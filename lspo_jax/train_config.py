@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from lspo_jax.config import REMAT_POLICIES, LoraConfig
+from lspo_jax.first_mistake import FirstMistakeConfig
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
 
 
@@ -215,6 +216,33 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """The device mesh and, for a multi-host job, how its processes meet.
+
+    ``data``, ``fsdp`` and ``tp`` are the mesh's axis sizes (one may be -1: the rest of the devices). With
+    ``enabled: null`` (the default) a run uses the mesh when JAX sees more than one device and the
+    single-device programs otherwise; ``true`` forces the mesh programs even on one device, ``false`` runs
+    on the first device alone. ``coordinator``
+    (host:port of process 0), ``num_processes`` and ``process_id`` start ``jax.distributed``; left null they
+    come from ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID`` or SLURM's variables.
+    """
+
+    enabled: bool | None = None
+    data: int = 1
+    fsdp: int = -1
+    tp: int = 1
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("data", "fsdp", "tp"):
+            size = getattr(self, name)
+            _require(size >= 1 or size == -1, f"mesh.{name}", "must be a positive size or -1 (the rest)")
+        _require([self.data, self.fsdp, self.tp].count(-1) <= 1, "mesh", "at most one axis may be -1")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """One training run; every section has defaults, so a YAML file names only what differs."""
 
@@ -227,6 +255,8 @@ class TrainConfig:
     scaffold: ScaffoldConfig = dataclasses.field(default_factory=ScaffoldConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    first_mistake: FirstMistakeConfig = dataclasses.field(default_factory=FirstMistakeConfig)
     steps: int = 1500
     seed: int = 42
     max_nonfinite_in_row: int = 3

@@ -11,9 +11,11 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import sys
 import tempfile
 import time
+import zlib
 
 import jax
 import numpy as np
@@ -208,6 +210,95 @@ def check_checkpoint(params) -> dict:
     }
 
 
+class _Verifier:
+    """Slot 0 of every other prompt's group passes; the others pass by a hash of their text (rarely), so some
+    groups are cliffs and some of their re-rolls pass."""
+
+    def __init__(self, golds: list[str]):
+        self.easy = set(golds[1::2])
+
+    def score(self, responses, golds):
+        passed = [
+            (g in self.easy and i % 2 == 0) or (g not in self.easy and zlib.crc32(r.encode()) % 4 == 0)
+            for i, (r, g) in enumerate(zip(responses, golds, strict=True))
+        ]
+        return np.array(passed, np.float32)
+
+    def close(self):
+        pass
+
+
+def _train_config(workdir: str, **mesh):
+    from lspo_jax import toy
+    from lspo_jax.train_config import load_config
+
+    rows = toy.addition_rows(8, (2, 2), seed=0)
+    train_file = os.path.join(workdir, "train.jsonl")
+    with open(train_file, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    values = {
+        "model.path": toy.ensure_model(os.path.join(workdir, "toy"), steps=0), "model.lora": {"rank": 4, "alpha": 16.0},
+        "data.train": train_file, "data.instruction_position": "none", "data.max_prompt_tokens": 16,
+        "data.max_solution_tokens": 48, "data.shuffle": False, "rollout.prompts_per_step": 4, "rollout.group_size": 2,
+        "rollout.max_new_tokens": 12, "reward.overlong_buffer": 4, "reward.workers": 0, "optim.lr": 1e-3,
+        "optim.eps": 1e-3, "scaffold.sft_steps": 2, "scaffold.sft.lr": 1e-2, "scaffold.sft.eps": 1e-3,
+        "eval.every": 0, "checkpoint.every": 1, "loss.micro_batches": 2, "loss.chunk_size": 8, "steps": 2,
+        **{f"mesh.{k}": v for k, v in mesh.items()},
+    }  # fmt: skip
+    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in values.items()]), [r["answer"] for r in rows]
+
+
+def _train(config, golds, out: str, *, steps: int, resume: bool = False):
+    import dataclasses
+
+    from lspo_jax.metrics_log import read_metrics
+    from lspo_jax.run import Run
+
+    job = Run(dataclasses.replace(config, steps=steps), out, resume=resume, verifier=_Verifier(golds))
+    try:
+        job.train()
+        base = jax.tree.map(np.asarray, job.state.params["base"])
+        spec = str(getattr(job.state.params["base"]["layers"]["q"].sharding, "spec", None))
+    finally:
+        job.close()
+    records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r.get("kind") == "train"]
+    return base, records, spec
+
+
+def check_train_loop(params) -> dict:
+    """Two LSPO steps of the training loop on fsdp = 4 x tp = 2 against the same on one device
+    (``mesh.enabled: false``): sampling, scoring, the adapter's SFT, re-rolls, splicing and the RL update.
+
+    Restoring a checkpoint on another layout is ``check_checkpoint``'s; each layout here compiles every
+    program of the loop again, so one mesh covers both kinds of split."""
+    keys = ("loss", "accuracy_mean", "cliff_groups", "surpassed_groups", "spliced_rows", "grad_norm", "sft_loss")
+    with tempfile.TemporaryDirectory() as workdir:
+        single, golds = _train_config(workdir, enabled=False)
+        mesh, _ = _train_config(workdir, enabled=True, data=1, fsdp=4, tp=2)
+        ref, ref_records, _ = _train(single, golds, os.path.join(workdir, "one"), steps=2)
+        got, got_records, spec = _train(mesh, golds, os.path.join(workdir, "mesh"), steps=2)
+        start = _train_config_base(single)
+    metric_diff = max(
+        abs(float(a[k]) - float(b[k])) for a, b in zip(ref_records, got_records, strict=True) for k in keys
+        if a.get(k) is not None
+    )  # fmt: skip
+    return {
+        "params": _tree_diff(got, ref),
+        "moved": _tree_diff(got, start),
+        "metrics": metric_diff,
+        "records": len(got_records),
+        "cliffs": sum(r["cliff_groups"] for r in got_records),
+        "spliced": sum(r["spliced_rows"] for r in got_records),
+        "q_spec": spec,
+    }
+
+
+def _train_config_base(config):
+    from lspo_jax import hf
+
+    return jax.tree.map(np.asarray, hf.load_pretrained(config.model.path)[1]["base"])
+
+
 def main() -> None:
     assert jax.device_count() == 8, jax.devices()
     params, batch = _params(), _batch()
@@ -217,7 +308,10 @@ def main() -> None:
         ("sampler", check_sampler),
         ("param_bytes", check_param_bytes),
         ("checkpoint", check_checkpoint),
+        ("train_loop", check_train_loop),
     ):
+        if sys.argv[1:] and name not in sys.argv[1:]:  # a subset by name, for working on one check
+            continue
         start = time.perf_counter()
         results[name] = check(params, batch) if name == "steps" else check(params)
         results[name]["seconds"] = time.perf_counter() - start

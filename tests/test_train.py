@@ -476,3 +476,89 @@ def test_cliff_bucket_pads_the_reroll_and_drops_the_padding(tmp_path, make_confi
     assert scored == [2 * K, K]  # base rollouts, then the cliff's K re-rollouts without the padding copy
     assert (record["cliff_groups"], record["surpassed_groups"], record["spliced_rows"]) == (1, 1, 1)
     assert record["rescue_pass_rate"] == 0.5 and summary["rerolls"] == K
+
+
+# ------------------------------------------------------------------------------------ first-mistake option
+def run_capturing_advantages(job, monkeypatch):
+    """Train ``job`` and return the advantages each RL update received."""
+    seen = []
+    real = train.rl_update
+
+    def rl_update(config, params, opt_state, batch, **kwargs):
+        seen.append(np.asarray(batch["advantages"]))
+        return real(config, params, opt_state, batch, **kwargs)
+
+    monkeypatch.setattr(train, "rl_update", rl_update)
+    try:
+        job.train()
+    finally:
+        job.close()
+    return seen
+
+
+def test_first_mistake_run_with_a_scripted_judge(tmp_path, make_config, monkeypatch):
+    """Slot 1 of each group passes, slot 0 fails; the scripted teacher names sentence 2 of each failed rollout.
+
+    The warm-started toy model writes its ``;``-chained column sums, so sentence 1 is its first step. With
+    two rollouts the outcome advantages are A = +-(1 - 0.5) / (std([0, 1]) + eps) = +-0.70711; the failed row
+    gets lam * |A| = 0 on its first step's tokens and A from sentence 2 on; then the group is recentred on
+    its response tokens, so the group's token advantages sum to 0 and the failed row's suffix sits exactly
+    A = -0.70711 below its prefix.
+    """
+    from lspo_jax.first_mistake import Judge
+
+    config = make_config(
+        model__path=toy.model_dir(str(tmp_path / "cache")), reward__overlong_factor=0.0, scaffold__enabled=False,
+        rollout__max_new_tokens=32,  # room for a whole worked answer: a truncated rollout is not judged
+        first_mistake={"enabled": True, "reference": "ground_truth", "sentence_breaks": ";"},
+    )  # fmt: skip
+    prompts = []
+
+    def judge(texts):
+        prompts.extend(texts)
+        return [toy.first_mistake_judge(t) if "[2] " not in t else "Step 2 is wrong. \\boxed{2}" for t in texts]
+
+    job = Run(config, str(tmp_path / "run"), verifier=FakeVerifier(lambda r, g, slot: slot == 1), judge=Judge(judge))
+    seen = run_capturing_advantages(job, monkeypatch)
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [a.shape for a in seen] == [(2 * K, 16 + 32)] * 2  # token level: [rows, prompt + response slots]
+    assert len(prompts) == sum(r["fm_rollouts_judged"] for r in records) == 4  # one failed rollout per group
+    assert all("Reference solution:" in p and "\n[2] " in p for p in prompts)  # split at ";" into numbered steps
+    assert sum(r["fm_pitfalls"] for r in records) >= 1 and all(r["time_judge"] > 0 for r in records)
+    reshaped = 0
+    for advantages in seen:
+        for group in advantages.reshape(-1, K, advantages.shape[1]):
+            failed, passed = group[0], group[1]
+            values = np.unique(failed[failed != 0])
+            if len(values) != 2:
+                continue  # pitfall at token 0 (judge said 1, or correct): plain GRPO, nothing to check here
+            reshaped += 1
+            np.testing.assert_allclose(group.sum(), 0.0, atol=1e-4)  # recentred over response tokens
+            prefix = failed[np.flatnonzero(failed)[0]]
+            suffix = [v for v in values if v != prefix][0]
+            np.testing.assert_allclose(suffix - prefix, -0.70711, atol=1e-4)
+            np.testing.assert_allclose(np.unique(passed[passed != 0]), 0.70711 + prefix, atol=1e-4)
+    assert reshaped >= 1
+    assert np.all(seen[0][:, :16] == 0)  # nothing on prompt slots
+
+
+def test_first_mistake_with_a_real_tiny_judge_falls_back(tmp_path, make_config, model_dir, monkeypatch):
+    """The untrained toy model as the judge, loaded from its directory and sampled by the JAX sampler, of the
+    warm-started policy: its replies are noise, and what is counted is the fall-back, with the plain GRPO
+    advantages kept."""
+    config = make_config(
+        model__path=toy.model_dir(str(tmp_path / "cache")), rollout__max_new_tokens=32,
+        first_mistake={"enabled": True, "judge_path": model_dir, "reference": "ground_truth", "max_new_tokens": 6},
+        scaffold__enabled=False, reward__overlong_factor=0.0,
+    )  # fmt: skip
+    job = Run(config, str(tmp_path / "run"), verifier=FakeVerifier(lambda r, g, slot: slot == 1))
+    seen = run_capturing_advantages(job, monkeypatch)
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    for record, advantages in zip(records, seen, strict=True):
+        fallbacks = record["fm_fallback_unparseable"] + record["fm_fallback_out_of_range"]
+        assert record["fm_rollouts_judged"] == 2 and fallbacks + record["fm_judge_said_correct"] == 2
+        assert record["fm_pitfalls"] == 0
+        outcome = np.asarray(losses.group_advantages(jnp.asarray([0.0, 1.0] * 2), K))
+        mask = advantages[:, 16:] != 0
+        assert mask.any(axis=1).all()
+        np.testing.assert_allclose(advantages[:, 16:], np.where(mask, outcome[:, None], 0.0), atol=1e-6)

@@ -127,3 +127,11 @@ def test_memory_settings_of_the_paper_recipe_and_their_checks():
         load_config(None, ["model.remat=sometimes"])
     with pytest.raises(ConfigError, match=r"^loss\.chunk_size"):
         load_config(None, ["loss.chunk_size=0"])
+
+
+def test_mesh_section_errors_name_the_key():
+    assert load_config(None, ["mesh.fsdp=4", "mesh.tp=2"]).mesh.tp == 2
+    with pytest.raises(ConfigError, match=r"mesh\.fsdp"):
+        load_config(None, ["mesh.fsdp=0"])
+    with pytest.raises(ConfigError, match=r"mesh\.enabled"):
+        load_config(None, ["mesh.enabled=sometimes"])
