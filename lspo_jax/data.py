@@ -91,6 +91,8 @@ def read_rows(
         return toy.addition_rows(2000, (2, 4), seed=seed, prefix="train")
     if spec == "toy:heldout":
         return toy.heldout_rows(seed=seed)
+    if spec == "toy:target":
+        return toy.target_rows(seed=seed)
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"no such data file or directory: {spec}")

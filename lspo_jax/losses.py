@@ -24,17 +24,24 @@ Metrics = dict[str, jax.Array]
 
 
 # ----------------------------------------------------------------------------------------- advantages
-def group_advantages(rewards: jax.Array, group_size: int, eps: float = 1e-6) -> jax.Array:
+def group_advantages(
+    rewards: jax.Array, group_size: int, eps: float = 1e-6, valid: jax.Array | None = None
+) -> jax.Array:
     """Group-normalised advantages ``A_i = (r_i - mean_g) / (std_g + eps)``.
 
     Rows are grouped consecutively: rows ``0 .. K-1`` are the K rollouts of prompt 0, and so on. ``std_g``
     uses Bessel's correction (``ddof=1``), as DAPO/verl do. A group whose rewards are all equal (every
     cliff) gives exactly 0, not a rounding residue of ``r - mean(r)``; ``group_size == 1`` gives zeros.
 
+    Groups of unequal size sit in the same fixed K slots with ``valid``: a row that is not valid is padding,
+    gets advantage 0 and is left out of its group's mean, std and equal-rewards test, so a group of n valid
+    rows is normalised exactly as a group of size n would be (``ddof=1`` over n); n < 2 gives zeros.
+
     Args:
         rewards: ``[N]`` rewards, ``N`` a multiple of ``group_size``.
-        group_size: K, rollouts per prompt.
+        group_size: K, rollouts per prompt (slots per prompt when ``valid`` is given).
         eps: added to the standard deviation.
+        valid: optional ``[N]`` bool, False on padding rows; None treats every row as valid.
 
     Returns:
         ``[N]`` float32 advantages.
@@ -44,15 +51,40 @@ def group_advantages(rewards: jax.Array, group_size: int, eps: float = 1e-6) -> 
         raise ValueError(f"rewards must be 1-D [N], got shape {rewards.shape}")
     if group_size < 1 or rewards.shape[0] % group_size:
         raise ValueError(f"len(rewards)={rewards.shape[0]} is not a multiple of group_size={group_size}")
+    if valid is not None and jnp.shape(valid) != rewards.shape:
+        raise ValueError(f"valid must have the shape of rewards {rewards.shape}, got {jnp.shape(valid)}")
     if group_size == 1:
         return jnp.zeros_like(rewards)  # the sample std of one value is undefined; no signal either way
     r_GK = rewards.reshape(-1, group_size)
+    adv_GK = _full_group_advantages(r_GK, eps)
+    if valid is not None:
+        valid_GK = jnp.asarray(valid, bool).reshape(r_GK.shape)
+        # Full groups keep the unmasked arithmetic: XLA may round the masked reductions differently.
+        full_G1 = jnp.all(valid_GK, axis=1, keepdims=True)
+        adv_GK = jnp.where(full_G1, adv_GK, _masked_group_advantages(r_GK, valid_GK, eps))
+    return adv_GK.reshape(-1)
+
+
+def _full_group_advantages(r_GK: jax.Array, eps: float) -> jax.Array:
+    """``group_advantages`` of ``[G, K]`` rewards with every row valid."""
     centred_GK = r_GK - r_GK.mean(axis=1, keepdims=True)
     std_G1 = r_GK.std(axis=1, ddof=1, keepdims=True)
     # mean(r) of equal values can round away from r (e.g. three 0.1s); test equality instead of std == 0.
     constant_G1 = jnp.all(r_GK == r_GK[:, :1], axis=1, keepdims=True)
-    adv_GK = jnp.where(constant_G1, 0.0, centred_GK / (std_G1 + eps))
-    return adv_GK.reshape(-1)
+    return jnp.where(constant_G1, 0.0, centred_GK / (std_G1 + eps))
+
+
+def _masked_group_advantages(r_GK: jax.Array, valid_GK: jax.Array, eps: float) -> jax.Array:
+    """``group_advantages`` over the valid rows of each group only; padding rows give 0."""
+    # A group with fewer than two valid rows has no sample std (0 / 0): its NaN is discarded by the where.
+    count_G1 = jnp.sum(valid_GK, axis=1, keepdims=True).astype(jnp.float32)
+    mean_G1 = jnp.sum(jnp.where(valid_GK, r_GK, 0.0), axis=1, keepdims=True) / count_G1
+    centred_GK = jnp.where(valid_GK, r_GK - mean_G1, 0.0)
+    std_G1 = jnp.sqrt(jnp.sum(centred_GK * centred_GK, axis=1, keepdims=True) / (count_G1 - 1.0))
+    first_G1 = jnp.take_along_axis(r_GK, jnp.argmax(valid_GK, axis=1)[:, None], axis=1)
+    constant_G1 = jnp.all((r_GK == first_G1) | ~valid_GK, axis=1, keepdims=True)
+    adv_GK = jnp.where(constant_G1 | (count_G1 < 2), 0.0, centred_GK / (std_G1 + eps))
+    return jnp.where(valid_GK, adv_GK, 0.0)
 
 
 # ------------------------------------------------------------------------------------------ log-probs

@@ -18,7 +18,7 @@ import yaml
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from lspo_jax import data, evaluation, first_mistake, hf, model, optim, rewards, sharding, toy
+from lspo_jax import data, evaluation, first_mistake, hf, l2rr, model, optim, rewards, reweight, sharding, toy
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
 from lspo_jax.metrics_log import MetricsLog, NullLog
@@ -149,8 +149,16 @@ class Run:
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
         self.policy = dataclasses.replace(self.policy, mesh=run_mesh(run))
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
+        self.examples = self.examples[: run.data.limit]  # the first `limit` usable prompts (all when null)
         self.held_out, self.held_out_data = self._held_out()
         self.order = data.PromptOrder(len(self.examples), seed=run.seed, shuffle=run.data.shuffle)
+        self.sampler = self.target = None
+        if run.l2rr.enabled:  # a learned draw over the prompts instead of the shuffled order
+            if len(self.examples) < run.rollout.prompts_per_step:
+                raise ValueError(f"l2rr draws {run.rollout.prompts_per_step} distinct prompts a step, but "
+                                 f"{run.data.train} has {len(self.examples)}")  # fmt: skip
+            self.sampler = l2rr.make_sampler(len(self.examples), run.rollout.group_size, run.l2rr, seed=run.seed)
+            self.target = reweight.load_target(run, self.policy, load_examples)
         key = jax.random.key(run.seed)
         # Committed to the device (or split over the mesh) like the arrays a restore returns: jit keys its cache
         # on placement, so a run resumed in the same process (tests, notebooks) reuses the compiled programs.
@@ -187,6 +195,7 @@ class Run:
     # ---------------------------------------------------------------------------------- checkpoints
     def save(self) -> None:
         meta = {"step": self.state.step, "order": self.order.state(), "seed": self.run.seed,
+                "sampler": self.sampler.state_dict() if self.sampler is not None else None,
                 "nonfinite_total": self.state.nonfinite_total,
                 "nonfinite_in_row": self.state.nonfinite_in_row}  # fmt: skip
         self.checkpointer.save(self.state.step, checkpoint_state(self.state.params, self.state.opt_state), meta)
@@ -199,6 +208,8 @@ class Run:
             nonfinite_total=int(meta.get("nonfinite_total", 0)), nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
         )  # fmt: skip
         self.order.restore(meta["order"])
+        if self.sampler is not None:
+            self.sampler.load_state_dict(meta["sampler"])
 
     # ----------------------------------------------------------------------------------------- loop
     def validate(self) -> dict[str, dict[str, float]] | None:
@@ -216,7 +227,8 @@ class Run:
     def train(self) -> dict[str, Any]:
         run, start = self.run, time.perf_counter()
         before = self.validate()
-        totals = {"cliff_groups": 0, "surpassed_groups": 0, "rerolls_passed": 0, "rerolls": 0}
+        totals = {"cliff_groups": 0, "surpassed_groups": 0, "rerolls_passed": 0, "rerolls": 0, "rollouts": 0,
+                  "rollouts_spent": 0}  # fmt: skip
         bar = tqdm(total=run.steps, initial=self.state.step, desc="lspo", unit="step", dynamic_ncols=True,
                    disable=not self.writer)  # fmt: skip
         with StopFlag() as stop:
@@ -241,11 +253,24 @@ class Run:
         return self._summary(before, after, totals, time.perf_counter() - start, stop.requested)
 
     def one_step(self) -> dict[str, Any]:
-        batch = [self.examples[i] for i in self.order.take(self.run.rollout.prompts_per_step)]
         key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step)
-        metrics = train_step(self.run, self.policy, self.state, self.pool, batch, key)
+        if self.sampler is None:
+            batch = [self.examples[i] for i in self.order.take(self.run.rollout.prompts_per_step)]
+            metrics = train_step(self.run, self.policy, self.state, self.pool, batch, key)
+        else:
+            metrics = self._reweighted_step(key)
         self.log.write({"kind": "train", **metrics})
         return metrics
+
+    def _reweighted_step(self, key) -> dict[str, Any]:
+        """A step whose prompts and rollout counts come from the L2RR sampler (``reweight``)."""
+        draw_key, step_key = jax.random.split(key)
+        got = reweight.collect(self.run, self.policy, self.state, self.pool, self.examples, self.sampler, draw_key)
+        score = reweight.scorer(self.run, self.policy, self.state, self.target, self.sampler, got)
+        return train_step(
+            self.run, self.policy, self.state, self.pool, got.examples, step_key, sampled=got.sampled,
+            before_update=score,
+        )  # fmt: skip
 
     def _summary(self, before, after, totals, seconds, stopped) -> dict[str, Any]:
         summary = {
@@ -277,6 +302,8 @@ class Run:
 
 def _accumulate(totals: dict, metrics: dict, group_size: int) -> None:
     totals["cliff_groups"] += metrics["cliff_groups"]
+    totals["rollouts"] += metrics["rollouts"]  # base rollouts in the update batch, re-rolls not included
+    totals["rollouts_spent"] += metrics.get("sampler/rollouts_step", metrics["rollouts"])  # every draw round's
     totals["surpassed_groups"] += metrics["surpassed_groups"]
     if metrics.get("rescue_pass_rate") is not None:
         rerolls = (metrics["cliff_groups"] - metrics["scaffold_no_solution"]) * group_size

@@ -103,6 +103,12 @@ def heldout_rows(n: int = 64, seed: int = 0) -> list[dict]:
     return addition_rows(n, (2, 4), seed=10_000 + seed, prefix="heldout")
 
 
+def target_rows(n: int = 64, seed: int = 0) -> list[dict]:
+    """A target set of the training difficulty for a target-guided prompt sampler, from a third stream that
+    neither the training rows nor the held-out rows use."""
+    return addition_rows(n, (2, 4), seed=20_000 + seed, prefix="target")
+
+
 def model_config():
     """The demo's policy shape: a 3-layer Qwen2 of about 0.5M parameters over the character vocabulary."""
     from lspo_jax.config import LoraConfig, ModelConfig

@@ -178,10 +178,13 @@ def logprobs(run: TrainConfig, policy: Policy, params: Params, rows: dict, *, lo
 
 
 # ------------------------------------------------------------------------------------------- sampling
-def sample_rows(run: TrainConfig, policy: Policy, params: Params, prompts, key, *, lora_scale: float):
-    """``group_size`` rollouts per prompt, packed into fixed-shape rows (from ``policy.engine`` when set)."""
+def sample_rows(
+    run: TrainConfig, policy: Policy, params: Params, prompts, key, *, lora_scale: float, n: int | None = None
+):  # fmt: skip
+    """``n`` (default ``group_size``) rollouts per prompt, packed into fixed-shape rows (from ``policy.engine``
+    when set)."""
     options = dict(
-        key=key, n=run.rollout.group_size, max_new_tokens=run.rollout.max_new_tokens,
+        key=key, n=n or run.rollout.group_size, max_new_tokens=run.rollout.max_new_tokens,
         temperature=run.rollout.temperature, top_p=run.rollout.top_p, top_k=run.rollout.top_k,
         eos_token_ids=policy.eos_ids, lora_scale=lora_scale,
     )  # fmt: skip
@@ -196,10 +199,13 @@ def sample_rows(run: TrainConfig, policy: Policy, params: Params, prompts, key, 
     return rows
 
 
-def score_rows(run: TrainConfig, policy: Policy, pool, rows: dict, golds: list[str]) -> None:
-    """Add ``accuracy`` (0/1, the verifier) and ``reward`` (accuracy + overlong penalty) to ``rows``."""
+def score_rows(run: TrainConfig, policy: Policy, pool, rows: dict, golds: list[str], *, per_row: bool = False) -> None:
+    """Add ``accuracy`` (0/1, the verifier) and ``reward`` (accuracy + overlong penalty) to ``rows``.
+
+    ``golds`` holds one answer per group of ``group_size`` rows, or one per row with ``per_row``.
+    """
     texts = rollout.decode_responses(policy.tokenizer, rows, run.data.max_prompt_tokens)
-    group_golds = [golds[i // run.rollout.group_size] for i in range(len(texts))]
+    group_golds = list(golds) if per_row else [golds[i // run.rollout.group_size] for i in range(len(texts))]
     rows["accuracy"] = np.asarray(pool.score(texts, group_golds), np.float32)
     shaped = rewards.shaped_rewards(
         rows["accuracy"], rows["lengths"], max_len=run.rollout.max_new_tokens,
@@ -209,14 +215,17 @@ def score_rows(run: TrainConfig, policy: Policy, pool, rows: dict, golds: list[s
 
 
 # ------------------------------------------------------------------------------------------- scaffold
-def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows: dict, batch_examples, key, phases):
+def run_scaffold(
+    run: TrainConfig, policy: Policy, state: TrainState, pool, rows: dict, batch_examples, key, phases, valid=None
+):  # fmt: skip
     """Fit a fresh adapter on the cliffs' solutions, re-roll them, splice verified successes into ``rows``.
 
     Returns ``(rows, spliced_rows, metrics)``; cliff groups whose prompt has no worked solution are
-    skipped by the scaffold and counted in ``scaffold_no_solution``.
+    skipped by the scaffold and counted in ``scaffold_no_solution``. ``valid`` marks the rows of groups
+    smaller than ``group_size`` (the rest is padding, never a cliff's failed row nor spliced into).
     """
     k = run.rollout.group_size
-    cliffs = scaffold.find_cliffs(rows["accuracy"], k)
+    cliffs = find_cliffs(rows["accuracy"], k, valid)
     has_solution = np.array([ex.solution_ids is not None for ex in batch_examples])
     usable = cliffs & has_solution
     metrics = {"cliff_groups": int(cliffs.sum()), "scaffold_no_solution": int((cliffs & ~has_solution).sum())}
@@ -248,7 +257,7 @@ def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows
     with phases("logprob"):
         # The spliced rows' importance-ratio denominator: the adapter-on policy that sampled them.
         rerolls["old_logp"] = logprobs(run, policy, state.params, rerolls, lora_scale=1.0, min_rows=slots * k)
-    spliced, spliced_rows, stats = scaffold.splice(rows, rerolls, usable, k)
+    spliced, spliced_rows, stats = _splice(rows, rerolls, usable, k, valid)
     metrics.update(
         surpassed_groups=stats.num_surpassed,
         spliced_rows=stats.num_spliced,
@@ -258,22 +267,64 @@ def run_scaffold(run: TrainConfig, policy: Policy, state: TrainState, pool, rows
     return spliced, spliced_rows, metrics
 
 
+def find_cliffs(accuracy: np.ndarray, k: int, valid: np.ndarray | None = None) -> np.ndarray:
+    """``scaffold.find_cliffs`` over each group's valid rows; a group without valid rows is no cliff."""
+    if valid is None:
+        return scaffold.find_cliffs(accuracy, k)
+    return scaffold.find_cliffs(np.where(valid, accuracy, 0.0), k) & valid.reshape(-1, k).any(axis=1)
+
+
+def _splice(rows: dict, rerolls: dict, cliffs: np.ndarray, k: int, valid: np.ndarray | None):
+    """``scaffold.splice`` that leaves padding rows alone: it replaces failed rows, so padding is shown to it
+    as passing (accuracy 1) and given its accuracy 0 back afterwards."""
+    if valid is None:
+        return scaffold.splice(rows, rerolls, cliffs, k)
+    shown = {**rows, "accuracy": np.where(valid, rows["accuracy"], 1.0).astype(rows["accuracy"].dtype)}
+    spliced, spliced_rows, stats = scaffold.splice(shown, rerolls, cliffs, k)
+    spliced["accuracy"] = np.where(valid, spliced["accuracy"], 0.0).astype(rows["accuracy"].dtype)
+    return spliced, spliced_rows, stats
+
+
 # ----------------------------------------------------------------------------------------------- step
-def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_examples, key) -> dict[str, Any]:
-    """One RL step on ``batch_examples`` (B prompts); updates ``state`` in place and returns its metrics."""
+@dataclasses.dataclass
+class Sampled:
+    """A step's rollouts sampled and scored beforehand (a prompt sampler's draw rounds): packed ``rows`` in
+    ``group_size`` slots per prompt, ``valid`` marking the slots that hold a rollout, the phases' seconds."""
+
+    rows: dict
+    valid: np.ndarray
+    seconds: dict[str, float]
+
+
+def train_step(
+    run: TrainConfig, policy: Policy, state: TrainState, pool, batch_examples, key, *,
+    sampled: Sampled | None = None, before_update=None,
+) -> dict[str, Any]:  # fmt: skip
+    """One RL step on ``batch_examples`` (B prompts); updates ``state`` in place and returns its metrics.
+
+    ``sampled``: the step's rollouts, already sampled and scored (else ``group_size`` per prompt are sampled
+    here). ``before_update(batch) -> metrics`` sees the RL batch just before the update (which donates the
+    params), e.g. to score its prompts against a target set.
+    """
     phases = Phases()
     engine_sync_before = policy.engine.stats["sync_s_total"] if policy.engine is not None else 0.0
     sample_key, scaffold_key = jax.random.split(key)
     prompts = [ex.prompt_ids for ex in batch_examples]
-    with phases("sample"):
-        rows = sample_rows(run, policy, state.params, prompts, sample_key, lora_scale=0.0)
-    with phases("reward"):
-        score_rows(run, policy, pool, rows, [ex.answer for ex in batch_examples])
-    base_metrics = _rollout_metrics(run, rows)
+    valid = None
+    if sampled is None:
+        with phases("sample"):
+            rows = sample_rows(run, policy, state.params, prompts, sample_key, lora_scale=0.0)
+        with phases("reward"):
+            score_rows(run, policy, pool, rows, [ex.answer for ex in batch_examples])
+    else:
+        rows, valid = sampled.rows, sampled.valid
+        for name, seconds in sampled.seconds.items():
+            phases.seconds[name] += seconds
+    base_metrics = _rollout_metrics(run, rows, valid)
     # Placeholder so splice carries a spliced row's adapter-on log-probs; base rows are filled below.
     rows["old_logp"] = np.zeros(rows["tokens"].shape, np.float32)
     rows, spliced_rows, scaffold_metrics = run_scaffold(
-        run, policy, state, pool, rows, batch_examples, scaffold_key, phases
+        run, policy, state, pool, rows, batch_examples, scaffold_key, phases, valid
     )
     with phases("logprob"):
         base_logp = logprobs(run, policy, state.params, rows, lora_scale=0.0)
@@ -282,7 +333,7 @@ def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_
     if policy.engine is not None:
         engine_metrics = _engine_metrics(policy.engine, engine_sync_before, base_logp, rows, spliced_rows)
     rows["old_logp"] = np.where(spliced_rows[:, None], rows["old_logp"], base_logp)
-    advantages = np.asarray(losses.group_advantages(jnp.asarray(rows["reward"]), run.rollout.group_size))
+    advantages = np.asarray(losses.group_advantages(jnp.asarray(rows["reward"]), run.rollout.group_size, valid=valid))
     judge_metrics = {}
     if run.first_mistake.enabled:
         with phases("judge"):
@@ -290,6 +341,7 @@ def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_
     with phases("update"):
         batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
         batch["advantages"] = advantages
+        extra_metrics = before_update(batch) if before_update is not None else {}
         update_metrics = apply_rl_update(run, policy, state, batch)
     finite = bool(update_metrics.pop("finite"))
     state.nonfinite_in_row = 0 if finite else state.nonfinite_in_row + 1
@@ -314,6 +366,7 @@ def train_step(run: TrainConfig, policy: Policy, state: TrainState, pool, batch_
         **{k: v for k, v in update_metrics.items() if k.startswith(("ratio", "approx_kl"))},
         **engine_metrics,
         **judge_metrics,
+        **extra_metrics,
         **phases.seconds,
     }
 
@@ -340,13 +393,20 @@ def judge_advantages(run: TrainConfig, policy: Policy, state: TrainState, pool, 
     )  # fmt: skip
 
 
-def _rollout_metrics(run: TrainConfig, rows: dict) -> dict[str, float]:
+def _rollout_metrics(run: TrainConfig, rows: dict, valid: np.ndarray | None = None) -> dict[str, float]:
+    """Means over the sampled rollouts (the valid rows) before the scaffold, and the share of the groups with
+    a learning signal (rewards not all equal), which a prompt sampler tries to raise."""
+    valid = np.ones(len(rows["accuracy"]), bool) if valid is None else valid
     overlong = (~rows["eos"]) & (rows["lengths"] >= run.rollout.max_new_tokens)
+    reward_GK = np.where(valid, rows["reward"], np.nan).reshape(-1, run.rollout.group_size)
+    informative = np.nanmax(reward_GK, axis=1) > np.nanmin(reward_GK, axis=1)
     return {
-        "accuracy_mean": float(rows["accuracy"].mean()),
-        "reward_mean": float(rows["reward"].mean()),
-        "response_len_mean": float(rows["lengths"].mean()),
-        "overlong_frac": float(overlong.mean()),
+        "accuracy_mean": float(rows["accuracy"][valid].mean()),
+        "reward_mean": float(rows["reward"][valid].mean()),
+        "response_len_mean": float(rows["lengths"][valid].mean()),
+        "overlong_frac": float(overlong[valid].mean()),
+        "rollouts": int(valid.sum()),
+        "effective_prompt_ratio": float(informative.mean()),
     }
 
 

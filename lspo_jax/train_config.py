@@ -17,6 +17,7 @@ import yaml
 
 from lspo_jax.config import REMAT_POLICIES, LoraConfig
 from lspo_jax.first_mistake import FirstMistakeConfig
+from lspo_jax.l2rr import L2RRConfig
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
 
 
@@ -65,7 +66,8 @@ class DataConfig:
 
     Prompts longer than ``max_prompt_tokens`` and solutions longer than ``max_solution_tokens`` follow
     their policy, ``skip`` or ``truncate``, and are counted; rows without a solution are counted and
-    never used by the scaffold; rows lacking a required field are counted, listed and skipped.
+    never used by the scaffold; rows lacking a required field are counted, listed and skipped. ``limit``
+    keeps the first that many usable prompts (null: all).
     """
 
     train: str = "toy:addition"
@@ -78,8 +80,10 @@ class DataConfig:
     max_solution_tokens: int = 4096
     solution_policy: str = "truncate"
     shuffle: bool = True
+    limit: int | None = None
 
     def __post_init__(self) -> None:
+        _require(self.limit is None or self.limit > 0, "data.limit", "must be positive or null")
         for name in ("prompt_policy", "solution_policy"):
             _require(getattr(self, name) in ("skip", "truncate"), f"data.{name}", "must be 'skip' or 'truncate'")
         _require(self.format in ("auto", "shared", "deepmath"), "data.format", "must be auto, shared or deepmath")
@@ -257,6 +261,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     first_mistake: FirstMistakeConfig = dataclasses.field(default_factory=FirstMistakeConfig)
+    l2rr: L2RRConfig = dataclasses.field(default_factory=L2RRConfig)
     steps: int = 1500
     seed: int = 42
     max_nonfinite_in_row: int = 3
@@ -264,6 +269,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.steps > 0, "steps", "must be positive")
         _require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive")
+        _require(self.l2rr.g_min <= self.rollout.group_size, "l2rr.g_min", "must not exceed rollout.group_size")
+        _require(not self.l2rr.enabled or bool(self.l2rr.target), "l2rr.target", "must name the target set")
+        _require(not (self.l2rr.enabled and self.first_mistake.enabled), "l2rr.enabled",
+                 "L2RR's unequal groups are not combined with first_mistake yet; enable one of them")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -10,6 +10,7 @@ places the cliffs where it needs them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -378,9 +379,9 @@ def test_bad_rows_are_counted_not_fatal(tmp_path, make_config, train_rows, polic
 def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, make_config, easy_rule, monkeypatch):
     real_advantages, calls = losses.group_advantages, []
 
-    def advantages(rewards, group_size, eps=1e-6):  # NaN on steps 1, 3, 4; finite on step 2
+    def advantages(rewards, group_size, eps=1e-6, valid=None):  # NaN on steps 1, 3, 4; finite on step 2
         calls.append(len(calls) + 1)
-        out = real_advantages(rewards, group_size, eps)
+        out = real_advantages(rewards, group_size, eps, valid)
         return out if len(calls) == 2 else jnp.full_like(out, jnp.nan)
 
     updates = []
@@ -562,3 +563,47 @@ def test_first_mistake_with_a_real_tiny_judge_falls_back(tmp_path, make_config, 
         mask = advantages[:, 16:] != 0
         assert mask.any(axis=1).all()
         np.testing.assert_allclose(advantages[:, 16:], np.where(mask, outcome[:, None], 0.0), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ L2RR option
+class BlockVerifier:
+    """Passes the first rollout of each easy prompt; rollouts of one prompt are consecutive (a block)."""
+
+    def __init__(self, easy):
+        self.easy = easy
+
+    def score(self, responses, golds):
+        first = [i == 0 or golds[i - 1] != g for i, g in enumerate(golds)]
+        return np.array([g in self.easy and f for g, f in zip(golds, first, strict=True)], np.float32)
+
+    def close(self):
+        pass
+
+
+def test_l2rr_run_draws_unequal_groups_and_resumes(tmp_path, make_config, train_rows, monkeypatch):
+    """Two source prompts, both drawn every step into 4 slots each: prompt 0 passes once per group, prompt 1
+    never (a cliff with a worked solution, which the scaffold keeps). The budget is round(B * K * clip(mean_i
+    p_e ** z_i, rho_min, 1)) with prompt 1's zero streak z = 0, 1, 2 over the steps:
+    8 * mean(1, 1) = 8, then 8 * mean(1, 0.5) = 6, then 8 * mean(1, 0.25) = 5 rollouts, each prompt in [2, 4]."""
+    verifier = BlockVerifier({train_rows[0]["answer"]})
+    target = write_jsonl(tmp_path / "target.jsonl", toy.target_rows(4))
+    config = make_config(
+        rollout__group_size=4, steps=3, scaffold__sft_steps=1, data__limit=2, reward__overlong_factor=0.0,
+        l2rr={"enabled": True, "target": target, "g_min": 2, "rho_min": 0.25, "p_e": 0.5, "a": 2.0},
+    )  # fmt: skip
+    job = Run(config, str(tmp_path / "run"), verifier=verifier)
+    seen = run_capturing_advantages(job, monkeypatch)
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["rollouts"] for r in records] == [8, 6, 5]
+    assert [r["sampler/rollouts_step"] for r in records] == [8, 6, 5]
+    assert records[-1]["sampler/rollouts_total"] == 19 and records[-1]["sampler/prompts_on_zero_streak"] == 1
+    assert all(r["sampler/draw_rounds"] == 1 for r in records)
+    for advantages, record in zip(seen, records, strict=True):
+        assert advantages.shape == (2 * 4,)
+        assert 0 < np.count_nonzero(advantages) <= record["rollouts"] - 2  # the cliff's rows carry nothing
+    state = checkpoint_state(job.state.params, job.state.opt_state)
+    meta = Checkpointer(str(tmp_path / "run" / "checkpoints")).restore(None, state)[1]
+    assert meta["sampler"]["kind"] == "l2rr" and meta["sampler"]["updates"] == 3
+    resumed = Run(dataclasses.replace(config, steps=4), str(tmp_path / "run"), resume=True, verifier=verifier)
+    assert resumed.sampler.state_dict() == meta["sampler"]
+    resumed.close()
