@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from lspo_jax import distributed, optim, sharding
+from lspo_jax import distributed, losses, optim, sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import Params
 from lspo_jax.sampler import SampleBatch
@@ -77,12 +77,19 @@ def pad_rows(rows: Rows, count: int) -> Rows:
     return {k: np.concatenate([v, np.zeros((count - len(v), *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("config", "lora_scale", "temperature"))
-def _logprobs(config: ModelConfig, params: Params, tokens, attention_mask, lora_scale: float, temperature: float):
-    logp, _ = optim.sequence_logprobs(
-        config, params, tokens, attention_mask, lora_scale=lora_scale, temperature=temperature
-    )
-    return logp
+@functools.partial(jax.jit, static_argnames=("config", "lora_scale", "temperature", "chunk_size", "micro_batches"))
+def _logprobs(
+    config: ModelConfig, params: Params, tokens, attention_mask, lora_scale: float, temperature: float,
+    chunk_size: int | None = None, micro_batches: int = 1,
+):  # fmt: skip
+    def one(rows):
+        kwargs = dict(lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size)
+        return optim.sequence_logprobs(config, params, *rows, **kwargs)[0]
+
+    if micro_batches == 1:
+        return one((tokens, attention_mask))
+    split = lambda x: losses.split_rows(x, micro_batches)
+    return losses.merge_rows(jax.lax.map(one, (split(tokens), split(attention_mask))))
 
 
 def teacher_forced_logprobs(
@@ -92,16 +99,19 @@ def teacher_forced_logprobs(
     """``log pi(tokens[t] | tokens[<t])`` at the sampling temperature, zero off the response mask.
 
     Rows are padded to a power-of-two count (at least ``min_rows``) first, so a varying number of rows
-    reuses compiled programs. On a ``mesh`` the pass runs split like the RL step, rows over the data axes in
-    ``micro_batches`` groups and the LM head in ``chunk_size`` sequence chunks, so a long rollout batch never
-    holds every row's activations or a whole ``[rows, length, vocab]`` logits array.
+    reuses compiled programs. The pass runs like the RL step: rows in ``micro_batches`` groups one after
+    another and the LM head in ``chunk_size`` sequence chunks, so a long rollout batch never holds every
+    row's activations or a whole ``[rows, length, vocab]`` logits array; on a ``mesh``, rows are split over
+    its data axes too.
     """
     count = len(rows["tokens"])
-    padded = pad_rows({k: rows[k] for k in ("tokens", "attention_mask")}, pow2_rows(max(count, min_rows)))
+    slots = pow2_rows(max(count, min_rows))
+    padded = pad_rows({k: rows[k] for k in ("tokens", "attention_mask")}, -(-slots // micro_batches) * micro_batches)
     if mesh is None:
         logp = _logprobs(
-            config, params, padded["tokens"], padded["attention_mask"], lora_scale=lora_scale, temperature=temperature
-        )
+            config, params, padded["tokens"], padded["attention_mask"], lora_scale=lora_scale,
+            temperature=temperature, chunk_size=chunk_size, micro_batches=micro_batches,
+        )  # fmt: skip
     else:
         program = _mesh_logprobs(config, mesh, lora_scale, temperature, chunk_size, micro_batches)
         placed = mesh_rows(mesh, padded, multiple=micro_batches)

@@ -225,3 +225,18 @@ def test_remat_gives_the_same_gradient(remat):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="remat"):
         dataclasses.replace(CONFIG, remat="some")
+
+
+def test_teacher_forced_logprobs_in_micro_batches_and_chunks_equal_one_pass():
+    """The trainer's log-prob pass over 3 rows, in 2 micro-batches (rows padded to 4) with a 5-token head
+    chunk, equals the plain pass; positions off the response mask are 0."""
+    from lspo_jax import rollout
+
+    batch = _batch()
+    rows = {k: np.asarray(batch[k])[:3] for k in ("tokens", "attention_mask", "mask")}
+    plain = rollout.teacher_forced_logprobs(CONFIG, _params(), rows, lora_scale=0.0, temperature=0.7)
+    split = rollout.teacher_forced_logprobs(
+        CONFIG, _params(), rows, lora_scale=0.0, temperature=0.7, micro_batches=2, chunk_size=5
+    )
+    np.testing.assert_allclose(split, plain, atol=1e-6, rtol=0)
+    assert np.all(plain[rows["mask"] == 0] == 0) and np.all(plain[rows["mask"] > 0] < 0)
