@@ -1,0 +1,876 @@
+"""One-shot GPU benchmark: our sampler and RL step beside transformers + torch at the same shapes, and one LSPO step.
+
+Random weights of the DeepSeek-R1-Distill-Qwen-1.5B shape, bfloat16 compute. Each section runs in its own
+subprocess: a crash or an out-of-memory in one leaves the others and the JSON intact, and each starts with
+the whole device memory (JAX's allocator keeps what it has taken, and torch must fit beside it).
+
+sampler  ``sampler.generate_arrays`` and transformers ``generate()`` (torch, bf16 weights, sdpa attention):
+         prompt 256 random ids, exactly 512 new tokens per row (our EOS set is empty; HF gets
+         ``min_new_tokens = max_new_tokens``), batch 256, then 64. new tokens/s = batch x 512 / wall time of
+         one call, prompt pass included: ours the best of ``--repeats`` calls after a compiling call, HF one
+         call after a short warm-up call. Decode floor: a decode step must read, once, from HBM, the bf16
+         weights it uses whole (every parameter but the input embedding table, of which it reads one row per
+         sequence) and the KV cache up to its context:
+             floor_s = sum_{i=1}^{N-1} (W + batch x kv_bytes_per_token x (P + i)) / HBM
+         for P prompt and N new tokens, HBM = ``--hbm-tb-s`` (4.8 TB/s, the H200 data sheet; 4.23 TB/s was
+         measured read+write). ``floor_fraction = floor_s / (call time - prompt pass time)``, 1 = the bound.
+         HF has no separate prompt pass, so its fraction divides by the whole call (a slight underestimate).
+train    ``train.rl_update``, i.e. ``optim.rl_step`` with the project's AdamW (``optim.make_optimizer``),
+         float32 master weights, bf16 compute, params and optimizer state donated, on 8 x 2048 tokens; remat
+         policies from ``--remat`` are tried in order until one fits. Beside it transformers + torch at the same
+         shape by the usual recipe: float32 weights, ``torch.autocast`` bf16, loss = mean next-token
+         cross-entropy (``labels = input_ids``), global-norm clipping at 1.0 (as our optimizer), fused AdamW.
+             MFU = tokens/s x (6 N + 6 L d_attn T) / peak
+         N counts the weights of every matmul: all parameters but the input embedding table (a lookup; the LM
+         head is counted). 12 L d_attn T per token is attention's QK^T and PV forward + backward (d_attn = heads
+         x head_dim, T the sequence length), halved because the causal mask leaves half the score matrix
+         useful. peak = ``--peak-tflops`` (989, dense bf16 of an H100/H200). Recomputation under remat is not
+         counted: MFU counts the model's FLOPs, not the hardware's.
+lspo     ``train.train_step`` at a reduced shape (4 prompts x 16 rollouts, 64 prompt + 512 new tokens, 512-token
+         worked solutions): a warm-up step compiles every program, a timed LSPO step, then a timed DAPO step
+         (``scaffold.enabled: false``, the same compiled programs). A fake verifier makes every other group a
+         cliff and passes re-roll 1 of each cliff, so every step fits, re-rolls and splices the same rows.
+         Rows never end early (no EOS): the longest step at this shape. The shape is reduced to keep compiling
+         and running inside one call's budget; ``--shape lspo_prompts=8 --shape lspo_new_tokens=1024`` gives
+         8 x 16 x 1024, the log-prob passes running in ``lspo_micro_batches`` groups of rows.
+             scaffold_share = (time_sft + time_reroll + the LSPO step's reward and log-prob time beyond the DAPO
+                               step's) / LSPO step time
+         and ``scaffold_share_vs_dapo = 1 - DAPO step / LSPO step``. Without the DAPO step (time budget) the share
+         is the lower bound (time_sft + time_reroll) / step time, and ``scaffold_share_method`` says so.
+
+``--smoke`` shrinks every shape (tiny model preset, short prompts, few tokens, tiny batches) and runs the same
+code, transformers on the CPU included; its numbers measure nothing. The ``_b256``/``_b64`` keys name the GPU
+batches; ``shapes`` in the JSON holds the sizes used.
+
+    python benchmarks/gpu.py --time-budget 450                   # the H200; writes benchmarks/results/gpu.json
+    JAX_PLATFORMS=cpu python benchmarks/gpu.py --smoke --out /tmp/gpu_smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+
+from lspo_jax import optim, sampler, train
+from lspo_jax.config import ModelConfig
+from lspo_jax.data import Example
+from lspo_jax.kv_cache import cache_nbytes
+from lspo_jax.model import count_params, init_params
+from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig, TrainConfig
+
+SECTIONS = ("sampler", "train", "lspo")
+BATCH_LABELS = ("b256", "b64")
+PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "flax", "optax", "transformers", "torch", "numpy")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu.json")
+
+# Rough seconds per part on the H200, compile included; --smoke scales them by SMOKE_SCALE. Used only to skip
+# work that would not fit in --time-budget. Core parts decide whether a section starts; optional parts are
+# skipped when they would eat into the time the later sections need.
+ESTIMATE_S = {
+    "startup": 20,
+    "sampler_b256": 90,
+    "hf_generate_b256": 60,
+    "sampler_b64": 60,
+    "hf_generate_b64": 45,
+    "hf_train": 40,
+    "train": 80,
+    "lspo": 180,
+    "dapo_step": 20,
+}
+CORE_PARTS = {"sampler": ("sampler_b256", "hf_generate_b256"), "train": ("hf_train", "train"), "lspo": ("lspo",)}
+SMOKE_SCALE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Every size the benchmark uses; ``--shape name=value`` overrides one."""
+
+    preset: str = "deepseek-r1-distill-qwen-1.5b"
+    sampler_prompt_len: int = 256
+    sampler_new_tokens: int = 512
+    sampler_batch_b256: int = 256
+    sampler_batch_b64: int = 64
+    train_rows: int = 8
+    train_seq: int = 2048
+    train_steps: int = 3  # timed steps, after one compiling step (HF: after two warm-up steps)
+    lspo_prompts: int = 4
+    lspo_group: int = 16
+    lspo_prompt_len: int = 64
+    lspo_new_tokens: int = 512
+    lspo_solution_len: int = 512
+    lspo_micro_batches: int = 4
+    lspo_sft_steps: int = 4
+
+
+SMOKE_SHAPES = Shapes(
+    preset="tiny",
+    sampler_prompt_len=16,
+    sampler_new_tokens=8,
+    sampler_batch_b256=8,
+    sampler_batch_b64=6,  # the sampler's batch bucket of 6 is 8: the second batch reuses the compiled programs
+    train_rows=2,
+    train_seq=64,
+    train_steps=2,
+    lspo_prompts=2,
+    lspo_group=2,
+    lspo_prompt_len=8,
+    lspo_new_tokens=8,
+    lspo_solution_len=16,
+    lspo_micro_batches=1,
+    lspo_sft_steps=2,
+)
+
+
+# ------------------------------------------------------------------------------------------ arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=DEFAULT_OUT, help="JSON file to write (default: benchmarks/results/gpu.json)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, transformers on CPU allowed: checks the code")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    p.add_argument("--time-budget", type=float, help="seconds for the whole run; sections that would not fit skip")
+    p.add_argument("--profile", metavar="DIR", help="jax.profiler.trace of each timed part into DIR/PART")
+    p.add_argument("--remat", default="dots,full", help="train remat policies, tried in order until one fits")
+    p.add_argument("--chunk-size", type=int, default=0, help="train LM-head chunk (0: whole logits)")
+    p.add_argument("--repeats", type=int, default=2, help="timed calls of our sampler per batch (best reported)")
+    p.add_argument("--cache-window", type=int, default=sampler.DEFAULT_CACHE_WINDOW)
+    p.add_argument("--hbm-tb-s", type=float, default=4.8, help="HBM bandwidth for the decode floor, TB/s")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU, TFLOP/s")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=VALUE", help="override one of Shapes")
+    p.add_argument("--seed", type=int, default=0)
+    # Set by the parent for the subprocess that runs one section.
+    p.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
+    p.add_argument("--section-file", help=argparse.SUPPRESS)
+    p.add_argument("--soft-deadline", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.only = [s for s in args.only.split(",") if s]
+    unknown = sorted(set(args.only) - set(SECTIONS))
+    if unknown:
+        p.error(f"--only: unknown section(s) {unknown}; known: {list(SECTIONS)}")
+    args.remat = [r for r in args.remat.split(",") if r]
+    args.t0 = args.t0 or time.time()
+    return args
+
+
+def shapes_of(args: argparse.Namespace) -> Shapes:
+    shapes = SMOKE_SHAPES if args.smoke else Shapes()
+    types = {f.name: type(getattr(shapes, f.name)) for f in dataclasses.fields(shapes)}
+    overrides = {}
+    for item in args.shape:
+        name, _, value = item.partition("=")
+        if name not in types:
+            raise SystemExit(f"--shape {item!r}: unknown name; known: {sorted(types)}")
+        overrides[name] = types[name](value)
+    return dataclasses.replace(shapes, **overrides)
+
+
+def estimate_s(part: str, smoke: bool) -> float:
+    return ESTIMATE_S[part] * (SMOKE_SCALE if smoke else 1.0)
+
+
+def section_need_s(section: str, smoke: bool) -> float:
+    return estimate_s("startup", smoke) + sum(estimate_s(part, smoke) for part in CORE_PARTS[section])
+
+
+def log(t0: float, where: str, message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} +{time.time() - t0:7.1f}s [{where}] {message}", flush=True)
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write atomically: a reader (or a kill mid-write) never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------- one section's record
+class Recorder:
+    """One section's results, rewritten to ``path`` after every part, so a killed section leaves what it measured.
+
+    ``part(name)`` times a block and records an exception as ``errors[name]`` instead of raising it, so the
+    next part still runs.
+    """
+
+    def __init__(self, path: str, section: str, t0: float):
+        self.path, self.section, self.t0 = path, section, t0
+        self.data: dict[str, Any] = {"section": section, "headline": {}, "errors": {}, "skipped": {}, "parts_s": {}}
+        self.flush()
+
+    def flush(self) -> None:
+        write_json(self.path, self.data)
+
+    def set(self, **values: Any) -> None:
+        self.data.update(values)
+        self.flush()
+
+    def headline(self, **values: Any) -> None:
+        self.data["headline"].update(values)
+        self.flush()
+
+    def log(self, message: str) -> None:
+        log(self.t0, self.section, message)
+
+    def skip(self, part: str, why: str) -> None:
+        self.data["skipped"][part] = why
+        self.log(f"{part}: skipped ({why})")
+        self.flush()
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        self.log(f"{name}: start")
+        start = time.perf_counter()
+        try:
+            yield
+        except Exception as err:  # recorded, not raised: the remaining parts still run
+            traceback.print_exc()
+            self.data["errors"][name] = f"{type(err).__name__}: {err}"[:4000]
+            self.log(f"{name}: FAILED {type(err).__name__}")
+        else:
+            self.log(f"{name}: done in {time.perf_counter() - start:.1f} s")
+        finally:
+            self.data["parts_s"][name] = round(time.perf_counter() - start, 3)
+            self.flush()
+
+
+@dataclasses.dataclass
+class Context:
+    """What a section's parts share: arguments, shapes, the record, the soft deadline for optional parts."""
+
+    args: argparse.Namespace
+    shapes: Shapes
+    rec: Recorder
+
+    def room_for(self, part: str) -> str | None:
+        """None when optional ``part`` fits before the soft deadline, else why it is skipped."""
+        if self.args.soft_deadline is None:
+            return None
+        left, need = self.args.soft_deadline - time.time(), estimate_s(part, self.args.smoke)
+        return None if left >= need else f"time budget: {left:.0f} s left for this section's extras, needs ~{need:.0f}"
+
+    def profile(self, part: str):
+        if not self.args.profile:
+            return contextlib.nullcontext()
+        return jax.profiler.trace(os.path.join(self.args.profile, part))
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def model_config(shapes: Shapes, param_dtype: str, remat: str = "none") -> ModelConfig:
+    return ModelConfig.preset(shapes.preset, param_dtype=param_dtype, compute_dtype="bfloat16", remat=remat)
+
+
+def committed(tree):
+    """``tree`` placed on the first device. jit keys its cache on placement: arrays fresh from a jitted init are
+    uncommitted, those out of an update step committed, and mixing the two would compile every program twice."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
+def init_committed(config: ModelConfig, seed: int):
+    return committed(jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed)))
+
+
+def random_ids(config: ModelConfig, rng: np.random.Generator, *shape: int) -> np.ndarray:
+    """Ids in [1, min(vocab, 30000)): never the pad id 0, and ordinary tokens for a real vocabulary."""
+    return rng.integers(1, min(config.vocab_size, 30000), size=shape).astype(np.int32)
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Weights of every matmul a token goes through: all base parameters but the input embedding table."""
+    base = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))["base"]
+    lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    return count_params(base) - lookup
+
+
+def train_flops_per_token(config: ModelConfig, seq: int) -> float:
+    """6 N + 6 L d_attn T: dense matmuls plus causal attention, forward and backward (module docstring)."""
+    return 6.0 * matmul_params(config) + 6.0 * config.num_layers * config.num_heads * config.head_dim * seq
+
+
+def hf_device(ctx: Context) -> tuple[str | None, str]:
+    """('cuda' | 'cpu', '') where transformers can run, else (None, why not); records torch's device name."""
+    try:
+        import torch
+        import transformers
+    except ImportError as err:
+        return None, f"transformers + torch not importable: {err}"
+    ctx.rec.set(torch_version=torch.__version__, transformers_version=transformers.__version__)
+    if torch.cuda.is_available():
+        ctx.rec.set(torch_device=torch.cuda.get_device_name(0))
+        return "cuda", ""
+    return ("cpu", "") if ctx.args.smoke else (None, "torch has no CUDA device (CPU runs only with --smoke)")
+
+
+def hf_model(config: ModelConfig, device: str, dtype: str):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**config.to_hf_config(), attn_implementation="sdpa"))
+    return model.to(getattr(torch, dtype))
+
+
+def torch_sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def release_torch(device: str) -> None:
+    """Give torch's cached blocks back to the device, so the JAX part after it has the memory."""
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def jax_peak_gb() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return round(stats["peak_bytes_in_use"] / 1e9, 2) if "peak_bytes_in_use" in stats else None
+
+
+# ----------------------------------------------------------------------------------- section: sampler
+def decode_floor_s(config: ModelConfig, params, batch: int, prompt_len: int, new_tokens: int, hbm: float) -> float:
+    """``sum_{i=1}^{N-1} (W + batch x kv_per_token x (P + i)) / HBM`` (module docstring)."""
+    base = params["base"]
+    weights = sum(x.nbytes for x in jax.tree.leaves(base))
+    if not config.tie_word_embeddings:
+        weights -= base["embed"].nbytes
+    kv_per_token = cache_nbytes(config, 1, 1)
+    steps = new_tokens - 1
+    context_sum = steps * prompt_len + steps * (steps + 1) // 2
+    return (steps * weights + batch * kv_per_token * context_sum) / hbm
+
+
+def time_our_sampler(ctx: Context, config: ModelConfig, params, prompts: np.ndarray, label: str) -> dict:
+    n_new = ctx.shapes.sampler_new_tokens
+    kw = dict(max_new_tokens=n_new, eos_token_ids=(), cache_window=ctx.args.cache_window)
+    rows = prompts.tolist()
+    start = time.perf_counter()
+    out = sampler.generate_arrays(config, params, rows, key=jax.random.key(0), **kw)
+    first_s = time.perf_counter() - start
+    if not np.all(out.lengths == n_new):
+        raise RuntimeError(f"rows ended early: lengths {sorted(set(out.lengths.tolist()))}")
+    times = []
+    with ctx.profile(f"sampler_{label}"):
+        for i in range(ctx.args.repeats):
+            start = time.perf_counter()
+            # generate_arrays fetches tokens to the host: the call returns only when the device is done.
+            jax.block_until_ready(sampler.generate_arrays(config, params, rows, key=jax.random.key(i + 1), **kw))
+            times.append(time.perf_counter() - start)
+    prefill_times = []  # the prompt pass of the same call alone (its compiled program), to split off the decode
+    for i in range(ctx.args.repeats):
+        start = time.perf_counter()
+        sampler.prefill_only(config, params, rows, key=jax.random.key(i + 1), **kw)
+        prefill_times.append(time.perf_counter() - start)
+    return {"first_call_s": first_s, "time_s": min(times), "times_s": times, "prefill_s": min(prefill_times)}
+
+
+def time_hf_generate(model, device: str, prompts: np.ndarray, new_tokens: int) -> dict:
+    import torch
+
+    ids = torch.from_numpy(prompts).long().to(device)
+    gen = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # forbids EOS: exactly new_tokens tokens per row
+        pad_token_id=0,
+    )
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(ids, **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})  # kernels and allocator warm
+        torch_sync(device)
+        warm_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(ids, **gen)
+        torch_sync(device)
+        time_s = time.perf_counter() - start
+    if out.shape[1] != prompts.shape[1] + new_tokens:
+        raise RuntimeError(f"generate returned {out.shape[1] - prompts.shape[1]} new tokens, not {new_tokens}")
+    return {"warmup_s": warm_s, "time_s": time_s}
+
+
+def section_sampler(ctx: Context) -> None:
+    shapes, args, rec = ctx.shapes, ctx.args, ctx.rec
+    config = model_config(shapes, "bfloat16")
+    params = init_committed(config, args.seed)
+    device, why_not = hf_device(ctx)
+    hbm = args.hbm_tb_s * 1e12
+    hf = {}  # the bf16 transformers model, built at first use and kept for the second batch
+    rng = np.random.default_rng(args.seed)
+    for label in BATCH_LABELS:
+        batch = getattr(shapes, f"sampler_batch_{label}")
+        prompts = random_ids(config, rng, batch, shapes.sampler_prompt_len)
+        floor_s = decode_floor_s(config, params, batch, shapes.sampler_prompt_len, shapes.sampler_new_tokens, hbm)
+        new_tokens = batch * shapes.sampler_new_tokens
+        ours = None
+        part = f"sampler_{label}"
+        skip = None if label == "b256" else ctx.room_for(part)
+        if skip:
+            rec.skip(part, skip)
+        else:
+            with rec.part(part):
+                ours = time_our_sampler(ctx, config, params, prompts, label)
+                decode_s = ours["time_s"] - ours["prefill_s"]
+                ours.update(new_tokens_per_s=new_tokens / ours["time_s"], floor_s=floor_s, decode_s=decode_s)
+                # None when timing noise makes the prompt pass look longer than the call (tiny smoke shapes).
+                ours["floor_fraction"] = floor_s / decode_s if decode_s > 0 else None
+                rec.set(**{part: ours})
+                rec.headline(
+                    **{f"sampler_tokens_per_s_{label}": ours["new_tokens_per_s"]},
+                    **{f"sampler_floor_fraction_{label}": ours["floor_fraction"]},
+                )
+        part = f"hf_generate_{label}"
+        skip = why_not or (None if label == "b256" else ctx.room_for(part))
+        if skip:
+            rec.skip(part, skip)
+            continue
+        with rec.part(part):
+            if "model" not in hf:
+                hf["model"] = hf_model(config, device, "bfloat16").eval()
+            theirs = time_hf_generate(hf["model"], device, prompts, shapes.sampler_new_tokens)
+            theirs.update(new_tokens_per_s=new_tokens / theirs["time_s"], floor_fraction=floor_s / theirs["time_s"])
+            rec.set(**{part: theirs})
+            rec.headline(**{f"hf_generate_tokens_per_s_{label}": theirs["new_tokens_per_s"]})
+            if ours is not None:
+                rec.headline(**{f"sampler_ratio_vs_hf_{label}": ours["new_tokens_per_s"] / theirs["new_tokens_per_s"]})
+    rec.set(jax_peak_gb=jax_peak_gb())
+
+
+# ------------------------------------------------------------------------------------- section: train
+def synthetic_rl_batch(config: ModelConfig, rows: int, seq: int, seed: int) -> dict:
+    """Random tokens, every position but the first a response token, ``old_logp`` at the uniform policy's
+    ``-log V`` (importance ratios near 1 for random weights), advantages +-1."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones((rows, seq), np.int32)
+    mask[:, 0] = 0
+    batch = {
+        "tokens": random_ids(config, rng, rows, seq),
+        "attention_mask": np.ones((rows, seq), np.int32),
+        "mask": mask,
+        "old_logp": np.full((rows, seq), -math.log(config.vocab_size), np.float32),
+        "advantages": np.where(np.arange(rows) % 2 == 0, 1.0, -1.0).astype(np.float32),
+    }
+    return committed(batch)
+
+
+def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig) -> dict:
+    shapes = ctx.shapes
+    params = init_committed(config, ctx.args.seed)
+    opt_state = committed(jax.jit(optim.make_optimizer().init)(params))
+    batch = synthetic_rl_batch(config, shapes.train_rows, shapes.train_seq, ctx.args.seed)
+    step = functools.partial(train.rl_update, config, rl=optim.RLOptimConfig(), loss=loss, temperature=1.0)
+    start = time.perf_counter()
+    params, opt_state, metrics = jax.block_until_ready(step(params, opt_state, batch))
+    first_s = time.perf_counter() - start
+    with ctx.profile("train"):
+        start = time.perf_counter()
+        for _ in range(shapes.train_steps):
+            # Dispatch runs ahead of the device, as in a training loop; the last result is waited for.
+            params, opt_state, metrics = step(params, opt_state, batch)
+        jax.block_until_ready((params, opt_state, metrics))
+        step_s = (time.perf_counter() - start) / shapes.train_steps
+    if not bool(metrics["finite"]):
+        raise RuntimeError(f"non-finite loss or gradient: {jax.device_get(metrics)}")
+    return {"first_step_s": first_s, "step_s": step_s, "loss": float(metrics["loss"]), "peak_gb": jax_peak_gb()}
+
+
+def time_hf_train(config: ModelConfig, device: str, shapes: Shapes, seed: int) -> dict:
+    import torch
+
+    model = hf_model(config, device, "float32").train()
+    # fused: one kernel for the whole update on CUDA, as recipes use it; the CPU build takes the default path.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=device == "cuda")
+    ids = torch.from_numpy(random_ids(config, np.random.default_rng(seed), shapes.train_rows, shapes.train_seq))
+    ids = ids.long().to(device)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    start = time.perf_counter()
+    for _ in range(2):
+        step()
+    torch_sync(device)
+    warm_s = time.perf_counter() - start
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(shapes.train_steps):
+        loss = step()
+    torch_sync(device)
+    step_s = (time.perf_counter() - start) / shapes.train_steps
+    peak = round(torch.cuda.max_memory_allocated() / 1e9, 2) if device == "cuda" else None
+    return {"warmup_s": warm_s, "step_s": step_s, "loss": float(loss.detach()), "peak_gb": peak}
+
+
+def section_train(ctx: Context) -> None:
+    shapes, args, rec = ctx.shapes, ctx.args, ctx.rec
+    tokens = shapes.train_rows * shapes.train_seq
+    flops_per_token = train_flops_per_token(model_config(shapes, "float32"), shapes.train_seq)
+    peak = args.peak_tflops * 1e12
+    rec.set(flops_per_token=flops_per_token, matmul_params=matmul_params(model_config(shapes, "float32")))
+    # transformers first: torch returns its cache to the device afterwards, JAX would keep its pool.
+    device, why_not = hf_device(ctx)
+    if why_not:
+        rec.skip("hf_train", why_not)
+    else:
+        with rec.part("hf_train"):
+            hf = time_hf_train(model_config(shapes, "float32"), device, shapes, args.seed)
+            release_torch(device)  # the model and optimizer died with time_hf_train's frame
+            hf.update(tokens_per_s=tokens / hf["step_s"])
+            rec.set(hf_train=hf)
+            rec.headline(
+                hf_train_tokens_per_s=hf["tokens_per_s"],
+                hf_train_mfu=hf["tokens_per_s"] * flops_per_token / peak,
+                hf_train_step_seconds=hf["step_s"],
+            )
+    with rec.part("train"):
+        loss = LossConfig(chunk_size=args.chunk_size or None)
+        failed = {}
+        for remat in args.remat:
+            gc.collect()  # the arrays of a failed attempt, freed with its traceback
+            try:
+                ours = time_rl_update(ctx, model_config(shapes, "float32", remat), loss)
+                break
+            except Exception as err:  # out of memory, most likely: the next policy keeps less
+                failed[remat] = f"{type(err).__name__}: {err}"[:2000]
+                rec.log(f"train: remat={remat} failed ({type(err).__name__}); trying the next policy")
+        else:
+            raise RuntimeError(f"every remat policy failed: {failed}")
+        ours.update(remat=remat, chunk_size=loss.chunk_size, tokens_per_s=tokens / ours["step_s"], failed=failed)
+        rec.set(train=ours)
+        rec.headline(
+            train_tokens_per_s=ours["tokens_per_s"],
+            train_mfu=ours["tokens_per_s"] * flops_per_token / peak,
+            train_step_seconds=ours["step_s"],
+            train_remat=remat,
+        )
+
+
+# -------------------------------------------------------------------------------------- section: lspo
+class IdTokenizer:
+    """Decodes ids to their decimal text: the verifier below reads only the row's place in its group."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, np.asarray(ids).tolist()))
+
+
+class HalfCliffVerifier:
+    """A verifier with fixed outcomes, in place of math-verify (so ``time_reward`` is decoding and bookkeeping).
+
+    Groups whose gold is in ``cliff_golds`` fail in every rollout; each other group passes in its first rollout
+    only. A call holding only cliff golds is the scaffold's re-roll: there rollout 1 of each group passes, so
+    every cliff is surpassed and one row per cliff is spliced.
+    """
+
+    def __init__(self, cliff_golds: set[str], group_size: int):
+        self.cliff_golds, self.group_size = cliff_golds, group_size
+
+    def score(self, texts: list[str], golds: list[str]) -> np.ndarray:
+        reroll = all(g in self.cliff_golds for g in golds)
+        slot = np.arange(len(golds)) % self.group_size
+        if reroll:
+            return (slot == 1).astype(np.float32)
+        cliff = np.array([g in self.cliff_golds for g in golds])
+        return ((slot == 0) & ~cliff).astype(np.float32)
+
+
+def lspo_setup(ctx: Context):
+    """The run config, policy, state, examples and verifier of the LSPO section."""
+    shapes, args = ctx.shapes, ctx.args
+    config = model_config(shapes, "float32", args.remat[0])
+    run = TrainConfig(
+        data=DataConfig(max_prompt_tokens=shapes.lspo_prompt_len, max_solution_tokens=shapes.lspo_solution_len),
+        rollout=RolloutConfig(
+            prompts_per_step=shapes.lspo_prompts, group_size=shapes.lspo_group, max_new_tokens=shapes.lspo_new_tokens
+        ),
+        reward=RewardConfig(overlong_buffer=max(1, shapes.lspo_new_tokens // 4), workers=0),
+        loss=LossConfig(micro_batches=shapes.lspo_micro_batches, chunk_size=args.chunk_size or None),
+        scaffold=ScaffoldConfig(sft_steps=shapes.lspo_sft_steps),
+    )
+    rng = np.random.default_rng(args.seed)
+    examples = [
+        Example(
+            id=f"p{i}",
+            answer=str(i),
+            prompt_ids=tuple(random_ids(config, rng, shapes.lspo_prompt_len).tolist()),
+            solution_ids=tuple(random_ids(config, rng, shapes.lspo_solution_len).tolist()),
+        )
+        for i in range(shapes.lspo_prompts)
+    ]
+    verifier = HalfCliffVerifier({ex.answer for ex in examples[::2]}, shapes.lspo_group)
+    policy = train.Policy(config=config, tokenizer=IdTokenizer(), eos_ids=())
+    params = init_committed(config, args.seed)
+    opt_state = committed(jax.jit(optim.make_optimizer(run.optim, run.scaffold.sft).init)(params))
+    return run, policy, train.TrainState(step=0, params=params, opt_state=opt_state), examples, verifier
+
+
+def timed_step(run: TrainConfig, policy, state, verifier, examples, seed: int) -> tuple[float, dict]:
+    key = jax.random.fold_in(jax.random.key(seed), state.step)
+    start = time.perf_counter()
+    metrics = train.train_step(run, policy, state, verifier, examples, key)
+    return time.perf_counter() - start, metrics
+
+
+def scaffold_share(lspo: dict, dapo: dict | None) -> tuple[float, str]:
+    """The scaffold's share of the LSPO step (module docstring): phases, with the DAPO step when there is one."""
+    seconds = lspo["time_sft"] + lspo["time_reroll"]
+    method = "(time_sft + time_reroll) / step: a lower bound, no DAPO step"
+    if dapo is not None:
+        for phase in ("time_reward", "time_logprob"):
+            seconds += max(0.0, lspo[phase] - dapo[phase])
+        method = "(time_sft + time_reroll + reward and logprob time beyond the DAPO step's) / step"
+    return min(1.0, max(0.0, seconds / lspo["step_s"])), method
+
+
+def section_lspo(ctx: Context) -> None:
+    shapes, args, rec = ctx.shapes, ctx.args, ctx.rec
+    phase_keys = [f"time_{name}" for name in train.Phases.NAMES]
+    scaffold_keys = ("cliff_groups", "surpassed_groups", "spliced_rows", "rescue_pass_rate", "sft_loss")
+    lspo = None
+    with rec.part("lspo"):
+        run, policy, state, examples, verifier = lspo_setup(ctx)
+        first_s, _ = timed_step(run, policy, state, verifier, examples, args.seed)  # compiles every program
+        rec.set(lspo_first_step_s=first_s)
+        with ctx.profile("lspo"):
+            step_s, metrics = timed_step(run, policy, state, verifier, examples, args.seed)
+        lspo = {"step_s": step_s, **{k: metrics[k] for k in phase_keys}, **{k: metrics.get(k) for k in scaffold_keys}}
+        lspo.update(peak_gb=jax_peak_gb(), rows=shapes.lspo_prompts * shapes.lspo_group)
+        share, method = scaffold_share(lspo, None)
+        rec.set(lspo=lspo, scaffold_share_method=method)
+        rec.headline(lspo_step_seconds=step_s, scaffold_share=share, lspo_phases={k: lspo[k] for k in phase_keys})
+    if lspo is None:
+        return
+    skip = ctx.room_for("dapo_step")
+    if skip:
+        rec.skip("dapo_step", skip)
+        return
+    with rec.part("dapo_step"):
+        dapo_run = dataclasses.replace(run, scaffold=dataclasses.replace(run.scaffold, enabled=False))
+        step_s, metrics = timed_step(dapo_run, policy, state, verifier, examples, args.seed)
+        dapo = {"step_s": step_s, **{k: metrics[k] for k in phase_keys}}
+        share, method = scaffold_share(lspo, dapo)
+        rec.set(dapo=dapo, scaffold_share_method=method)
+        rec.headline(
+            scaffold_share=share, dapo_step_seconds=step_s, scaffold_share_vs_dapo=1.0 - step_s / lspo["step_s"]
+        )
+
+
+# ------------------------------------------------------------------------------------- child process
+SECTION_FUNCTIONS = {"sampler": section_sampler, "train": section_train, "lspo": section_lspo}
+
+
+def run_section(args: argparse.Namespace) -> None:
+    """The subprocess side: run one section, leaving its record in ``args.section_file``."""
+    # Both are read when the backend starts, below. JAX would otherwise take 75% of the GPU up front and leave
+    # torch too little; on a CPU smoke run compiling dominates, and LLVM's optimisation of tiny programs is waste.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.smoke and os.environ.get("JAX_PLATFORMS") == "cpu" and "optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    rec = Recorder(args.section_file, args.section, args.t0)
+    try:
+        device = jax.devices()[0]
+        rec.set(backend=jax.default_backend(), jax_device=device.device_kind, jax_device_count=jax.device_count())
+        rec.log(f"{jax.default_backend()} {device.device_kind}")
+        SECTION_FUNCTIONS[args.section](Context(args=args, shapes=shapes_of(args), rec=rec))
+    except BaseException as err:  # outside any part (set-up, a kill): recorded, then the process fails
+        rec.data["errors"]["section"] = f"{type(err).__name__}: {err}"[:4000]
+        rec.flush()
+        raise
+
+
+# -------------------------------------------------------------------------------------- parent process
+HEADLINE_KEYS = (
+    *(
+        f"{name}_{label}"
+        for label in BATCH_LABELS
+        for name in (
+            "sampler_tokens_per_s",
+            "hf_generate_tokens_per_s",
+            "sampler_ratio_vs_hf",
+            "sampler_floor_fraction",
+        )
+    ),
+    "train_tokens_per_s",
+    "train_mfu",
+    "train_step_seconds",
+    "train_remat",
+    "hf_train_tokens_per_s",
+    "hf_train_mfu",
+    "hf_train_step_seconds",
+    "lspo_step_seconds",
+    "scaffold_share",
+    "dapo_step_seconds",
+    "scaffold_share_vs_dapo",
+    "lspo_phases",
+)
+FORMULAS = {
+    "new_tokens_per_s": "batch x new tokens / wall time of one generate call, prompt pass included",
+    "floor_fraction": "sum_{i=1}^{N-1} (W + batch x kv_bytes_per_token x (P + i)) / HBM over (call - prompt pass) "
+    "time; W = bf16 bytes of every weight but the input embedding table",
+    "mfu": "tokens/s x (6 N + 6 L heads head_dim T) / peak; N = every parameter but the input embedding table; "
+    "attention's 12 L d_attn T per token halved for the causal mask; remat recomputation not counted",
+    "scaffold_share": "(time_sft + time_reroll + LSPO step's reward and logprob time beyond the DAPO step's) / "
+    "LSPO step time",
+}
+
+
+def package_versions() -> dict[str, str | None]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def run_child(args: argparse.Namespace, section: str, soft_deadline: float | None, timeout: float | None) -> dict:
+    """Run ``section`` in a subprocess; its record, with ``status`` and the process's failure if any."""
+    fd, path = tempfile.mkstemp(prefix=f"gpu_bench_{section}_", suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), *args.argv, "--section", section, "--section-file", path]
+    cmd += ["--t0", repr(args.t0)] + ([] if soft_deadline is None else ["--soft-deadline", repr(soft_deadline)])
+    start, failure = time.time(), None
+    try:
+        code = subprocess.run(cmd, timeout=timeout).returncode
+        failure = None if code == 0 else f"section process exited with code {code}"
+    except subprocess.TimeoutExpired:
+        failure = f"section process killed after {timeout:.0f} s (time budget)"
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        record = {"headline": {}, "errors": {}, "skipped": {}, "record_error": str(err)}
+    finally:
+        for leftover in (path, f"{path}.tmp"):
+            with contextlib.suppress(OSError):
+                os.remove(leftover)
+    record["seconds"] = round(time.time() - start, 1)
+    if failure:
+        record["error"] = failure
+    record["status"] = "failed" if failure or record.get("errors") else "ok"
+    return record
+
+
+def new_result(args: argparse.Namespace) -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", sys.argv[0], *args.argv]),
+        "smoke": args.smoke,
+        **dict.fromkeys(HEADLINE_KEYS),
+        "jax_device": None,
+        "torch_device": None,
+        "backend": None,
+        "versions": package_versions(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "shapes": dataclasses.asdict(shapes_of(args)),
+        "settings": {
+            k: getattr(args, k)
+            for k in ("time_budget", "remat", "chunk_size", "repeats", "cache_window", "hbm_tb_s", "peak_tflops")
+        },
+        "formulas": FORMULAS,
+        "sections": {},
+    }
+
+
+def orchestrate(args: argparse.Namespace) -> dict:
+    """Run the selected sections one subprocess each, writing ``args.out`` after every section."""
+    result = new_result(args)
+    end = None if args.time_budget is None else args.t0 + args.time_budget
+    margin = 2.0 if args.smoke else 10.0  # left to the parent after a killed section, to write the JSON
+    selected = [s for s in SECTIONS if s in args.only]
+    log(args.t0, "main", f"sections {selected}, budget {args.time_budget} s, writing {args.out}")
+    for i, section in enumerate(SECTIONS):
+        if section not in selected:
+            result["sections"][section] = {"status": "skipped", "reason": "not in --only"}
+            continue
+        left = math.inf if end is None else end - time.time()
+        need = section_need_s(section, args.smoke)
+        if left < need:
+            reason = f"time budget: {left:.0f} s left, the section needs ~{need:.0f} s"
+            result["sections"][section] = {"status": "skipped", "reason": reason}
+            log(args.t0, "main", f"{section}: skipped ({reason})")
+        else:
+            later = sum(section_need_s(s, args.smoke) for s in selected[selected.index(section) + 1 :])
+            soft = None if end is None else end - later
+            timeout = None if end is None else max(1.0, left - margin)
+            log(args.t0, "main", f"{section}: start ({i + 1}/{len(SECTIONS)})")
+            record = run_child(args, section, soft, timeout)
+            result["sections"][section] = record
+            result.update(record.pop("headline", {}))
+            for key in ("jax_device", "torch_device", "backend"):
+                result[key] = result[key] or record.get(key)
+            log(args.t0, "main", f"{section}: {record['status']} in {record['seconds']} s")
+        write_json(args.out, result)
+    return result
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{'':<32} {result['jax_device']} / {result['torch_device']} ({result['backend']})")
+    for key in HEADLINE_KEYS:
+        if key != "lspo_phases":
+            print(f"{key:<32} {fmt(result[key])}")
+    phases = result.get("lspo_phases") or {}
+    print(f"{'lspo_phases':<32} " + " ".join(f"{k.removeprefix('time_')}={v:.3g}s" for k, v in phases.items()))
+    for name, section in result["sections"].items():
+        problems = {**section.get("errors", {}), **section.get("skipped", {})}
+        why = section.get("error") or section.get("reason") or ""
+        detail = "; ".join([why, *(f"{k}: {v[:160]}" for k, v in problems.items())]).strip("; ")
+        print(f"section {name:<8} {section['status']:<8} {fmt(section.get('seconds'))} s  {detail}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.argv = list(argv)
+    if args.section:
+        run_section(args)
+        return
+    result = orchestrate(args)
+    print_table(result)
+    log(args.t0, "main", f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""``benchmarks/gpu.py`` end to end at its ``--smoke`` shapes on the CPU, as the GPU run will call it: every key of
+the JSON with sane values, and a section that fails or does not fit the time budget is recorded while the rest
+is still written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu.py")
+HAS_HF = all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
+PHASES = {f"time_{name}" for name in ("sample", "reward", "sft", "reroll", "logprob", "update")}
+RATES = ("sampler_tokens_per_s_b256", "sampler_tokens_per_s_b64", "train_tokens_per_s")
+HF_RATES = ("hf_generate_tokens_per_s_b256", "hf_generate_tokens_per_s_b64", "hf_train_tokens_per_s")
+REQUIRED = (
+    *RATES,
+    *HF_RATES,
+    "sampler_ratio_vs_hf_b256",
+    "sampler_ratio_vs_hf_b64",
+    "sampler_floor_fraction_b256",
+    "sampler_floor_fraction_b64",
+    "train_mfu",
+    "hf_train_mfu",
+    "lspo_step_seconds",
+    "scaffold_share",
+    "lspo_phases",
+    "date",
+    "command",
+    "jax_device",
+    "torch_device",
+    "versions",
+    "shapes",
+    "sections",
+)
+
+
+def run_bench(out_dir, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = os.path.join(out_dir, "gpu.json")
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+    cmd = [sys.executable, SCRIPT, "--smoke", "--out", out, *flags]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert os.path.exists(out), proc.stdout + proc.stderr
+    with open(out) as f:
+        return proc, json.load(f)
+
+
+def positive(value) -> bool:
+    return isinstance(value, float | int) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    proc, result = run_bench(str(tmp_path_factory.mktemp("smoke")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "scaffold_share" in proc.stdout  # the printed table
+    return result
+
+
+def test_every_key_and_no_failure(smoke):
+    assert not [key for key in REQUIRED if key not in smoke]
+    for name, section in smoke["sections"].items():
+        assert section["status"] == "ok", (name, section)
+        skipped = section["skipped"]
+        assert not skipped if HAS_HF else set(skipped) <= {"hf_generate_b256", "hf_generate_b64", "hf_train"}
+    assert "--smoke" in smoke["command"] and smoke["shapes"]["preset"] == "tiny"
+    assert smoke["jax_device"] and smoke["backend"] == "cpu"
+    assert {"jax", "jaxlib", "flax", "optax", "transformers", "torch"} <= set(smoke["versions"])
+
+
+def test_throughputs_and_mfu(smoke):
+    assert all(positive(smoke[key]) for key in RATES), {key: smoke[key] for key in RATES}
+    assert 0 < smoke["train_mfu"] < 1
+    assert 0 < smoke["sampler_floor_fraction_b256"] and 0 < smoke["sampler_floor_fraction_b64"]
+    if HAS_HF:
+        assert all(positive(smoke[key]) for key in HF_RATES), {key: smoke[key] for key in HF_RATES}
+        assert 0 < smoke["hf_train_mfu"] < 1
+        for label in ("b256", "b64"):
+            ratio = smoke[f"sampler_tokens_per_s_{label}"] / smoke[f"hf_generate_tokens_per_s_{label}"]
+            assert smoke[f"sampler_ratio_vs_hf_{label}"] == pytest.approx(ratio)
+    else:
+        assert all(smoke[key] is None for key in HF_RATES)
+
+
+def test_lspo_step_and_scaffold_share(smoke):
+    phases = smoke["lspo_phases"]
+    assert PHASES <= set(phases) and all(v >= 0 for v in phases.values())
+    # Every other group is a cliff, so the scaffold ran: adapter fitted, cliffs re-rolled, a row spliced.
+    assert phases["time_sft"] > 0 and phases["time_reroll"] > 0
+    assert positive(smoke["lspo_step_seconds"]) and sum(phases.values()) <= smoke["lspo_step_seconds"]
+    assert 0 <= smoke["scaffold_share"] <= 1
+    lspo = smoke["sections"]["lspo"]["lspo"]
+    assert lspo["cliff_groups"] == smoke["shapes"]["lspo_prompts"] // 2 and lspo["spliced_rows"] >= 1
+    assert positive(smoke["dapo_step_seconds"]) and "DAPO" in smoke["sections"]["lspo"]["scaffold_share_method"]
+
+
+def test_failures_are_recorded_and_the_rest_written(tmp_path):
+    # An unknown model preset fails the sampler before its first part and the LSPO section inside its part.
+    proc, result = run_bench(str(tmp_path), "--only", "sampler,lspo", "--shape", "preset=no-such-model")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sections = result["sections"]
+    assert sections["sampler"]["status"] == "failed" and "exited with code" in sections["sampler"]["error"]
+    assert "no-such-model" in sections["sampler"]["errors"]["section"]
+    assert sections["lspo"]["status"] == "failed" and "no-such-model" in sections["lspo"]["errors"]["lspo"]
+    assert sections["train"] == {"status": "skipped", "reason": "not in --only"}
+    assert all(key in result and result[key] is None for key in ("train_mfu", "lspo_step_seconds", "scaffold_share"))
+
+
+def test_time_budget_skips_sections(tmp_path):
+    proc, result = run_bench(str(tmp_path), "--time-budget", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for section in result["sections"].values():
+        assert section["status"] == "skipped" and section["reason"].startswith("time budget")
+    assert result["sampler_tokens_per_s_b256"] is None and result["lspo_phases"] is None
