@@ -69,7 +69,8 @@ Span = tuple[int, int]  # [start, end) character offsets of one sentence
 class FirstMistakeConfig:
     """First-mistake advantages (see the module docstring); ``enabled: false`` leaves GRPO advantages alone.
 
-    ``judge_path``: a Hugging Face directory of the teacher; None judges with the policy itself.
+    ``judge_path``: a Hugging Face directory of the teacher; None judges with the policy itself (the run
+    also takes ``toy:judge``, the demo task's scripted teacher).
     ``reference``: ``teacher`` (the teacher's verified solution) or ``ground_truth`` (the dataset's).
     ``lam``: the weight of ``|A_i|`` on a failed rollout's valid prefix. ``max_new_tokens``, ``temperature``
     (0: greedy) and ``seed``: the teacher's sampling, in both stages. ``max_sentences``: sentences numbered

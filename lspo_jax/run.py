@@ -128,6 +128,14 @@ def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str
     return jax.eval_shape(build)
 
 
+def make_judge(run: TrainConfig, policy: Policy, params: Params) -> first_mistake.Judge:
+    """The first-mistake judge of ``run``: ``judge_path: toy:judge`` is the demo task's scripted teacher
+    (``toy.first_mistake_judge``), anything else goes to ``first_mistake.make_judge``."""
+    if run.first_mistake.judge_path == "toy:judge":
+        return first_mistake.Judge(lambda prompts: [toy.first_mistake_judge(p) for p in prompts])
+    return first_mistake.make_judge(run.first_mistake, policy=policy, params=params)
+
+
 class Run:
     """The state and resources of one training run.
 
@@ -177,7 +185,7 @@ class Run:
         if latest is not None:
             self._restore()
         if run.first_mistake.enabled:
-            judge = judge or first_mistake.make_judge(run.first_mistake, policy=self.policy, params=self.state.params)
+            judge = judge or make_judge(run, self.policy, self.state.params)
             self.policy = dataclasses.replace(self.policy, judge=judge)
         self.log = MetricsLog(out_dir) if self.writer else NullLog()
         if verifier is None:
@@ -226,7 +234,9 @@ class Run:
 
     def train(self) -> dict[str, Any]:
         run, start = self.run, time.perf_counter()
-        before = self.validate()
+        # A resumed run was validated at this step before it stopped (or will be at the end): only a fresh
+        # run records the "before" figures.
+        before = self.validate() if self.state.step == 0 else None
         totals = {"cliff_groups": 0, "surpassed_groups": 0, "rerolls_passed": 0, "rerolls": 0, "rollouts": 0,
                   "rollouts_spent": 0}  # fmt: skip
         bar = tqdm(total=run.steps, initial=self.state.step, desc="lspo", unit="step", dynamic_ncols=True,

@@ -275,6 +275,8 @@ def test_resume_is_exact(tmp_path, make_config, train_file, easy_rule, trained_r
 
     records = train_records(out)
     assert records == train_records(trained_run["dir"])
+    evals = [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["kind"] == "eval"]
+    assert evals == [0, 2, 4]  # the resumed run did not validate step 2 again
     # Re-rolls scored by content: the resumed steps really sampled, scaffolded and spliced the same rows.
     assert [r["step"] for r in records] == [1, 2, 3, 4] and sum(r["spliced_rows"] for r in records[2:]) > 0
 
