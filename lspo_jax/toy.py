@@ -109,13 +109,13 @@ def target_rows(n: int = 64, seed: int = 0) -> list[dict]:
     return addition_rows(n, (2, 4), seed=20_000 + seed, prefix="target")
 
 
-def model_config():
+def model_config(max_positions: int = 256):
     """The demo's policy shape: a 3-layer Qwen2 of about 0.5M parameters over the character vocabulary."""
     from lspo_jax.config import LoraConfig, ModelConfig
 
     return ModelConfig(
         vocab_size=vocab_size(), hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4,
-        num_kv_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,
+        num_kv_heads=2, head_dim=32, max_position_embeddings=max_positions, tie_word_embeddings=True,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, lora=LoraConfig(rank=8, alpha=32.0),
     )  # fmt: skip
 
@@ -131,11 +131,13 @@ def model_dir(cache_dir: str) -> str:
     return ensure_model(cache_dir)
 
 
-def ensure_model(directory: str, *, steps: int = 600, seed: int = 0) -> str:
+def ensure_model(directory: str, *, steps: int = 600, seed: int = 0, max_positions: int = 256) -> str:
     """The demo's warm-started policy as a Hugging Face directory, trained here at first use (~1 minute).
 
     Full-parameter SFT on 1-3 digit sums with worked solutions: enough to learn the format and most short
-    sums, not enough for 4-digit ones, which become the RL task's cliffs.
+    sums, not enough for 4-digit ones, which become the RL task's cliffs. ``steps=0`` keeps the random
+    init; with ``max_positions`` of a few thousand that is a tiny real judge model for the first-mistake
+    option, whose prompts (the judge template and a numbered rollout) are about a thousand characters.
     """
     import shutil
 
@@ -143,7 +145,7 @@ def ensure_model(directory: str, *, steps: int = 600, seed: int = 0) -> str:
         return directory
     from lspo_jax import hf
 
-    config = model_config()
+    config = model_config(max_positions)
     tokenizer = char_tokenizer()
     base = _warm_start(config, tokenizer, steps=steps, seed=seed)
     staging = directory + ".tmp"

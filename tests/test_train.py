@@ -545,18 +545,31 @@ def test_first_mistake_run_with_a_scripted_judge(tmp_path, make_config, monkeypa
     assert np.all(seen[0][:, :16] == 0)  # nothing on prompt slots
 
 
-def test_first_mistake_with_a_real_tiny_judge_falls_back(tmp_path, make_config, model_dir, monkeypatch):
-    """The untrained toy model as the judge, loaded from its directory and sampled by the JAX sampler, of the
-    warm-started policy: its replies are noise, and what is counted is the fall-back, with the plain GRPO
-    advantages kept."""
+def test_first_mistake_with_a_real_tiny_judge_falls_back(tmp_path, make_config, monkeypatch):
+    """An untrained toy-shaped Qwen2 with 2048 positions as the judge, loaded from its directory and sampled
+    by the JAX sampler, of the warm-started policy: its replies are noise, and what is counted is the
+    fall-back, with the plain GRPO advantages kept."""
+    from lspo_jax import sampler
+
+    judge_dir = toy.ensure_model(str(tmp_path / "judge"), steps=0, max_positions=2048)
     config = make_config(
         model__path=toy.model_dir(str(tmp_path / "cache")), rollout__max_new_tokens=32,
-        first_mistake={"enabled": True, "judge_path": model_dir, "reference": "ground_truth", "max_new_tokens": 6},
+        first_mistake={"enabled": True, "judge_path": judge_dir, "reference": "ground_truth", "max_new_tokens": 6},
         scaffold__enabled=False, reward__overlong_factor=0.0,
     )  # fmt: skip
+    sampled_prompts = []
+    real_generate = sampler.generate_arrays
+
+    def generate_arrays(config, params, prompts, **kwargs):
+        if config.max_position_embeddings == 2048:  # the judge's calls
+            sampled_prompts.extend(len(p) for p in prompts)
+        return real_generate(config, params, prompts, **kwargs)
+
+    monkeypatch.setattr(sampler, "generate_arrays", generate_arrays)
     job = Run(config, str(tmp_path / "run"), verifier=FakeVerifier(lambda r, g, slot: slot == 1))
     seen = run_capturing_advantages(job, monkeypatch)
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert len(sampled_prompts) == 4 and min(sampled_prompts) > 500  # every judge prompt was really sampled
     for record, advantages in zip(records, seen, strict=True):
         fallbacks = record["fm_fallback_unparseable"] + record["fm_fallback_out_of_range"]
         assert record["fm_rollouts_judged"] == 2 and fallbacks + record["fm_judge_said_correct"] == 2
