@@ -22,7 +22,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from lspo_jax import losses, optim, sharding
+from lspo_jax import optim, sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import Params
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
@@ -131,14 +131,10 @@ def sharded_logprobs(
     batch_sh = sharding.batch_sharding(mesh)
 
     def logprobs(params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        def one(rows):
-            kwargs = dict(lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size)
-            return optim.sequence_logprobs(config, params, *rows, **kwargs)[0]
-
-        if num_micro_batches == 1:
-            return one((tokens, attention_mask))
-        split = lambda x: losses.split_rows(x, num_micro_batches)
-        return losses.merge_rows(jax.lax.map(one, (split(tokens), split(attention_mask))))
+        return optim.grouped_logprobs(
+            config, params, tokens, attention_mask, lora_scale=lora_scale, temperature=temperature,
+            chunk_size=chunk_size, num_micro_batches=num_micro_batches,
+        )  # fmt: skip
 
     jitted = jax.jit(
         in_mesh(mesh, logprobs),

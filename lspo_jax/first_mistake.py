@@ -58,6 +58,8 @@ from typing import Any
 
 import numpy as np
 
+from lspo_jax.text import matching_braces
+
 CORRECT, MISTAKE, UNPARSEABLE, OUT_OF_RANGE = "correct", "mistake", "unparseable", "out_of_range"
 REFERENCES = ("teacher", "ground_truth")
 Generate = Callable[[list[str]], list[str]]
@@ -197,21 +199,9 @@ def _protected(text: str) -> np.ndarray:
     protected = np.zeros(len(text) + 1, bool)
     for match in _MATH.finditer(text):
         protected[match.start() : match.end()] = True
-    for opened, closed in _brace_pairs(text).items():
+    for opened, closed in matching_braces(text).items():
         protected[opened : closed + 1] = True
     return protected
-
-
-def _brace_pairs(text: str) -> dict[int, int]:
-    """Position of each ``{`` -> position of its ``}``, in one pass (unclosed braces are absent)."""
-    pairs: dict[int, int] = {}
-    stack: list[int] = []
-    for brace in re.finditer(r"[{}]", text):
-        if brace.group() == "{":
-            stack.append(brace.start())
-        elif stack:
-            pairs[stack.pop()] = brace.start()
-    return pairs
 
 
 def _not_an_end(text: str, start: int, match: re.Match) -> bool:
@@ -348,7 +338,7 @@ def _outside_thinking(reply: str) -> str:
 
 def _boxes(text: str) -> list[tuple[int, str]]:
     """``(position, content)`` of every complete ``\\boxed{...}``, braces matched; an unclosed box is skipped."""
-    pairs = _brace_pairs(text)
+    pairs = matching_braces(text)
     opens = [(m.start(), m.end() - 1) for m in _BOX_OPEN.finditer(text)]
     return [(start, text[brace + 1 : pairs[brace]]) for start, brace in opens if brace in pairs]
 

@@ -170,6 +170,30 @@ def sequence_logprobs(
     return jnp.pad(logp, ((0, 0), (1, 0))), logits
 
 
+def grouped_logprobs(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    *,
+    lora_scale: float = 0.0,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    num_micro_batches: int = 1,
+) -> jax.Array:
+    """``sequence_logprobs``' ``logp`` with the rows in ``num_micro_batches`` strided groups run one after another
+    (``lax.map``, as the RL step's micro-batches), so a long batch never holds every row's activations."""
+
+    def one(rows):
+        kwargs = dict(lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size)
+        return sequence_logprobs(config, params, *rows, **kwargs)[0]
+
+    if num_micro_batches == 1:
+        return one((tokens, attention_mask))
+    split = lambda x: losses.split_rows(x, num_micro_batches)
+    return losses.merge_rows(jax.lax.map(one, (split(tokens), split(attention_mask))))
+
+
 def _chunked_logprobs(config, params, tokens, attention_mask, lora_scale, temperature, chunk_size, entropy=False):
     h_BTD = model.hidden_states(config, params, tokens, attention_mask, lora_scale=lora_scale)
     logp, ent = losses.chunked_token_logprobs(

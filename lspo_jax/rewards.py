@@ -24,6 +24,8 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 from math_verify.errors import TimeoutException
 from sympy import Basic, MatrixBase
 
+from lspo_jax.text import matching_braces
+
 __all__ = [
     "GoldReport",
     "ShapedRewards",
@@ -119,18 +121,6 @@ def answer_text(response: str, *, require_think_close: bool = False) -> str | No
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
-def _matching_braces(text: str) -> dict[int, int]:
-    """Position of each ``{`` -> position of its ``}``, in one pass (unclosed braces are absent)."""
-    pairs: dict[int, int] = {}
-    stack: list[int] = []
-    for brace in re.finditer(r"[{}]", text):
-        if brace.group() == "{":
-            stack.append(brace.start())
-        elif stack:
-            pairs[stack.pop()] = brace.start()
-    return pairs
-
-
 def last_boxed(text: str) -> str | None:
     """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces matched.
 
@@ -139,7 +129,7 @@ def last_boxed(text: str) -> str | None:
     opens = [m.end() - 1 for m in _BOX_OPEN.finditer(text)]  # positions of the boxes' "{"
     if not opens:
         return None
-    pairs = _matching_braces(text)
+    pairs = matching_braces(text)
     for start in reversed(opens):
         if start in pairs:
             return text[start + 1 : pairs[start]]

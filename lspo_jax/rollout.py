@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from lspo_jax import distributed, losses, optim, sharding
+from lspo_jax import distributed, optim, sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import Params
 from lspo_jax.sampler import SampleBatch
@@ -82,14 +82,10 @@ def _logprobs(
     config: ModelConfig, params: Params, tokens, attention_mask, lora_scale: float, temperature: float,
     chunk_size: int | None = None, micro_batches: int = 1,
 ):  # fmt: skip
-    def one(rows):
-        kwargs = dict(lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size)
-        return optim.sequence_logprobs(config, params, *rows, **kwargs)[0]
-
-    if micro_batches == 1:
-        return one((tokens, attention_mask))
-    split = lambda x: losses.split_rows(x, micro_batches)
-    return losses.merge_rows(jax.lax.map(one, (split(tokens), split(attention_mask))))
+    return optim.grouped_logprobs(
+        config, params, tokens, attention_mask, lora_scale=lora_scale, temperature=temperature,
+        chunk_size=chunk_size, num_micro_batches=micro_batches,
+    )  # fmt: skip
 
 
 def teacher_forced_logprobs(
