@@ -508,8 +508,12 @@ def first_mistake_advantages(
     judge: Judge,
     tokenizer: Any,
     config: FirstMistakeConfig,
+    valid: Any = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """``([N, L] token advantages, metrics)`` of one RL batch of G groups of K rollouts (module docstring).
+
+    ``valid`` (``[N]`` bool, optional) marks the rows of groups smaller than K (the rest is padding with no
+    tokens): a group is mixed, and a row judged, on its valid rows alone.
 
     Per group: ``problems``, ``golds`` and ``references`` (the dataset's worked solutions, needed for
     ``reference="ground_truth"``). Per row: the verifier's ``response_texts``, the ``response_ids`` they
@@ -526,12 +530,13 @@ def first_mistake_advantages(
     correct_N = np.asarray(accuracy, np.float64) > 0.5
     n, k = len(correct_N), group_size
     _check_batch(problems, golds, references, response_texts, response_ids, response_mask, n, k)
-    correct_GK = correct_N.reshape(-1, k)
-    mixed_G = correct_GK.any(axis=1) & ~correct_GK.all(axis=1)
+    valid_N = np.ones(n, bool) if valid is None else np.asarray(valid, bool)
+    correct_GK, valid_GK = correct_N.reshape(-1, k), valid_N.reshape(-1, k)
+    mixed_G = (correct_GK & valid_GK).any(axis=1) & (~correct_GK & valid_GK).any(axis=1)
     metrics: dict[str, Any] = {"fm_groups": len(mixed_G), "fm_skipped_zero_variance": int((~mixed_G).sum())}
     refs = _references(np.flatnonzero(mixed_G), problems, golds, references, score, judge, config, metrics)
     tally = _Tally()
-    rows = [i for i in range(n) if i // k in refs]
+    rows = [i for i in range(n) if i // k in refs and valid_N[i]]
     asked, spans = _to_judge(rows, response_texts, np.asarray(truncated, bool), correct_N, config, tally)
     verdicts = judge.locate(
         [problems[i // k] for i in asked], [refs[i // k] for i in asked], [response_texts[i] for i in asked], spans

@@ -337,7 +337,9 @@ def train_step(
     judge_metrics = {}
     if run.first_mistake.enabled:
         with phases("judge"):
-            advantages, judge_metrics = judge_advantages(run, policy, state, pool, rows, batch_examples, advantages)
+            advantages, judge_metrics = judge_advantages(
+                run, policy, state, pool, rows, batch_examples, advantages, valid
+            )
     with phases("update"):
         batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
         batch["advantages"] = advantages
@@ -371,7 +373,9 @@ def train_step(
     }
 
 
-def judge_advantages(run: TrainConfig, policy: Policy, state: TrainState, pool, rows: dict, batch_examples, outcome):
+def judge_advantages(
+    run: TrainConfig, policy: Policy, state: TrainState, pool, rows: dict, batch_examples, outcome, valid=None
+):  # fmt: skip
     """``[rows, length]`` first-mistake token advantages of the (spliced) batch and the judge's metrics.
 
     A teacher names the first wrong sentence of each failed rollout in a mixed group; see ``first_mistake``.
@@ -389,7 +393,7 @@ def judge_advantages(run: TrainConfig, policy: Policy, state: TrainState, pool, 
         response_ids=[t[slots : slots + int(n)].tolist() for t, n in zip(rows["tokens"], rows["lengths"], strict=True)],
         response_mask=rows["mask"], truncated=(~rows["eos"]) & (rows["lengths"] >= run.rollout.max_new_tokens),
         accuracy=rows["accuracy"], outcome_adv=outcome, group_size=run.rollout.group_size, score=pool.score,
-        judge=policy.judge, tokenizer=policy.tokenizer, config=run.first_mistake,
+        judge=policy.judge, tokenizer=policy.tokenizer, config=run.first_mistake, valid=valid,
     )  # fmt: skip
 
 

@@ -271,8 +271,6 @@ class TrainConfig:
         _require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive")
         _require(self.l2rr.g_min <= self.rollout.group_size, "l2rr.g_min", "must not exceed rollout.group_size")
         _require(not self.l2rr.enabled or bool(self.l2rr.target), "l2rr.target", "must name the target set")
-        _require(not (self.l2rr.enabled and self.first_mistake.enabled), "l2rr.enabled",
-                 "L2RR's unequal groups are not combined with first_mistake yet; enable one of them")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -399,3 +399,22 @@ def test_extra_sentence_breaks_split_a_chained_worked_answer():
     spans = split_sentences(text, None, ";")
     assert [text[a:b] for a, b in spans] == ["5+3=8;", "6+7=13;", "8+6+1=15;", "\\boxed{1538}"]
     assert split_sentences("x={a;b};y", None, ";") == [(0, 8), (8, 9)]  # not inside braces
+
+
+def test_padding_rows_of_unequal_groups_are_neither_judged_nor_mixing():
+    """Groups of 3 slots: group 0 holds [pass, fail] and a padding slot, group 1 [pass, pass] and a padding
+    slot. Group 0 is mixed and its one failed row judged; group 1 is all-pass on its valid rows (padding's
+    accuracy 0 does not make it mixed), so it is skipped."""
+    batch = _batch([1, 0, 0, 1, 1, 0])
+    replies = []
+
+    def judge(prompts):
+        replies.extend(prompts)
+        return ["\\boxed{correct}"] * len(prompts)
+
+    _, metrics = first_mistake_advantages(
+        problems=["2+2", "1+3"], golds=["4", "4"], references=["4", "4"], judge=Judge(judge), score=_boxed_score,
+        config=FirstMistakeConfig(reference="ground_truth"), valid=np.array([1, 1, 0, 1, 1, 0], bool), **batch,
+    )  # fmt: skip
+    assert metrics["fm_skipped_zero_variance"] == 1 and metrics["fm_groups_judged"] == 1
+    assert metrics["fm_rollouts_judged"] == 1 and len(replies) == 1

@@ -142,8 +142,6 @@ def test_option_sections_errors_name_the_key():
         load_config(None, ["l2rr.enabled=true"])
     with pytest.raises(ConfigError, match=r"l2rr\.g_min"):
         load_config(None, ["rollout.group_size=4", "l2rr.g_min=5"])
-    with pytest.raises(ConfigError, match=r"l2rr\.enabled"):
-        load_config(None, ["l2rr.enabled=true", "l2rr.target=toy:target", "first_mistake.enabled=true"])
     with pytest.raises(ConfigError, match=r"first_mistake.*lam"):
         load_config(None, ["first_mistake.lam=-1"])
     with pytest.raises(ConfigError, match=r"data\.limit"):
