@@ -82,13 +82,18 @@ def benchmark_name(value: str) -> str:
 # ---------------------------------------------------------------------------------------------- sampling
 def sample_responses(run, policy, params, prompts: Sequence[Sequence[int]], key) -> list[str]:
     """``eval.n`` responses per prompt (n consecutive texts per prompt) from the base policy, decoded for the
-    verifier (special tokens dropped); top-p and top-k are the run's rollout settings."""
+    verifier (special tokens dropped); top-p and top-k are the run's rollout settings. A run's vLLM engine
+    samples them when its context holds the longest prompt plus ``eval.max_new_tokens``; else the JAX sampler."""
     cfg = run.eval
-    sample = generate_arrays(
-        policy.config, params, prompts, key=key, n=cfg.n, max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature, top_p=run.rollout.top_p, top_k=run.rollout.top_k,
-        eos_token_ids=policy.eos_ids, lora_scale=0.0, mesh=policy.mesh,
+    options = dict(
+        key=key, n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=run.rollout.top_p,
+        top_k=run.rollout.top_k, eos_token_ids=policy.eos_ids, lora_scale=0.0,
     )  # fmt: skip
+    engine = policy.engine
+    if engine is not None and max(map(len, prompts)) + cfg.max_new_tokens <= engine.max_model_len:
+        sample = engine.generate_arrays(params, prompts, **options)
+    else:
+        sample = generate_arrays(policy.config, params, prompts, mesh=policy.mesh, **options)
     return [
         policy.tokenizer.decode(tokens[:length], skip_special_tokens=True)
         for tokens, length in zip(sample.tokens, sample.lengths.tolist(), strict=True)
