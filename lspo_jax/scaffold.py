@@ -25,14 +25,17 @@ import numpy as np
 Batch = dict[str, np.ndarray]
 
 
-def find_cliffs(accuracy: np.ndarray, group_size: int) -> np.ndarray:
+def find_cliffs(accuracy: np.ndarray, group_size: int, valid: np.ndarray | None = None) -> np.ndarray:
     """``[N // K]`` bool: True for groups with zero total accuracy (``sum_{i in g} acc_i == 0``).
 
     Use verifier accuracy (0/1), not the shaped reward: the overlong penalty can make a failed group's
     rewards unequal, but the group is still a cliff. Rows are grouped consecutively (rows 0..K-1 = group 0).
+    ``valid`` (``[N]`` bool) marks the rows of groups smaller than K; a group counts its valid rows only,
+    and one without any is no cliff.
     """
     acc_GK = _grouped(np.asarray(accuracy), group_size, "accuracy")
-    return ~np.any(acc_GK > 0, axis=1)
+    valid_GK = _valid(valid, acc_GK.shape)
+    return ~np.any((acc_GK > 0) & valid_GK, axis=1) & valid_GK.any(axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,7 @@ def splice(
     rerolls: Mapping[str, np.ndarray],
     cliffs: np.ndarray,
     group_size: int,
+    valid: np.ndarray | None = None,
 ) -> tuple[Batch, np.ndarray, SpliceStats]:
     """Replace failed rows of cliff groups by passing re-rollouts (the partial swap, see the module doc).
 
@@ -86,6 +90,7 @@ def splice(
             adapter-on log-probs.
         cliffs: ``[N // K]`` bool from ``find_cliffs``.
         group_size: K.
+        valid: optional ``[N]`` bool, False on padding slots of groups smaller than K: never spliced into.
 
     Token length: axis 1 of every field with ``ndim >= 2`` is the token axis. A re-roll field shorter than
     its base field is right-padded with zeros (pad token 0, mask 0, log-prob 0: masked out everywhere); a
@@ -111,7 +116,9 @@ def splice(
     if missing:
         raise ValueError(f"rerolls lack field(s) {missing} present in base")
 
-    dst, src, num_surpassed = _slot_pairs(acc_GK > 0, reroll_acc_CK > 0, cliff_ids)
+    # A padding slot is shown as passing, so it is never a failed slot to fill.
+    keep_GK = (acc_GK > 0) | ~_valid(valid, acc_GK.shape)
+    dst, src, num_surpassed = _slot_pairs(keep_GK, reroll_acc_CK > 0, cliff_ids)
     spliced = {key: _replace_rows(key, np.asarray(base[key]), np.asarray(rerolls[key]), dst, src) for key in base}
     spliced_rows = np.zeros(acc_GK.size, dtype=bool)
     spliced_rows[dst] = True
@@ -167,6 +174,15 @@ def _pad_tokens(key: str, x: np.ndarray, length: int) -> np.ndarray:
     pad = [(0, 0)] * x.ndim
     pad[1] = (0, length - x.shape[1])
     return np.pad(x, pad)
+
+
+def _valid(valid: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
+    if valid is None:
+        return np.ones(shape, bool)
+    valid = np.asarray(valid, bool)
+    if valid.size != shape[0] * shape[1]:
+        raise ValueError(f"valid must have one entry per row ({shape[0] * shape[1]}), got {valid.shape}")
+    return valid.reshape(shape)
 
 
 def _grouped(values: np.ndarray, group_size: int, name: str) -> np.ndarray:

@@ -225,7 +225,7 @@ def run_scaffold(
     smaller than ``group_size`` (the rest is padding, never a cliff's failed row nor spliced into).
     """
     k = run.rollout.group_size
-    cliffs = find_cliffs(rows["accuracy"], k, valid)
+    cliffs = scaffold.find_cliffs(rows["accuracy"], k, valid)
     has_solution = np.array([ex.solution_ids is not None for ex in batch_examples])
     usable = cliffs & has_solution
     metrics = {"cliff_groups": int(cliffs.sum()), "scaffold_no_solution": int((cliffs & ~has_solution).sum())}
@@ -257,7 +257,7 @@ def run_scaffold(
     with phases("logprob"):
         # The spliced rows' importance-ratio denominator: the adapter-on policy that sampled them.
         rerolls["old_logp"] = logprobs(run, policy, state.params, rerolls, lora_scale=1.0, min_rows=slots * k)
-    spliced, spliced_rows, stats = _splice(rows, rerolls, usable, k, valid)
+    spliced, spliced_rows, stats = scaffold.splice(rows, rerolls, usable, k, valid)
     metrics.update(
         surpassed_groups=stats.num_surpassed,
         spliced_rows=stats.num_spliced,
@@ -265,24 +265,6 @@ def run_scaffold(
         surpass_rate=stats.surpass_rate,
     )
     return spliced, spliced_rows, metrics
-
-
-def find_cliffs(accuracy: np.ndarray, k: int, valid: np.ndarray | None = None) -> np.ndarray:
-    """``scaffold.find_cliffs`` over each group's valid rows; a group without valid rows is no cliff."""
-    if valid is None:
-        return scaffold.find_cliffs(accuracy, k)
-    return scaffold.find_cliffs(np.where(valid, accuracy, 0.0), k) & valid.reshape(-1, k).any(axis=1)
-
-
-def _splice(rows: dict, rerolls: dict, cliffs: np.ndarray, k: int, valid: np.ndarray | None):
-    """``scaffold.splice`` that leaves padding rows alone: it replaces failed rows, so padding is shown to it
-    as passing (accuracy 1) and given its accuracy 0 back afterwards."""
-    if valid is None:
-        return scaffold.splice(rows, rerolls, cliffs, k)
-    shown = {**rows, "accuracy": np.where(valid, rows["accuracy"], 1.0).astype(rows["accuracy"].dtype)}
-    spliced, spliced_rows, stats = scaffold.splice(shown, rerolls, cliffs, k)
-    spliced["accuracy"] = np.where(valid, spliced["accuracy"], 0.0).astype(rows["accuracy"].dtype)
-    return spliced, spliced_rows, stats
 
 
 # ----------------------------------------------------------------------------------------------- step

@@ -110,3 +110,18 @@ def test_splice_checks_reroll_count_and_fields():
     del rerolls["old_logp"]
     with pytest.raises(ValueError, match="old_logp"):
         splice(base, rerolls, cliffs, K)
+
+
+def test_unequal_groups_count_valid_rows_and_never_fill_padding():
+    """K = 3 slots. Group 0: two failed rows and a padding slot (a cliff); group 1: padding only (no cliff);
+    group 2: a pass and padding (no cliff). Three passing re-rolls of group 0 fill its two failed rows only."""
+    valid = np.array([1, 1, 0, 0, 0, 0, 1, 0, 0], bool)
+    accuracy = np.array([0, 0, 0, 0, 0, 0, 1, 0, 0], np.float32)
+    cliffs = find_cliffs(accuracy, 3, valid)
+    assert cliffs.tolist() == [True, False, False]
+    assert find_cliffs(accuracy, 3).tolist() == [True, True, False]  # without valid, padding looks failed
+    base = {"accuracy": accuracy, "id": np.arange(9)}
+    rerolls = {"accuracy": np.ones(3, np.float32), "id": np.array([100, 101, 102])}
+    spliced, rows, stats = splice(base, rerolls, cliffs, 3, valid)
+    assert spliced["id"].tolist() == [100, 101, 2, 3, 4, 5, 6, 7, 8] and rows.sum() == 2
+    assert stats.num_spliced == 2 and stats.num_surpassed == 1
