@@ -16,9 +16,13 @@ sampler  ``sampler.generate_arrays`` and transformers ``generate()`` (torch, bf1
          measured read+write). ``floor_fraction = floor_s / (call time - prompt pass time)``, 1 = the bound.
          HF has no separate prompt pass, so its fraction divides by the whole call (a slight underestimate).
 train    ``train.rl_update``, i.e. ``optim.rl_step`` with the project's AdamW (``optim.make_optimizer``),
-         float32 master weights, bf16 compute, params and optimizer state donated, on 8 x 2048 tokens; remat
-         policies from ``--remat`` are tried in order until one fits. Beside it transformers + torch at the same
-         shape by the usual recipe: float32 weights, ``torch.autocast`` bf16, loss = mean next-token
+         float32 master weights, bf16 compute, params and optimizer state donated, on 8 x 2048 tokens, for each
+         attention kernel of ``--attention`` (``cudnn``: the fused flash kernel; ``einsum``: the written-out
+         path; on a backend without cuDNN ``cudnn`` runs as ``xla``). A fused kernel is first checked against
+         einsum (log-probs and gradient, 2 layers at the model's widths, left- and right-padded rows) and is
+         timed only if they agree. Remat policies (``--remat``, else none,dots,full fused and dots,full
+         einsum) are tried in order until one fits; the headline is the fastest variant. Beside it transformers +
+         torch at the same shape by the usual recipe: float32 weights, ``torch.autocast`` bf16, loss = mean next-token
          cross-entropy (``labels = input_ids``), global-norm clipping at 1.0 (as our optimizer), fused AdamW.
              MFU = tokens/s x (6 N + 6 L d_attn T) / peak
          N counts the weights of every matmul: all parameters but the input embedding table (a lookup; the LM
@@ -68,13 +72,14 @@ import traceback
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lspo_jax import optim, sampler, train
-from lspo_jax.config import ModelConfig
+from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.data import Example
 from lspo_jax.kv_cache import cache_nbytes
-from lspo_jax.model import count_params, init_params
+from lspo_jax.model import count_params, forward, init_params
 from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig, TrainConfig
 
 SECTIONS = ("sampler", "train", "lspo")
@@ -87,16 +92,21 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 # skipped when they would eat into the time the later sections need.
 ESTIMATE_S = {
     "startup": 20,
-    "sampler_b256": 90,
+    "sampler_b256": 120,  # the decode step's layers are unrolled: slower to compile than a scan
     "hf_generate_b256": 60,
     "sampler_b64": 60,
     "hf_generate_b64": 45,
     "hf_train": 40,
     "train": 80,
+    "attention_check": 30,
     "lspo": 180,
     "dapo_step": 20,
 }
-CORE_PARTS = {"sampler": ("sampler_b256", "hf_generate_b256"), "train": ("hf_train", "train"), "lspo": ("lspo",)}
+CORE_PARTS = {
+    "sampler": ("sampler_b256", "hf_generate_b256"),
+    "train": ("hf_train", "attention_check", "train"),
+    "lspo": ("lspo",),
+}
 SMOKE_SCALE = 0.05
 
 
@@ -148,7 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     p.add_argument("--time-budget", type=float, help="seconds for the whole run; sections that would not fit skip")
     p.add_argument("--profile", metavar="DIR", help="jax.profiler.trace of each timed part into DIR/PART")
-    p.add_argument("--remat", default="dots,full", help="train remat policies, tried in order until one fits")
+    p.add_argument("--remat", help="train remat policies, tried in order until one fits (default: per kernel)")
+    p.add_argument("--attention", default="cudnn,einsum", help="train attention kernels to time, in order")
+    p.add_argument("--lspo-attention", default="einsum", choices=ATTENTION_IMPLS, help="the LSPO step's kernel")
     p.add_argument("--chunk-size", type=int, default=0, help="train LM-head chunk (0: whole logits)")
     p.add_argument("--repeats", type=int, default=2, help="timed calls of our sampler per batch (best reported)")
     p.add_argument("--cache-window", type=int, default=sampler.DEFAULT_CACHE_WINDOW)
@@ -166,7 +178,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.only) - set(SECTIONS))
     if unknown:
         p.error(f"--only: unknown section(s) {unknown}; known: {list(SECTIONS)}")
-    args.remat = [r for r in args.remat.split(",") if r]
+    args.remat = [r for r in args.remat.split(",") if r] if args.remat else None
+    args.attention = [a for a in args.attention.split(",") if a]
+    unknown = sorted(set(args.attention) - set(ATTENTION_IMPLS))
+    if unknown:
+        p.error(f"--attention: unknown kernel(s) {unknown}; known: {list(ATTENTION_IMPLS)}")
     args.t0 = args.t0 or time.time()
     return args
 
@@ -275,8 +291,10 @@ class Context:
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def model_config(shapes: Shapes, param_dtype: str, remat: str = "none") -> ModelConfig:
-    return ModelConfig.preset(shapes.preset, param_dtype=param_dtype, compute_dtype="bfloat16", remat=remat)
+def model_config(shapes: Shapes, param_dtype: str, remat: str = "none", attention: str = "einsum") -> ModelConfig:
+    return ModelConfig.preset(
+        shapes.preset, param_dtype=param_dtype, compute_dtype="bfloat16", remat=remat, attention=attention
+    )
 
 
 def committed(tree):
@@ -556,27 +574,90 @@ def section_train(ctx: Context) -> None:
                 hf_train_mfu=hf["tokens_per_s"] * flops_per_token / peak,
                 hf_train_step_seconds=hf["step_s"],
             )
-    with rec.part("train"):
-        loss = LossConfig(chunk_size=args.chunk_size or None)
-        failed = {}
-        for remat in args.remat:
-            gc.collect()  # the arrays of a failed attempt, freed with its traceback
-            try:
-                ours = time_rl_update(ctx, model_config(shapes, "float32", remat), loss)
-                break
-            except Exception as err:  # out of memory, most likely: the next policy keeps less
-                failed[remat] = f"{type(err).__name__}: {err}"[:2000]
-                rec.log(f"train: remat={remat} failed ({type(err).__name__}); trying the next policy")
-        else:
-            raise RuntimeError(f"every remat policy failed: {failed}")
-        ours.update(remat=remat, chunk_size=loss.chunk_size, tokens_per_s=tokens / ours["step_s"], failed=failed)
-        rec.set(train=ours)
+    loss = LossConfig(chunk_size=args.chunk_size or None)
+    variants: dict[str, dict] = {}
+    for i, attention in enumerate(train_kernels(args)):
+        why = ctx.room_for("train") if i else None
+        if why:
+            rec.skip(f"train_{attention}", why)
+            continue
+        with rec.part(f"train_{attention}"):
+            if attention != "einsum":
+                check = attention_check(model_config(shapes, "float32", attention=attention), args.seed)
+                rec.set(**{f"attention_check_{attention}": check})
+                if not check["ok"]:
+                    raise RuntimeError(f"attention {attention!r} disagrees with einsum: {check}")
+            ours = time_train_variant(ctx, attention, loss)
+            ours.update(tokens_per_s=tokens / ours["step_s"])
+            ours.update(mfu=ours["tokens_per_s"] * flops_per_token / peak)
+            variants[attention] = ours
+            rec.set(train_variants=variants)
+    if variants:
+        best = max(variants.values(), key=lambda v: v["tokens_per_s"])
+        rec.set(train=best)
         rec.headline(
-            train_tokens_per_s=ours["tokens_per_s"],
-            train_mfu=ours["tokens_per_s"] * flops_per_token / peak,
-            train_step_seconds=ours["step_s"],
-            train_remat=remat,
+            train_tokens_per_s=best["tokens_per_s"],
+            train_mfu=best["mfu"],
+            train_step_seconds=best["step_s"],
+            train_remat=best["remat"],
+            train_attention=best["attention"],
         )
+
+
+def train_kernels(args: argparse.Namespace) -> list[str]:
+    """``--attention`` in order, ``cudnn`` as ``xla`` where JAX has no GPU (the same code path, checked)."""
+    on_gpu = jax.default_backend() == "gpu"
+    kernels = ["xla" if a == "cudnn" and not on_gpu else a for a in args.attention]
+    return list(dict.fromkeys(kernels))
+
+
+def time_train_variant(ctx: Context, attention: str, loss: LossConfig) -> dict:
+    """The RL step with ``attention``, under the first remat policy that fits."""
+    # A fused kernel never holds the [B, H, T, T] scores, so no remat may fit; einsum's scores need remat at 8 x 2048.
+    remats = ctx.args.remat or (["dots", "full"] if attention == "einsum" else ["none", "dots", "full"])
+    failed = {}
+    for remat in remats:
+        gc.collect()  # the arrays of a failed attempt, freed with its traceback
+        try:
+            ours = time_rl_update(ctx, model_config(ctx.shapes, "float32", remat, attention), loss)
+        except Exception as err:  # out of memory, most likely: the next policy keeps less
+            failed[remat] = f"{type(err).__name__}: {err}"[:2000]
+            ctx.rec.log(f"train {attention}: remat={remat} failed ({type(err).__name__}); trying the next policy")
+            continue
+        return {**ours, "attention": attention, "remat": remat, "chunk_size": loss.chunk_size, "failed": failed}
+    raise RuntimeError(f"every remat policy failed: {failed}")
+
+
+def attention_check(config: ModelConfig, seed: int) -> dict:
+    """``config.attention`` against the einsum path: log-probs, and the gradient of their sum, on padded rows.
+
+    Two layers at the model's widths (head dim, GQA, bf16) keep the compile short. Rows: a full one, a
+    left-padded prompt with a right-padded response, a short run in the middle, and an empty row (mesh padding).
+    """
+    small = dataclasses.replace(config, num_layers=2, remat="none")
+    rows, seq = 4, 256
+    tokens = random_ids(small, np.random.default_rng(seed), rows, seq)
+    mask = np.zeros((rows, seq), bool)
+    for row, (start, stop) in enumerate([(0, seq), (37, seq), (11, 180), (0, 0)]):
+        mask[row, start:stop] = True
+    scored = mask[:, 1:] & mask[:, :-1]
+
+    def logp_sum(cfg: ModelConfig, base):
+        logits = forward(cfg, {"base": base}, tokens, mask)[:, :-1]
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
+        logp = jnp.where(scored, logp, 0.0)
+        return jnp.sum(logp), logp
+
+    grad = jax.jit(jax.grad(logp_sum, argnums=1, has_aux=True), static_argnums=0)
+    base = init_committed(small, seed)["base"]
+    want_grad, want = grad(dataclasses.replace(small, attention="einsum"), base)
+    got_grad, got = grad(small, base)
+    flat = lambda tree: jnp.concatenate([x.ravel() for x in jax.tree.leaves(tree)])
+    grad_rel = float(jnp.linalg.norm(flat(got_grad) - flat(want_grad)) / jnp.linalg.norm(flat(want_grad)))
+    logp_diff = float(jnp.max(jnp.abs(got - want)))
+    # bf16 rounding differs between kernels by ~1e-3; a wrong mask or layout moves log-probs by whole nats.
+    ok = math.isfinite(grad_rel) and logp_diff < 0.05 and grad_rel < 0.05
+    return {"logp_max_abs_diff": logp_diff, "grad_rel_diff": grad_rel, "ok": ok}
 
 
 # -------------------------------------------------------------------------------------- section: lspo
@@ -610,7 +691,7 @@ class HalfCliffVerifier:
 def lspo_setup(ctx: Context):
     """The run config, policy, state, examples and verifier of the LSPO section."""
     shapes, args = ctx.shapes, ctx.args
-    config = model_config(shapes, "float32", args.remat[0])
+    config = model_config(shapes, "float32", (args.remat or ["dots"])[0], args.lspo_attention)
     run = TrainConfig(
         data=DataConfig(max_prompt_tokens=shapes.lspo_prompt_len, max_solution_tokens=shapes.lspo_solution_len),
         rollout=RolloutConfig(
@@ -728,6 +809,7 @@ HEADLINE_KEYS = (
     "train_mfu",
     "train_step_seconds",
     "train_remat",
+    "train_attention",
     "hf_train_tokens_per_s",
     "hf_train_mfu",
     "hf_train_step_seconds",
@@ -737,6 +819,8 @@ HEADLINE_KEYS = (
     "scaffold_share_vs_dapo",
     "lspo_phases",
 )
+SETTINGS = ("time_budget", "remat", "attention", "lspo_attention", "chunk_size", "repeats", "cache_window")
+SETTINGS += ("hbm_tb_s", "peak_tflops")
 FORMULAS = {
     "new_tokens_per_s": "batch x new tokens / wall time of one generate call, prompt pass included",
     "floor_fraction": "sum_{i=1}^{N-1} (W + batch x kv_bytes_per_token x (P + i)) / HBM over (call - prompt pass) "
@@ -799,10 +883,7 @@ def new_result(args: argparse.Namespace) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "shapes": dataclasses.asdict(shapes_of(args)),
-        "settings": {
-            k: getattr(args, k)
-            for k in ("time_budget", "remat", "chunk_size", "repeats", "cache_window", "hbm_tb_s", "peak_tflops")
-        },
+        "settings": {k: getattr(args, k) for k in SETTINGS},
         "formulas": FORMULAS,
         "sections": {},
     }

@@ -16,6 +16,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # Rematerialisation of the layer scan: "full" saves only each layer's input and recomputes the rest in the
 # backward pass; "dots" also saves the outputs of the weight matmuls (not the attention scores).
 REMAT_POLICIES = ("none", "full", "dots")
+# Attention of cache-free passes: the written-out einsums, or jax.nn.dot_product_attention with XLA or cuDNN.
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 
 
 def _check(ok: bool, cls: str, field: str, message: str) -> None:
@@ -60,7 +62,9 @@ class ModelConfig:
 
     ``param_dtype`` is how weights are stored (float32 master copy for training); ``compute_dtype`` is
     the matmul dtype (bfloat16 on accelerators). Norms, softmax and logits are always float32. ``remat``
-    trades compute for activation memory in differentiated passes (one of ``REMAT_POLICIES``).
+    trades compute for activation memory in differentiated passes (one of ``REMAT_POLICIES``). ``attention``
+    picks the kernel of cache-free passes (training, log-probs): ``einsum`` (written out, any backend),
+    ``xla`` or ``cudnn`` (``jax.nn.dot_product_attention``; cuDNN's fused kernel needs a CUDA GPU and bf16).
     """
 
     vocab_size: int
@@ -80,6 +84,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     remat: str = "none"
+    attention: str = "einsum"
 
     def __post_init__(self) -> None:
         if self.head_dim is None and self.num_heads > 0:
@@ -113,6 +118,12 @@ class ModelConfig:
         _check(isinstance(self.lora, LoraConfig), "ModelConfig", "lora", f"must be a LoraConfig, got {self.lora!r}")
         _check(
             self.remat in REMAT_POLICIES, "ModelConfig", "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}"
+        )
+        _check(
+            self.attention in ATTENTION_IMPLS,
+            "ModelConfig",
+            "attention",
+            f"must be one of {ATTENTION_IMPLS}, got {self.attention!r}",
         )
 
     # ----------------------------------------------------------------------------------------- presets

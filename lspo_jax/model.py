@@ -8,8 +8,14 @@ Shape legend (einsum letters; array names carry them as suffixes, e.g. ``x_BTD``
 
 Params are ``{"base": ..., "lora": ...}``. Everything about them (shape, dtype, logical axes, initialiser)
 is written once in ``param_specs``; init, abstract shapes and logical axes for sharding derive from it.
-Layer weights are stacked on a leading L axis and the decoder is a ``jax.lax.scan`` over them, so
-compile time does not grow with depth.
+Layer weights are stacked on a leading L axis and the cache-free decoder (training, log-probs) is a
+``jax.lax.scan`` over them, so its compile time does not grow with depth. The cached decoder (sampling) runs
+the layers unrolled, each with its own KV-cache buffer: decode is memory-bound and a scan would copy each
+layer's slice of the stacked weights and cache before reading it (``_cached_layers``).
+
+Attention in cache-free passes is ``config.attention``: the written-out einsums (``attend``, any backend) or
+``jax.nn.dot_product_attention`` (``xla``, or ``cudnn``'s fused flash kernel on a GPU), which takes
+right-padded rows of given lengths, so each row is rotated to right padding and back (``_fused_hidden_states``).
 
 LoRA on a projection ``y = x W`` adds ``c * (x A) B`` with ``c = (alpha / rank) * lora_scale``; A has
 the input dims of W followed by R, B has R followed by the output dims of W, so ``A B`` has W's shape.
@@ -157,8 +163,10 @@ def logical_axes(config: ModelConfig) -> Params:
     return jax.tree.map(lambda s: s.axes, param_specs(config), is_leaf=_is_spec)
 
 
-# Logical axes of each KV-cache leaf ``[L, B, S, K, E]`` (``decoder``), for its layout on a mesh.
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+# Logical axes of each layer's KV-cache leaf ``[B, K, S, E]`` (``decoder``), for its layout on a mesh. KV heads
+# sit before the slots so that a decode step's ``q k^T`` and ``p v`` are batched over leading (B, K) dims:
+# with slots first, XLA copied every layer's whole cache into that order at every step (seen in the CPU HLO).
+CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 def count_params(tree: Any) -> int:
@@ -215,28 +223,47 @@ def causal_padding_mask(attention_mask_BT: jax.Array) -> jax.Array:
 _MASKED = -1e30
 
 
-def attend(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, mask_BTS: jax.Array) -> jax.Array:
     """Grouped-query attention ``softmax(q k^T / sqrt(E) + mask) v``; query head h reads KV head h // G.
 
-    Scores and softmax are float32 whatever the compute dtype (bf16 exponentials lose too much).
+    Keys and values come heads-first (the KV cache's layout). Scores and softmax are float32 whatever the
+    compute dtype (bf16 exponentials lose too much).
     """
     b, t, h, e = q_BTHE.shape
-    k_heads = k_BSKE.shape[2]
+    k_heads = k_BKSE.shape[1]
     q_BTKGE = q_BTHE.reshape(b, t, k_heads, h // k_heads, e)
-    scores_BKGTS = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE, preferred_element_type=jnp.float32)
+    scores_BKGTS = jnp.einsum("btkge,bkse->bkgts", q_BTKGE, k_BKSE, preferred_element_type=jnp.float32)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS * (e**-0.5), _MASKED)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKE.dtype)
-    out_BTKGE = jnp.einsum("bkgts,bske->btkge", probs_BKGTS, v_BSKE)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BKSE.dtype)
+    out_BTKGE = jnp.einsum("bkgts,bkse->btkge", probs_BKGTS, v_BKSE)
     return out_BTKGE.reshape(b, t, h, e)
+
+
+def fused_attend(
+    q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, lengths_B: jax.Array, implementation: str
+) -> jax.Array:
+    """Causal grouped-query attention over right-padded rows (the first ``lengths_B`` tokens of each are real)
+    through ``jax.nn.dot_product_attention``: ``xla`` or ``cudnn`` (a fused flash kernel that never holds the
+    ``[B, H, T, S]`` scores and skips the blocks above the diagonal). Queries past a row's length get 0.
+    """
+    return jax.nn.dot_product_attention(
+        q_BTHE,
+        k_BTKE,
+        v_BTKE,
+        is_causal=True,
+        query_seq_lengths=lengths_B,
+        key_value_seq_lengths=lengths_B,
+        implementation=implementation,
+    )
 
 
 def _write_cache(cache: Params, k_BTKE: jax.Array, v_BTKE: jax.Array, index: jax.Array) -> Params:
     # Static-shape cache (the decode step compiles once): new keys/values overwrite slots [index, index+T).
-    start = (0, index, 0, 0)
-    return {
-        "k": jax.lax.dynamic_update_slice(cache["k"], k_BTKE.astype(cache["k"].dtype), start),
-        "v": jax.lax.dynamic_update_slice(cache["v"], v_BTKE.astype(cache["v"].dtype), start),
-    }
+    def put(c_BKSE: jax.Array, new_BTKE: jax.Array) -> jax.Array:
+        new_BKTE = jnp.swapaxes(new_BTKE, 1, 2).astype(c_BKSE.dtype)
+        return jax.lax.dynamic_update_slice(c_BKSE, new_BKTE, (0, 0, index, 0))
+
+    return {"k": put(cache["k"], k_BTKE), "v": put(cache["v"], v_BTKE)}
 
 
 def block(
@@ -250,13 +277,15 @@ def block(
     lora_c: jax.Array | float = 0.0,
     kv_cache: Params | None = None,
     cache_index: jax.Array | int = 0,
+    seq_lengths_B: jax.Array | None = None,
 ) -> tuple[jax.Array, Params | None]:
     """One pre-norm decoder layer: ``x += attn(norm(x)); x += mlp(norm(x))``, mlp = ``down(silu(gate) * up)``.
 
     ``layer``/``lora`` are this layer's slices (no L axis); ``lora_c = (alpha / rank) * lora_scale``.
-    Without a cache, S = T. With ``kv_cache = {"k": [B, S, K, E], "v": ...}`` the new keys and values are
-    written at ``cache_index`` and the queries attend over all S slots; ``mask_BTS`` must then hide the
-    unwritten slots. Returns ``(x, updated kv_cache or None)``.
+    Without a cache, S = T. With this layer's ``kv_cache = {"k": [B, K, S, E], "v": ...}`` the new keys and
+    values are written at slot ``cache_index`` and the queries attend over all S slots; ``mask_BTS`` must
+    then hide the unwritten slots. With ``seq_lengths_B`` (no cache, right-padded rows) attention is
+    ``config.attention``'s fused kernel and ``mask_BTS`` is unused. Returns ``(x, updated kv_cache or None)``.
     """
     lora = lora or {}
     dt = x_BTD.dtype
@@ -270,10 +299,13 @@ def block(
         v_BTKE = sharding.constrain(v_BTKE, ("batch", None, "kv_heads", None))
         q_BTHE = rotary(q_BTHE, positions_BT, config.rope_theta)
         k_BTKE = rotary(k_BTKE, positions_BT, config.rope_theta)
-        if kv_cache is not None:
+        if seq_lengths_B is not None:
+            out_BTHE = fused_attend(q_BTHE, k_BTKE, v_BTKE, seq_lengths_B, config.attention)
+        elif kv_cache is None:
+            out_BTHE = attend(q_BTHE, jnp.swapaxes(k_BTKE, 1, 2), jnp.swapaxes(v_BTKE, 1, 2), mask_BTS)
+        else:
             kv_cache = _write_cache(kv_cache, k_BTKE, v_BTKE, cache_index)
-            k_BTKE, v_BTKE = kv_cache["k"].astype(dt), kv_cache["v"].astype(dt)
-        out_BTHE = attend(q_BTHE, k_BTKE, v_BTKE, mask_BTS)
+            out_BTHE = attend(q_BTHE, kv_cache["k"].astype(dt), kv_cache["v"].astype(dt), mask_BTS)
         x_BTD = x_BTD + _linear(out_BTHE, layer["o"], lora.get("o"), lora_c, n_in=2)
     with jax.named_scope("mlp"):
         h_BTD = rms_norm(x_BTD, layer["mlp_norm"], config.rms_norm_eps)
@@ -317,40 +349,24 @@ def decoder(
     lora_scale: jax.Array | float = 0.0,
     kv_cache: Params | None = None,
     cache_index: jax.Array | int = 0,
+    seq_lengths_B: jax.Array | None = None,
 ) -> tuple[jax.Array, Params | None]:
-    """All layers (a scan over the stacked L axis) then the final RMSNorm: ``(h [B, T, D], kv_cache)``.
+    """All layers then the final RMSNorm: ``(h [B, T, D], kv_cache)``.
 
-    ``kv_cache``, when given, is ``{"k": [L, B, S, K, E], "v": [L, B, S, K, E]}``; see ``block``.
+    ``kv_cache``, when given, holds one ``{"k": [B, K, S, E], "v": [B, K, S, E]}`` per layer (a tuple of L);
+    the cached path runs the layers unrolled (see ``_cached_layers``), the cache-free one as a scan.
+    ``seq_lengths_B`` (cache-free, right-padded rows only) selects the fused attention; see ``block``.
     """
     lora, lora_c = _effective_lora(config, params, lora_scale)
     layers = params["base"]["layers"]
 
     def layer_step(x_BTD, xs):
-        layer, layer_lora, layer_cache = xs
+        layer, layer_lora = xs
         # The residual stream is split by rows only (embed whole), so each layer gathers its FSDP-split
         # weights instead of the partitioner gathering activations: the weights are the smaller of the two.
         x_BTD = sharding.constrain(x_BTD, _RESIDUAL_AXES)
-        return block(
-            config,
-            layer,
-            x_BTD,
-            positions_BT,
-            mask_BTS,
-            lora=layer_lora,
-            lora_c=lora_c,
-            kv_cache=layer_cache,
-            cache_index=cache_index,
-        )
-
-    def cached_layer_step(carry, xs):
-        # The cache rides in the carry and layer i updates its own slice, in place. Passed as scan input and
-        # output instead, it would be written out whole as a new array at every decode step (for 512 rows of
-        # 9216 slots that held three cache-sized buffers per device where this holds one).
-        x_BTD, cache = carry
-        layer, layer_lora, i = xs
-        x_BTD, layer_cache = layer_step(x_BTD, (layer, layer_lora, jax.tree.map(lambda c: c[i], cache)))
-        cache = jax.tree.map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, i, 0), cache, layer_cache)
-        return (x_BTD, cache), None
+        kw = dict(lora=layer_lora, lora_c=lora_c, seq_lengths_B=seq_lengths_B)
+        return block(config, layer, x_BTD, positions_BT, mask_BTS, **kw)[0]
 
     if config.remat != "none" and kv_cache is None:
         # Only the layer inputs (and, for "dots", the weight matmul outputs) stay alive for the backward
@@ -359,13 +375,40 @@ def decoder(
         layer_step = jax.checkpoint(layer_step, policy=_REMAT_POLICY[config.remat], prevent_cse=False)
     with jax.named_scope("layers"):
         if kv_cache is None:
-            x_BTD, _ = jax.lax.scan(layer_step, x_BTD, (layers, lora, None))
+            x_BTD, _ = jax.lax.scan(lambda x, xs: (layer_step(x, xs), None), x_BTD, (layers, lora))
         else:
-            xs = (layers, lora, jnp.arange(config.num_layers))
-            (x_BTD, kv_cache), _ = jax.lax.scan(cached_layer_step, (x_BTD, kv_cache), xs)
-            kv_cache = jax.tree.map(lambda c: sharding.constrain(c, CACHE_AXES), kv_cache)
+            step = (positions_BT, mask_BTS, kv_cache, cache_index)
+            x_BTD, kv_cache = _cached_layers(config, layers, lora, lora_c, x_BTD, *step)
     with jax.named_scope("final_norm"):
         return rms_norm(x_BTD, params["base"]["final_norm"], config.rms_norm_eps), kv_cache
+
+
+def _cached_layers(config, layers, lora, lora_c, x_BTD, positions_BT, mask_BTS, kv_cache, cache_index):
+    """The layers one after another (unrolled), each reading and writing its own cache buffer in place.
+
+    Decode is memory-bound, so every extra byte per step counts. A scan would slice each layer's weights
+    and cache out of the stacked arrays, and XLA copies such a slice before a matmul reads it: three times
+    the bytes of one read. Here the weights come per layer (``unstack_layers``, once per sampling call; a
+    stacked tree is sliced at static indices) and each layer's cache is its own buffer.
+    """
+    if not isinstance(layers, list | tuple):
+        layers, lora = unstack_layers(config, layers, lora)
+    new_cache = []
+    for i, layer in enumerate(layers):
+        x_BTD = sharding.constrain(x_BTD, _RESIDUAL_AXES)
+        kw = dict(lora=lora[i] if lora else None, lora_c=lora_c, kv_cache=kv_cache[i], cache_index=cache_index)
+        x_BTD, layer_cache = block(config, layer, x_BTD, positions_BT, mask_BTS, **kw)
+        new_cache.append(jax.tree.map(lambda c: sharding.constrain(c, CACHE_AXES), layer_cache))
+    return x_BTD, tuple(new_cache)
+
+
+def unstack_layers(config: ModelConfig, layers: Params, lora: Params | None = None) -> tuple[tuple, tuple | None]:
+    """Stacked ``[L, ...]`` layer weights (and adapter) as L per-layer trees, for the unrolled decode."""
+
+    def split(tree: Params) -> tuple[Params, ...]:
+        return tuple(jax.tree.map(lambda w, i=i: w[i], tree) for i in range(config.num_layers))
+
+    return split(layers), (split(lora) if lora else None)
 
 
 def hidden_states(
@@ -382,10 +425,41 @@ def hidden_states(
     """
     if attention_mask_BT is None:
         attention_mask_BT = jnp.ones(tokens_BT.shape, jnp.int32)
+    if config.attention != "einsum":
+        return _fused_hidden_states(config, params, tokens_BT, attention_mask_BT, lora_scale)
     positions_BT = attention_positions(attention_mask_BT)
     mask_BTS = causal_padding_mask(attention_mask_BT)
     x_BTD = embed(config, params, tokens_BT)
     return decoder(config, params, x_BTD, positions_BT, mask_BTS, lora_scale=lora_scale)[0]
+
+
+def _fused_hidden_states(
+    config: ModelConfig, params: Params, tokens_BT: jax.Array, attention_mask_BT: jax.Array, lora_scale: Any
+) -> jax.Array:
+    """``hidden_states`` through the fused attention, which takes right-padded rows of given lengths.
+
+    The real tokens of a row are one run (a left-padded prompt, then a right-padded response), so each row
+    is rotated to start at slot 0, run, and rotated back: two gathers per pass instead of a [B, T, S] mask.
+    A row whose mask has a hole cannot be expressed so; its hidden states are NaN, never silently wrong.
+    """
+    if config.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(f"model attention 'cudnn' needs a CUDA GPU; JAX's backend is {jax.default_backend()!r}")
+    mask_BT = attention_mask_BT.astype(bool)
+    slots_T = jnp.arange(mask_BT.shape[1])
+    start_B = jnp.argmax(mask_BT, axis=1)  # first real token; 0 for an empty row
+    lengths_B = jnp.sum(mask_BT, axis=1, dtype=jnp.int32)
+    to_right_BT = (slots_T + start_B[:, None]) % mask_BT.shape[1]
+    mask_BT = jnp.take_along_axis(mask_BT, to_right_BT, axis=1)
+    one_run_B = jnp.all(mask_BT == (slots_T < lengths_B[:, None]), axis=1)
+    x_BTD = embed(config, params, jnp.take_along_axis(tokens_BT, to_right_BT, axis=1))
+    # An empty row (mesh padding) keeps one "real" slot so that no kernel sees a row with nothing to attend.
+    lengths_B = jnp.maximum(lengths_B, 1)
+    h_BTD = decoder(
+        config, params, x_BTD, attention_positions(mask_BT), None, lora_scale=lora_scale, seq_lengths_B=lengths_B
+    )[0]
+    back_BT = (slots_T - start_B[:, None]) % mask_BT.shape[1]
+    h_BTD = jnp.take_along_axis(h_BTD, back_BT[:, :, None], axis=1)
+    return jnp.where(one_run_B[:, None, None], h_BTD, jnp.nan).astype(h_BTD.dtype)
 
 
 def lm_logits(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Array:

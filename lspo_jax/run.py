@@ -43,7 +43,11 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
     path = model_dir(run, cache_dir)
     config, params = hf.load_pretrained(path)
     config = dataclasses.replace(
-        config, compute_dtype=run.model.compute_dtype, remat=run.model.remat, lora=run.model.lora
+        config,
+        compute_dtype=run.model.compute_dtype,
+        remat=run.model.remat,
+        attention=run.model.attention,
+        lora=run.model.lora,
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id

@@ -48,7 +48,16 @@ from jax.experimental import multihost_utils
 from lspo_jax import sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.kv_cache import grow_cache, init_cache, repeat_rows
-from lspo_jax.model import Params, abstract_params, attention_positions, causal_padding_mask, decoder, embed, lm_logits
+from lspo_jax.model import (
+    Params,
+    abstract_params,
+    attention_positions,
+    causal_padding_mask,
+    decoder,
+    embed,
+    lm_logits,
+    unstack_layers,
+)
 
 PAD_ID = 0  # what a finished row emits; its log-prob is 0 and it is cut from every returned record
 MIN_PROMPT_BUCKET = 16
@@ -270,7 +279,7 @@ def _decode_segment(
     """
     TRACE_COUNTS["decode"] += 1
     p = state.prompt_valid_CP.shape[1]
-    s = state.cache["k"].shape[2]
+    s = state.cache[0]["k"].shape[2]
     slots_S = jnp.arange(s)
     prompt_valid_CS = jnp.pad(state.prompt_valid_CP, ((0, 0), (0, s - p)))
 
@@ -300,6 +309,14 @@ _grow = jax.jit(grow_cache, static_argnames=("length",))
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _cast_floats(tree: Params, dtype: Any) -> Params:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _unstack(config: ModelConfig, tree: Params) -> Params:
+    """Per-layer weights for the unrolled decode (``model.decoder``): one copy per call, none per step."""
+    layers, lora = unstack_layers(config, tree["base"]["layers"], tree.get("lora"))
+    out = {"base": {**tree["base"], "layers": layers}}
+    return out if lora is None else {**out, "lora": lora}
 
 
 # ----------------------------------------------------------------------------------------- host side
@@ -437,7 +454,7 @@ def _plan(
 ) -> _Call:
     _check_args(prompts, max_new_tokens, temperature, top_p, top_k, n, cache_window)
     tree, scale = _sampling_params(config, params, lora_scale)
-    tree = _place_on_mesh(config, tree, mesh)
+    tree = _unstack(config, _place_on_mesh(config, tree, mesh))
     batch = _pow2_at_least(len(prompts))
     prompt_slots = _pow2_at_least(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
     return _Call(
@@ -470,10 +487,10 @@ def lower_decode(
     """
     dtype = jnp.dtype(config.compute_dtype)
     params = {"base": jax.tree.map(lambda a: a.update(dtype=dtype), abstract_params(config)["base"])}
-    cache = jax.ShapeDtypeStruct((config.num_layers, rows, cache_slots, config.num_kv_heads, config.head_dim), dtype)
+    layer_cache = jax.ShapeDtypeStruct((rows, config.num_kv_heads, cache_slots, config.head_dim), dtype)
     row = lambda shape, dt: jax.ShapeDtypeStruct((rows, *shape), dt)
     state = _State(
-        cache={"k": cache, "v": cache},
+        cache=tuple({"k": layer_cache, "v": layer_cache} for _ in range(config.num_layers)),
         step=jax.ShapeDtypeStruct((), jnp.int32),
         token_C=row((), jnp.int32),
         done_C=row((), bool),
@@ -499,7 +516,9 @@ def _state_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, state: _State
     rows = state.token_C.shape[0]
     by_rows, whole = sharding.batch_sharding(mesh, rows), sharding.replicated(mesh)
     cache = sharding.kv_cache_sharding(config, mesh, rows)
-    return jax.tree.map(lambda a: by_rows if a.ndim else whole, state)._replace(cache={"k": cache, "v": cache})
+    return jax.tree.map(lambda a: by_rows if a.ndim else whole, state)._replace(
+        cache=jax.tree.map(lambda _: cache, state.cache)
+    )
 
 
 def prefill_only(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *, key: jax.Array, **kwargs):

@@ -222,11 +222,12 @@ def batch_shards(mesh: Mesh) -> int:
 
 
 def kv_cache_sharding(config: ModelConfig, mesh: Mesh, rows: int) -> NamedSharding:
-    """Layout of a ``[L, B, S, K, E]`` cache leaf: rows over ``data`` + ``fsdp``, KV heads over ``tp`` if they divide.
+    """Layout of a layer's ``[B, K, S, E]`` cache leaf: rows over ``data`` + ``fsdp``, KV heads over ``tp``
+    if they divide.
 
     ``rows`` is the cache's row count: a count that does not divide leaves the rows whole.
     """
-    shape = (config.num_layers, rows, 1, config.num_kv_heads, config.head_dim)
+    shape = (rows, config.num_kv_heads, 1, config.head_dim)
     return NamedSharding(mesh, logical_spec(shape, model.CACHE_AXES, mesh))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from lspo_jax.config import REMAT_POLICIES, LoraConfig
+from lspo_jax.config import ATTENTION_IMPLS, REMAT_POLICIES, LoraConfig
 from lspo_jax.first_mistake import FirstMistakeConfig
 from lspo_jax.l2rr import L2RRConfig
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
@@ -35,18 +35,23 @@ class ModelSource:
     """The policy: a local Hugging Face directory (``path``); ``path: toy`` is the demo's own model.
 
     ``remat`` rematerialises the layer scan in the backward pass (none, full, dots): the paper's shape
-    fits in 80 GB per device only with ``full`` (see ``tools/memory_plan.py``).
+    fits in 80 GB per device only with ``full`` (see ``tools/memory_plan.py``). ``attention`` is the kernel of
+    the training and log-prob passes: ``einsum``, ``xla`` or ``cudnn`` (fused, on a CUDA GPU with bf16).
     """
 
     path: str = "toy"
     compute_dtype: str = "float32"
     remat: str = "none"
+    attention: str = "einsum"
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "model.path", "must name a Hugging Face directory or 'toy'")
         _require(self.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype", "float32 or bfloat16")
         _require(self.remat in REMAT_POLICIES, "model.remat", f"must be one of {REMAT_POLICIES}")
+        _require(self.attention in ATTENTION_IMPLS, "model.attention", f"must be one of {ATTENTION_IMPLS}")
+        if self.attention == "cudnn":
+            _require(self.compute_dtype == "bfloat16", "model.attention", "cudnn needs model.compute_dtype: bfloat16")
 
 
 R1_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

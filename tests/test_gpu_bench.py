@@ -78,6 +78,11 @@ def test_every_key_and_no_failure(smoke):
 def test_throughputs_and_mfu(smoke):
     assert all(positive(smoke[key]) for key in RATES), {key: smoke[key] for key in RATES}
     assert 0 < smoke["train_mfu"] < 1
+    # Both attention kernels timed (cudnn runs as xla on the CPU), the fused one after agreeing with einsum.
+    train = smoke["sections"]["train"]
+    assert set(train["train_variants"]) == {"xla", "einsum"} and train["attention_check_xla"]["ok"]
+    best = max(train["train_variants"].values(), key=lambda v: v["tokens_per_s"])
+    assert (smoke["train_attention"], smoke["train_mfu"]) == (best["attention"], best["mfu"])
     assert 0 < smoke["sampler_floor_fraction_b256"] and 0 < smoke["sampler_floor_fraction_b64"]
     if HAS_HF:
         assert all(positive(smoke[key]) for key in HF_RATES), {key: smoke[key] for key in HF_RATES}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lspo_jax.config import LoraConfig, ModelConfig
+from lspo_jax.kv_cache import init_cache
 from lspo_jax.model import (
     abstract_params,
     attention_positions,
@@ -100,6 +101,8 @@ def test_config_errors_name_the_field():
         ModelConfig.preset("tiny", compute_dtype="float8")
     with pytest.raises(ValueError, match="unknown model preset"):
         ModelConfig.preset("gpt2")
+    with pytest.raises(ValueError, match="ModelConfig.attention.*'flash'"):
+        ModelConfig.preset("tiny", attention="flash")
     assert LoraConfig(rank=16, alpha=64.0).scale == 4.0
     assert LoraConfig(targets=["q", "v"]).targets == ("q", "v")  # YAML lists become tuples
     assert ModelConfig.preset("tiny", head_dim=None).head_dim == 16  # hidden / heads
@@ -206,8 +209,7 @@ def test_kv_cache_hook_matches_full_forward(tiny_config, tiny_params, left_padde
     c = tiny_config
     full = _forward(c, tiny_params, tokens, mask, lora_scale=1.0)
     positions, allowed = attention_positions(mask), causal_padding_mask(mask)  # [B, T], [B, T, S]
-    shape = (c.num_layers, 3, 10, c.num_kv_heads, c.head_dim)
-    cache = {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
+    cache = init_cache(c, 3, 10)  # one {"k", "v"} of [B, K, S, E] per layer
 
     @jax.jit
     def step(cache, start):
@@ -235,3 +237,54 @@ def test_bfloat16_compute_stays_close(tiny_config, tiny_params, left_padded_batc
     real = mask == 1
     # bf16 keeps 8 mantissa bits (~0.4% relative); two layers of it stay within a few percent of the range.
     assert np.abs(np.asarray(out)[real] - ref[real]).max() < 0.05 * np.abs(ref[real]).max()
+
+
+# ------------------------------------------------------------------------------------- fused attention
+def _prompt_response_batch():
+    """``(tokens [4, 12], mask)`` laid out as the trainer's batches: a left-padded prompt then a right-padded
+    response, so the real tokens of a row are one run anywhere in it; row 3 is empty (mesh padding)."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(4, 96, size=(4, 12)).astype(np.int32)
+    mask = np.zeros((4, 12), np.int32)
+    for row, (start, stop) in enumerate([(0, 12), (3, 12), (2, 7), (0, 0)]):
+        mask[row, start:stop] = 1
+    return np.where(mask == 1, tokens, 0), mask
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_fused_attention_equals_the_einsum_path(tiny_config, tiny_params, remat):
+    """``attention: xla`` (``jax.nn.dot_product_attention``, rows rotated to right padding) gives the einsum
+    path's logits on every real token and the same gradients, adapter on. On a GPU ``cudnn`` swaps only the
+    kernel of this path; ``benchmarks/gpu.py`` checks it against einsum there before timing it."""
+    tokens, mask = _prompt_response_batch()
+    fused = dataclasses.replace(tiny_config, attention="xla", remat=remat)
+    real = mask == 1
+
+    def loss(config, params):
+        logits = forward(config, params, tokens, mask, lora_scale=1.0)
+        return jnp.sum(jnp.where(real[..., None], jax.nn.log_softmax(logits), 0.0) ** 2), logits
+
+    grad = jax.jit(jax.grad(loss, argnums=1, has_aux=True), static_argnums=0)
+    want_grads, want = grad(tiny_config, tiny_params)
+    got_grads, got = grad(fused, tiny_params)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5, rtol=0)
+    assert np.isfinite(np.asarray(got)).all()  # padding slots too, the empty row included
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
+    assert max(np.abs(np.asarray(w)).max() for w in jax.tree.leaves(want_grads["lora"])) > 1e-2  # not vacuous
+
+
+def test_fused_attention_refuses_a_mask_with_a_hole(tiny_config, tiny_params):
+    """A row whose real tokens are not one run cannot be rotated into right padding: NaN, not a wrong value."""
+    tokens, mask = _prompt_response_batch()
+    mask[1, 6] = 0
+    logits = np.asarray(_forward(dataclasses.replace(tiny_config, attention="xla"), tiny_params, tokens, mask))
+    assert np.isnan(logits[1]).all()
+    assert np.isfinite(logits[[0, 2, 3]]).all()
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the error is for backends without cuDNN")
+def test_cudnn_attention_off_gpu_names_the_option(tiny_config, tiny_params, left_padded_batch):
+    tokens, mask = left_padded_batch
+    with pytest.raises(ValueError, match="attention 'cudnn' needs a CUDA GPU"):
+        forward(dataclasses.replace(tiny_config, attention="cudnn"), tiny_params, tokens, mask)

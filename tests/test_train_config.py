@@ -125,6 +125,11 @@ def test_memory_settings_of_the_paper_recipe_and_their_checks():
     assert (lspo.model.remat, lspo.loss.micro_batches, lspo.loss.chunk_size) == ("full", 32, 1024)
     with pytest.raises(ConfigError, match=r"^model\.remat"):
         load_config(None, ["model.remat=sometimes"])
+    with pytest.raises(ConfigError, match=r"^model\.attention: must be one of"):
+        load_config(None, ["model.attention=flash"])
+    with pytest.raises(ConfigError, match=r"^model\.attention: cudnn needs model\.compute_dtype: bfloat16"):
+        load_config(None, ["model.attention=cudnn"])
+    assert load_config(None, ["model.attention=cudnn", "model.compute_dtype=bfloat16"]).model.attention == "cudnn"
     with pytest.raises(ConfigError, match=r"^loss\.chunk_size"):
         load_config(None, ["loss.chunk_size=0"])
 

@@ -37,6 +37,7 @@ CPU_DEFAULTS = dict(preset="tiny", batch="8", prompt_len=64, new_tokens=128)
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", help="model shape (default: tiny on CPU, the 1.5B shape on GPU)")
+    p.add_argument("--model", action="append", default=[], metavar="FIELD=INT", help="a preset size, e.g. num_layers=4")
     p.add_argument("--batch", help="comma-separated batch sizes (prompts per call, n = 1)")
     p.add_argument("--prompt-len", type=int)
     p.add_argument("--new-tokens", type=int)
@@ -151,11 +152,18 @@ def bench_batch(config, params, batch: int, args) -> list[dict]:
 
 def main() -> None:
     args = parse_args()
-    config = ModelConfig.preset(args.preset, param_dtype=args.dtype, compute_dtype=args.dtype)
+    sizes = {}
+    for item in args.model:
+        name, _, value = item.partition("=")
+        if not value.isdigit():
+            raise SystemExit(f"--model {item!r}: expected FIELD=INT, e.g. num_layers=4")
+        sizes[name] = int(value)
+    config = ModelConfig.preset(args.preset, param_dtype=args.dtype, compute_dtype=args.dtype, **sizes)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     print(
         f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} jax={jax.__version__} "
-        f"preset={args.preset} params={count_params(params['base']):,} dtype={args.dtype} "
+        f"preset={args.preset}{''.join(f' {m}' for m in args.model)} params={count_params(params['base']):,} "
+        f"dtype={args.dtype} "
         f"cache_window={args.cache_window} python={platform.python_version()}"
     )
     rows = []

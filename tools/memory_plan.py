@@ -131,8 +131,9 @@ def analytic(config: ModelConfig, mesh, plan: Plan) -> str:
         )
     )
     cache_sh = sharding.kv_cache_sharding(config, mesh, plan.decode_rows)
-    cache_shape = (config.num_layers, plan.decode_rows, plan.length, config.num_kv_heads, config.head_dim)
-    cache = 2 * math.prod(cache_sh.shard_shape(cache_shape)) * jnp.dtype(config.compute_dtype).itemsize
+    layer_shape = (plan.decode_rows, config.num_kv_heads, plan.length, config.head_dim)
+    itemsize = jnp.dtype(config.compute_dtype).itemsize
+    cache = 2 * config.num_layers * math.prod(cache_sh.shard_shape(layer_shape)) * itemsize
     return (
         f"params {params:.2f} + AdamW state {state:.2f} + grads {grads:.2f} = {params + state + grads:.2f} GB; "
         f"decode: bf16 weights {decode_weights / GB:.2f} + KV cache {cache / GB:.2f} GB"
