@@ -42,6 +42,11 @@ lspo     ``train.train_step`` at a reduced shape (4 prompts x 16 rollouts, 64 pr
          and ``scaffold_share_vs_dapo = 1 - DAPO step / LSPO step``. Without the DAPO step (time budget) the share
          is the lower bound (time_sft + time_reroll) / step time, and ``scaffold_share_method`` says so.
 
+Profiles: after its timed runs, ``sampler_b256`` and each train kernel run once more under ``jax.profiler``;
+the ops that took the device's time (self time on the busiest device timeline, top 15) are recorded as
+``profile_<part>`` and printed. ``--profile DIR`` keeps the traces (``benchmarks/trace_summary.py DIR/PART``
+prints the same table); ``--no-profile`` skips the extra runs.
+
 ``--smoke`` shrinks every shape (tiny model preset, short prompts, few tokens, tiny batches) and runs the same
 code, transformers on the CPU included; its numbers measure nothing. The ``_b256``/``_b64`` keys name the GPU
 batches; ``shapes`` in the JSON holds the sizes used.
@@ -64,6 +69,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +80,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import trace_summary  # benchmarks/trace_summary.py, beside this script
 
 from lspo_jax import optim, sampler, train
 from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
@@ -157,7 +164,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, transformers on CPU allowed: checks the code")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     p.add_argument("--time-budget", type=float, help="seconds for the whole run; sections that would not fit skip")
-    p.add_argument("--profile", metavar="DIR", help="jax.profiler.trace of each timed part into DIR/PART")
+    p.add_argument(
+        "--profile", metavar="DIR", help="keep the jax.profiler traces in DIR/PART (default: summaries only)"
+    )
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled extra call of sampler_b256 and train")
     p.add_argument("--remat", help="train remat policies, tried in order until one fits (default: per kernel)")
     p.add_argument("--attention", default="cudnn,einsum", help="train attention kernels to time, in order")
     p.add_argument("--lspo-attention", default="einsum", choices=ATTENTION_IMPLS, help="the LSPO step's kernel")
@@ -289,6 +299,25 @@ class Context:
             return contextlib.nullcontext()
         return jax.profiler.trace(os.path.join(self.args.profile, part))
 
+    def profile_call(self, part: str, call) -> None:
+        """``call()`` once more under ``jax.profiler``, after the timed runs: where its device time went (top ops
+        of the busiest timeline) goes into ``profile_<part>``. A failure is recorded; the part's timings stand."""
+        if self.args.no_profile:
+            return
+        root = self.args.profile or tempfile.mkdtemp(prefix="gpu_bench_trace_")
+        path = os.path.join(root, part)
+        try:
+            with jax.profiler.trace(path):
+                jax.block_until_ready(call())
+            summary = trace_summary.summarize_trace(path)
+        except Exception as err:  # a profiler that cannot start (e.g. CUPTI missing) costs only the summary
+            summary = {"error": f"{type(err).__name__}: {err}"[:2000]}
+        finally:
+            if not self.args.profile:
+                shutil.rmtree(root, ignore_errors=True)
+        self.rec.set(**{f"profile_{part}": summary})
+        self.rec.log(f"profile of {part}: {trace_summary.format_summary(summary)}")
+
 
 # ------------------------------------------------------------------------------------------- helpers
 def model_config(shapes: Shapes, param_dtype: str, remat: str = "none", attention: str = "einsum") -> ModelConfig:
@@ -392,12 +421,15 @@ def time_our_sampler(ctx: Context, config: ModelConfig, params, prompts: np.ndar
     if not np.all(out.lengths == n_new):
         raise RuntimeError(f"rows ended early: lengths {sorted(set(out.lengths.tolist()))}")
     times = []
-    with ctx.profile(f"sampler_{label}"):
-        for i in range(ctx.args.repeats):
-            start = time.perf_counter()
-            # generate_arrays fetches tokens to the host: the call returns only when the device is done.
-            jax.block_until_ready(sampler.generate_arrays(config, params, rows, key=jax.random.key(i + 1), **kw))
-            times.append(time.perf_counter() - start)
+    for i in range(ctx.args.repeats):
+        start = time.perf_counter()
+        # generate_arrays fetches tokens to the host: the call returns only when the device is done.
+        jax.block_until_ready(sampler.generate_arrays(config, params, rows, key=jax.random.key(i + 1), **kw))
+        times.append(time.perf_counter() - start)
+    if label == "b256":
+        ctx.profile_call(
+            f"sampler_{label}", lambda: sampler.generate_arrays(config, params, rows, key=jax.random.key(0), **kw)
+        )
     prefill_times = []  # the prompt pass of the same call alone (its compiled program), to split off the decode
     for i in range(ctx.args.repeats):
         start = time.perf_counter()
@@ -507,15 +539,16 @@ def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig) -> dict:
     start = time.perf_counter()
     params, opt_state, metrics = jax.block_until_ready(step(params, opt_state, batch))
     first_s = time.perf_counter() - start
-    with ctx.profile("train"):
-        start = time.perf_counter()
-        for _ in range(shapes.train_steps):
-            # Dispatch runs ahead of the device, as in a training loop; the last result is waited for.
-            params, opt_state, metrics = step(params, opt_state, batch)
-        jax.block_until_ready((params, opt_state, metrics))
-        step_s = (time.perf_counter() - start) / shapes.train_steps
+    start = time.perf_counter()
+    for _ in range(shapes.train_steps):
+        # Dispatch runs ahead of the device, as in a training loop; the last result is waited for.
+        params, opt_state, metrics = step(params, opt_state, batch)
+    jax.block_until_ready((params, opt_state, metrics))
+    step_s = (time.perf_counter() - start) / shapes.train_steps
     if not bool(metrics["finite"]):
         raise RuntimeError(f"non-finite loss or gradient: {jax.device_get(metrics)}")
+    # Donated buffers: the profiled step consumes params and state, so it runs last.
+    ctx.profile_call(f"train_{config.attention}", lambda: step(params, opt_state, batch))
     return {"first_step_s": first_s, "step_s": step_s, "loss": float(metrics["loss"]), "peak_gb": jax_peak_gb()}
 
 

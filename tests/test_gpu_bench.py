@@ -124,3 +124,54 @@ def test_time_budget_skips_sections(tmp_path):
     for section in result["sections"].values():
         assert section["status"] == "skipped" and section["reason"].startswith("time budget")
     assert result["sampler_tokens_per_s_b256"] is None and result["lspo_phases"] is None
+
+
+def test_profile_summaries_in_the_smoke_run(smoke):
+    for section, part in (("sampler", "sampler_b256"), ("train", "train_xla"), ("train", "train_einsum")):
+        summary = smoke["sections"][section][f"profile_{part}"]
+        assert summary["top"] and summary["total_ms"] > 0, (part, summary)
+
+
+def _trace_summary():
+    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(ROOT, "benchmarks", "trace_summary.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trace_summary_reads_the_busiest_device_timeline():
+    meta = lambda kind, pid, name, tid=0: {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+    op = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+    events = [
+        meta("process_name", 1, "/device:GPU:0"),
+        meta("process_name", 2, "/host:CPU"),
+        meta("thread_name", 1, "XLA Ops", 10),
+        meta("thread_name", 1, "XLA Modules", 11),
+        op(1, 10, "fusion.1", 0, 30),
+        op(1, 10, "fusion.2", 30, 10),
+        op(1, 10, "fusion.1", 40, 20),
+        op(1, 11, "jit_step", 0, 60),  # the module span over the same ops: a coarser timeline, not summed
+        op(2, 5, "host_work", 0, 500),  # host events are ignored when the trace has a device
+    ]
+    summary = _trace_summary().summarize_events(events)
+    assert summary["timeline"] == "/device:GPU:0 / XLA Ops" and summary["source"] == "device"
+    # fusion.1: 30 + 20 = 50 us of 60 us -> 0.05 ms, share 5/6; fusion.2: 10 us -> share 1/6.
+    assert summary["total_ms"] == pytest.approx(0.06)
+    assert [(r["name"], r["count"]) for r in summary["top"]] == [("fusion.1", 2), ("fusion.2", 1)]
+    assert [r["share"] for r in summary["top"]] == pytest.approx([5 / 6, 1 / 6])
+
+
+def test_trace_summary_of_a_host_trace_counts_self_time():
+    op = lambda name, ts, dur: {"ph": "X", "pid": 2, "tid": 5, "name": name, "ts": ts, "dur": dur}
+    events = [
+        op("$gpu.py:400 main", 0, 1000),  # a Python frame: left out
+        op("while.3", 0, 100),
+        op("dot.1", 10, 30),  # nested in while.3
+        op("fusion.2", 50, 20),  # nested in while.3
+        op("fusion.2", 200, 40),
+    ]
+    summary = _trace_summary().summarize_events(events)
+    # while.3's self time is 100 - 30 - 20 = 50 us; fusion.2 20 + 40 = 60 us; dot.1 30 us; total 140 us.
+    assert summary["source"] == "host" and summary["total_ms"] == pytest.approx(0.14)
+    want = {"fusion.2": 0.06, "while.3": 0.05, "dot.1": 0.03}
+    assert {r["name"]: r["ms"] for r in summary["top"]} == pytest.approx(want)
