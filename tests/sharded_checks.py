@@ -8,6 +8,7 @@ them. Everything runs in one process so JAX starts once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -71,11 +72,11 @@ def _batch():
     }
 
 
-def _loss_and_grads(base, batch):
+def _loss_and_grads(base, batch, config=CONFIG):
     """RL loss (chunked head, 2 micro-batches would not change a gradient: plain here) and its base gradient."""
 
     def loss(b):
-        logp, logits = optim.sequence_logprobs(CONFIG, {"base": b}, batch["tokens"], batch["attention_mask"])
+        logp, logits = optim.sequence_logprobs(config, {"base": b}, batch["tokens"], batch["attention_mask"])
         return losses.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"])[0], logits
 
     (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(base)
@@ -97,7 +98,18 @@ def check_steps(params, batch) -> dict:
             "loss": abs(float(value) - float(reference[1])),
             "grads": _tree_diff(grads, reference[2]),
         }
-    out["builders"] = check_builders(params, batch, sharding.make_mesh(sharding.MeshConfig(*LAYOUTS["fsdp4_tp2"])))
+    mesh = sharding.make_mesh(sharding.MeshConfig(*LAYOUTS["fsdp4_tp2"]))
+    out["builders"] = check_builders(params, batch, mesh)
+    # The fused attention path (rows rotated to right padding, heads split over tp) against einsum on one device.
+    fused = functools.partial(_loss_and_grads, config=dataclasses.replace(CONFIG, attention="xla"))
+    in_shardings = (sharding.param_shardings(CONFIG, mesh)["base"], sharding.batch_sharding(mesh))
+    logits, value, grads = jax.jit(distributed.in_mesh(mesh, fused), in_shardings=in_shardings)(params["base"], batch)
+    real = np.asarray(batch["attention_mask"], bool)
+    out["fused_fsdp4_tp2"] = {
+        "logits": _max_diff([np.asarray(logits)[real]], [np.asarray(reference[0])[real]]),
+        "loss": abs(float(value) - float(reference[1])),
+        "grads": _tree_diff(grads, reference[2]),
+    }
     return out
 
 

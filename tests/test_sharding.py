@@ -36,6 +36,13 @@ def test_sharded_forward_loss_and_gradients_equal_single_device(checks, layout):
     assert got["grads"] < TOL * checks["steps"]["grad_scale"]
 
 
+def test_fused_attention_on_a_mesh_equals_einsum_on_one_device(checks):
+    """``attention: xla`` with rows over fsdp = 4 and heads over tp = 2 against the einsum path unsharded."""
+    got = checks["steps"]["fused_fsdp4_tp2"]
+    assert got["logits"] < TOL and got["loss"] < TOL
+    assert got["grads"] < 10 * TOL * checks["steps"]["grad_scale"]
+
+
 def test_sharded_step_builders_equal_single_device(checks):
     got = checks["steps"]["builders"]
     assert got["rl_step_params"] < TOL and got["rl_step_metrics"] < TOL and got["logprobs"] < TOL
