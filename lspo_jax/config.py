@@ -125,6 +125,14 @@ class ModelConfig:
             "attention",
             f"must be one of {ATTENTION_IMPLS}, got {self.attention!r}",
         )
+        if self.attention == "cudnn":  # the fused kernel's own limits, named here rather than deep in a trace
+            _check(self.compute_dtype == "bfloat16", "ModelConfig", "attention", "cudnn needs compute_dtype bfloat16")
+            _check(
+                self.head_dim % 8 == 0,
+                "ModelConfig",
+                "attention",
+                f"cudnn needs head_dim % 8 == 0, got {self.head_dim}",
+            )
 
     # ----------------------------------------------------------------------------------------- presets
     @classmethod

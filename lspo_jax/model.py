@@ -246,6 +246,16 @@ def fused_attend(
     through ``jax.nn.dot_product_attention``: ``xla`` or ``cudnn`` (a fused flash kernel that never holds the
     ``[B, H, T, S]`` scores and skips the blocks above the diagonal). Queries past a row's length get 0.
     """
+    lengths_B = sharding.constrain(lengths_B, ("batch",))  # each shard of rows must read its own lengths
+    mesh = jax.sharding.get_abstract_mesh()
+    heads = ("batch", None, "heads", None)
+    if not mesh.empty and sharding.logical_spec(q_BTHE.shape, heads, mesh)[2] is not None:
+        kv_split = sharding.logical_spec(k_BTKE.shape, ("batch", None, "kv_heads", None), mesh)[2]
+        if kv_split != sharding.logical_spec(q_BTHE.shape, heads, mesh)[2]:
+            # cuDNN's partitioner needs q, k and v split alike. When tp splits the query heads but not the KV
+            # heads (12 and 2 on tp = 4), each query head gets its own copy of its KV head (h reads h // G).
+            groups = q_BTHE.shape[2] // k_BTKE.shape[2]
+            k_BTKE, v_BTKE = (sharding.constrain(jnp.repeat(x, groups, axis=2), heads) for x in (k_BTKE, v_BTKE))
     return jax.nn.dot_product_attention(
         q_BTHE,
         k_BTKE,

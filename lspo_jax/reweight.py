@@ -95,8 +95,13 @@ def _zero_variance(accuracy: np.ndarray, valid: np.ndarray, k: int) -> np.ndarra
 def scorer(run: TrainConfig, policy: Policy, state: TrainState, target: l2rr.TargetSide, sampler, collected):
     """``before_update`` for ``train_step``: score the batch's prompts against the target set, then end the
     sampler's step with every drawn prompt's zero variance and score. Returns the sampler's metrics."""
+    # The scores are a forward-mode product (jax.jvp); cuDNN's attention has only a reverse-mode rule, and the
+    # xla kernel is the same function with both.
+    forward_config = policy.config
+    if forward_config.attention == "cudnn":
+        forward_config = dataclasses.replace(forward_config, attention="xla")
     losses_fn = l2rr.PolicyLosses(
-        policy.config, run.rollout.group_size, normalise=run.l2rr.prompt_loss_norm, eps_low=run.loss.eps_low,
+        forward_config, run.rollout.group_size, normalise=run.l2rr.prompt_loss_norm, eps_low=run.loss.eps_low,
         eps_high=run.loss.eps_high, clip_c=run.loss.clip_c, temperature=run.rollout.temperature,
         chunk_size=run.loss.chunk_size, num_micro_batches=run.l2rr.score_micro_batches,
     )  # fmt: skip

@@ -306,17 +306,27 @@ def _decode_segment(
 _grow = jax.jit(grow_cache, static_argnames=("length",))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
 def _cast_floats(tree: Params, dtype: Any) -> Params:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+_cast = jax.jit(_cast_floats, static_argnames=("dtype",))
+
+
 @functools.partial(jax.jit, static_argnames=("config",))
 def _unstack(config: ModelConfig, tree: Params) -> Params:
-    """Per-layer weights for the unrolled decode (``model.decoder``): one copy per call, none per step."""
+    """Per-layer weights in the compute dtype for the unrolled decode (``model.decoder``): cast and split in one
+    program, so a call holds one extra copy of the weights (none per step)."""
+    tree = _cast_floats(tree, jnp.dtype(config.compute_dtype))
     layers, lora = unstack_layers(config, tree["base"]["layers"], tree.get("lora"))
     out = {"base": {**tree["base"], "layers": layers}}
     return out if lora is None else {**out, "lora": lora}
+
+
+def _layer_shardings(shardings: Params, num_layers: int) -> tuple[Params, ...]:
+    """The per-layer shardings of stacked ones: each spec without its leading L entry (never split)."""
+    drop_l = lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:]))
+    return (jax.tree.map(drop_l, shardings),) * num_layers
 
 
 # ----------------------------------------------------------------------------------------- host side
@@ -347,23 +357,26 @@ def _left_pad(prompts: Sequence[Sequence[int]], batch: int, length: int) -> tupl
 
 
 def _sampling_params(config: ModelConfig, params: Params, lora_scale: Any) -> tuple[Params, jax.Array]:
-    """The params tree the programs see and the traced scale.
+    """The params subtree the programs see and the traced scale.
 
     A Python 0 drops the adapter subtree, so the model skips the adapter matmuls: the base-policy program
     (the bulk of all sampling) is exactly the base model. Any other scale is traced, so every adapter-on
-    value shares one second program. Both trees hold the same arrays: no weight copy, except a one-off
-    cast to the compute dtype when the params are stored wider (an fp32 master copy with bf16 compute),
-    so that each decode step reads half the bytes instead of casting the weights again every step.
+    value shares one second program. ``_decode_weights`` then makes the call's one copy of the weights.
     """
     adapter_on = not (isinstance(lora_scale, int | float) and lora_scale == 0)
     if adapter_on and not params.get("lora"):
         raise ValueError(f"lora_scale={lora_scale!r} but params have no 'lora' subtree")
     tree = {"base": params["base"], "lora": params["lora"]} if adapter_on else {"base": params["base"]}
-    dtype = jnp.dtype(config.compute_dtype)
-    floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    if any(x.dtype != dtype for x in floats):
-        tree = _cast_floats(tree, dtype.name)
     return tree, jnp.asarray(lora_scale if adapter_on else 0.0, jnp.float32)
+
+
+def _decode_weights(config: ModelConfig, tree: Params, mesh: jax.sharding.Mesh | None) -> Params:
+    """The weights as the programs read them: in the compute dtype (an fp32 master copy is cast once, so a
+    decode step reads half the bytes) and split per layer. On a mesh the cast comes first, so the weights
+    gathered over ``fsdp`` are the narrow ones."""
+    if mesh is not None:
+        tree = _place_on_mesh(config, _cast(tree, jnp.dtype(config.compute_dtype).name), mesh)
+    return _unstack(config, tree)
 
 
 def _check_args(prompts, max_new_tokens, temperature, top_p, top_k, n, cache_window) -> None:
@@ -454,7 +467,7 @@ def _plan(
 ) -> _Call:
     _check_args(prompts, max_new_tokens, temperature, top_p, top_k, n, cache_window)
     tree, scale = _sampling_params(config, params, lora_scale)
-    tree = _unstack(config, _place_on_mesh(config, tree, mesh))
+    tree = _decode_weights(config, tree, mesh)
     batch = _pow2_at_least(len(prompts))
     prompt_slots = _pow2_at_least(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
     return _Call(
@@ -501,9 +514,13 @@ def lower_decode(
         prompt_len_C=row((), jnp.int32),
         prompt_valid_CP=row((prompt_slots,), bool),
     )
+    # The program the sampler runs takes per-layer weights (``_decode_weights``).
+    params = jax.eval_shape(functools.partial(_unstack, config), params)
     if mesh is not None:
         place = lambda tree, shardings: jax.tree.map(lambda a, s: a.update(sharding=s), tree, shardings)
-        params = place(params, {"base": sharding.param_shardings(config, mesh, gather_fsdp=True)["base"]})
+        stacked = sharding.param_shardings(config, mesh, gather_fsdp=True)["base"]
+        per_layer = {**stacked, "layers": _layer_shardings(stacked["layers"], config.num_layers)}
+        params = place(params, {"base": per_layer})
         state = place(state, _state_shardings(config, mesh, state))
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     args = (jax.eval_shape(jax.random.key, 0), scalar, scalar, _eos_array(()), jax.ShapeDtypeStruct((), jnp.int32))

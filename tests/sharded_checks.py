@@ -100,12 +100,14 @@ def check_steps(params, batch) -> dict:
         }
     mesh = sharding.make_mesh(sharding.MeshConfig(*LAYOUTS["fsdp4_tp2"]))
     out["builders"] = check_builders(params, batch, mesh)
-    # The fused attention path (rows rotated to right padding, heads split over tp) against einsum on one device.
+    # The fused attention path (rows rotated to right padding) against einsum on one device, on fsdp = 2 x tp = 4:
+    # tp splits the 4 query heads but not the 2 KV heads, so each query head gets its own KV copy there.
+    mesh = sharding.make_mesh(sharding.MeshConfig(*LAYOUTS["fsdp2_tp4"]))
     fused = functools.partial(_loss_and_grads, config=dataclasses.replace(CONFIG, attention="xla"))
     in_shardings = (sharding.param_shardings(CONFIG, mesh)["base"], sharding.batch_sharding(mesh))
     logits, value, grads = jax.jit(distributed.in_mesh(mesh, fused), in_shardings=in_shardings)(params["base"], batch)
     real = np.asarray(batch["attention_mask"], bool)
-    out["fused_fsdp4_tp2"] = {
+    out["fused_fsdp2_tp4"] = {
         "logits": _max_diff([np.asarray(logits)[real]], [np.asarray(reference[0])[real]]),
         "loss": abs(float(value) - float(reference[1])),
         "grads": _tree_diff(grads, reference[2]),

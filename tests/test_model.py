@@ -103,6 +103,10 @@ def test_config_errors_name_the_field():
         ModelConfig.preset("gpt2")
     with pytest.raises(ValueError, match="ModelConfig.attention.*'flash'"):
         ModelConfig.preset("tiny", attention="flash")
+    with pytest.raises(ValueError, match="ModelConfig.attention: cudnn needs compute_dtype bfloat16"):
+        ModelConfig.preset("tiny", attention="cudnn")
+    with pytest.raises(ValueError, match="ModelConfig.attention: cudnn needs head_dim % 8 == 0, got 12"):
+        ModelConfig.preset("tiny", attention="cudnn", compute_dtype="bfloat16", head_dim=12)
     assert LoraConfig(rank=16, alpha=64.0).scale == 4.0
     assert LoraConfig(targets=["q", "v"]).targets == ("q", "v")  # YAML lists become tuples
     assert ModelConfig.preset("tiny", head_dim=None).head_dim == 16  # hidden / heads
@@ -287,4 +291,5 @@ def test_fused_attention_refuses_a_mask_with_a_hole(tiny_config, tiny_params):
 def test_cudnn_attention_off_gpu_names_the_option(tiny_config, tiny_params, left_padded_batch):
     tokens, mask = left_padded_batch
     with pytest.raises(ValueError, match="attention 'cudnn' needs a CUDA GPU"):
-        forward(dataclasses.replace(tiny_config, attention="cudnn"), tiny_params, tokens, mask)
+        cudnn = dataclasses.replace(tiny_config, compute_dtype="bfloat16", attention="cudnn")
+        forward(cudnn, tiny_params, tokens, mask)

@@ -37,8 +37,9 @@ def test_sharded_forward_loss_and_gradients_equal_single_device(checks, layout):
 
 
 def test_fused_attention_on_a_mesh_equals_einsum_on_one_device(checks):
-    """``attention: xla`` with rows over fsdp = 4 and heads over tp = 2 against the einsum path unsharded."""
-    got = checks["steps"]["fused_fsdp4_tp2"]
+    """``attention: xla`` with rows over fsdp = 2 and query heads over tp = 4 (KV heads repeated) against the
+    einsum path unsharded."""
+    got = checks["steps"]["fused_fsdp2_tp4"]
     assert got["logits"] < TOL and got["loss"] < TOL
     assert got["grads"] < 10 * TOL * checks["steps"]["grad_scale"]
 
