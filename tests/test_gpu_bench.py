@@ -58,7 +58,7 @@ def positive(value) -> bool:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> dict:
-    proc, result = run_bench(str(tmp_path_factory.mktemp("smoke")))
+    proc, result = run_bench(str(tmp_path_factory.mktemp("smoke")), "--repeats", "1")  # one timed call suffices
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "scaffold_share" in proc.stdout  # the printed table
     return result

@@ -255,11 +255,12 @@ def _prompt_response_batch():
     return np.where(mask == 1, tokens, 0), mask
 
 
-@pytest.mark.parametrize("remat", ["none", "dots"])
-def test_fused_attention_equals_the_einsum_path(tiny_config, tiny_params, remat):
+def test_fused_attention_equals_the_einsum_path(tiny_config, tiny_params, remat="dots"):
     """``attention: xla`` (``jax.nn.dot_product_attention``, rows rotated to right padding) gives the einsum
     path's logits on every real token and the same gradients, adapter on. On a GPU ``cudnn`` swaps only the
-    kernel of this path; ``benchmarks/gpu.py`` checks it against einsum there before timing it."""
+    kernel of this path; ``benchmarks/gpu.py`` checks it against einsum there before timing it. Under remat
+    (``dots``) the kernel is recomputed in the backward pass; without remat, ``tests/sharded_checks.py`` compares
+    it with einsum on a mesh and on one device."""
     tokens, mask = _prompt_response_batch()
     fused = dataclasses.replace(tiny_config, attention="xla", remat=remat)
     real = mask == 1
