@@ -86,7 +86,7 @@ from lspo_jax import optim, sampler, train
 from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.data import Example
 from lspo_jax.kv_cache import cache_nbytes
-from lspo_jax.model import count_params, forward, init_params
+from lspo_jax.model import count_params, init_params
 from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig, TrainConfig
 
 SECTIONS = ("sampler", "train", "lspo")
@@ -674,12 +674,10 @@ def attention_check(config: ModelConfig, seed: int) -> dict:
     mask = np.zeros((rows, seq), bool)
     for row, (start, stop) in enumerate([(0, seq), (37, seq), (11, 180), (0, 0)]):
         mask[row, start:stop] = True
-    scored = mask[:, 1:] & mask[:, :-1]
+    scored = np.pad(mask[:, 1:] & mask[:, :-1], ((0, 0), (1, 0)))  # token t predicted from a real t - 1
 
     def logp_sum(cfg: ModelConfig, base):
-        logits = forward(cfg, {"base": base}, tokens, mask)[:, :-1]
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
-        logp = jnp.where(scored, logp, 0.0)
+        logp = jnp.where(scored, optim.sequence_logprobs(cfg, {"base": base}, tokens, mask)[0], 0.0)
         return jnp.sum(logp), logp
 
     grad = jax.jit(jax.grad(logp_sum, argnums=1, has_aux=True), static_argnums=0)

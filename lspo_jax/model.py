@@ -249,13 +249,13 @@ def fused_attend(
     lengths_B = sharding.constrain(lengths_B, ("batch",))  # each shard of rows must read its own lengths
     mesh = jax.sharding.get_abstract_mesh()
     heads = ("batch", None, "heads", None)
-    if not mesh.empty and sharding.logical_spec(q_BTHE.shape, heads, mesh)[2] is not None:
-        kv_split = sharding.logical_spec(k_BTKE.shape, ("batch", None, "kv_heads", None), mesh)[2]
-        if kv_split != sharding.logical_spec(q_BTHE.shape, heads, mesh)[2]:
-            # cuDNN's partitioner needs q, k and v split alike. When tp splits the query heads but not the KV
-            # heads (12 and 2 on tp = 4), each query head gets its own copy of its KV head (h reads h // G).
-            groups = q_BTHE.shape[2] // k_BTKE.shape[2]
-            k_BTKE, v_BTKE = (sharding.constrain(jnp.repeat(x, groups, axis=2), heads) for x in (k_BTKE, v_BTKE))
+    split = lambda x, axes: None if mesh.empty else sharding.logical_spec(x.shape, axes, mesh)[2]
+    q_split = split(q_BTHE, heads)
+    if q_split is not None and q_split != split(k_BTKE, ("batch", None, "kv_heads", None)):
+        # cuDNN's partitioner needs q, k and v split alike. When tp splits the query heads but not the KV
+        # heads (12 and 2 on tp = 4), each query head gets its own copy of its KV head (h reads h // G).
+        groups = q_BTHE.shape[2] // k_BTKE.shape[2]
+        k_BTKE, v_BTKE = (sharding.constrain(jnp.repeat(x, groups, axis=2), heads) for x in (k_BTKE, v_BTKE))
     return jax.nn.dot_product_attention(
         q_BTHE,
         k_BTKE,
