@@ -51,8 +51,12 @@ prints the same table); ``--no-profile`` skips the extra runs.
 code, transformers on the CPU included; its numbers measure nothing. The ``_b256``/``_b64`` keys name the GPU
 batches; ``shapes`` in the JSON holds the sizes used.
 
-    python benchmarks/gpu.py --time-budget 450                   # the H200; writes benchmarks/results/gpu.json
+    PYTHONPATH=. python3 benchmarks/gpu.py --time-budget 450     # the H200; writes benchmarks/results/gpu.json
     JAX_PLATFORMS=cpu python benchmarks/gpu.py --smoke --out /tmp/gpu_smoke.json
+
+The script runs from a checkout, without installing the package, on a Python that has jax, flax, optax,
+orbax-checkpoint, transformers and torch but not math-verify, tensorboardX or vLLM (as on the GPU machine);
+``tests/test_gpu_bench.py`` runs the smoke shapes with those three hidden.
 """
 
 from __future__ import annotations

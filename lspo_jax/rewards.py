@@ -8,6 +8,9 @@ purpose: cliffs are defined on accuracy, while advantages are computed from the 
 ``\\boxed{9^{9^{9^{9}}}}`` against a number then keeps it busy for over a minute. For training, score batches with
 ``VerifierPool`` (in ``lspo_jax.verify_pool``, also importable from here), which runs the same
 ``score_response`` in worker processes and kills a worker that overruns its per-item timeout.
+
+math-verify is imported at the first parse, not with this module: the trainer, the sampler and the benchmarks
+import this module for the length shaping alone and run where math-verify is not installed.
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-from math_verify.errors import TimeoutException
 from sympy import Basic, MatrixBase
 
 from lspo_jax.text import matching_braces
@@ -42,11 +43,35 @@ __all__ = [
 
 THINK_CLOSE = "</think>"
 
-# Boxed answers first. Responses with a box are reduced to their last box before parsing (see
-# parse_response); without one, math-verify falls back to its usual anchors ("final answer is",
-# "answer:", plain LaTeX, then bare numbers and expressions).
-_RESPONSE_CONFIG = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
-_GOLD_CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())
+
+class _MathVerify(NamedTuple):
+    parse: Any
+    verify: Any
+    timeout_error: type[BaseException]  # math-verify's TimeoutException derives from BaseException
+    response_config: tuple
+    gold_config: tuple
+
+
+@functools.cache
+def _math_verify() -> _MathVerify:
+    """math-verify and this module's extraction settings, imported once, at first use."""
+    try:
+        import math_verify
+        from math_verify.errors import TimeoutException
+    except ImportError as exc:
+        raise ImportError("scoring answers needs math-verify: pip install 'math-verify>=0.8,<0.10'") from exc
+    latex, expr = math_verify.LatexExtractionConfig, math_verify.ExprExtractionConfig
+    # Boxed answers first. Responses with a box are reduced to their last box before parsing (see
+    # parse_response); without one, math-verify falls back to its usual anchors ("final answer is",
+    # "answer:", plain LaTeX, then bare numbers and expressions).
+    return _MathVerify(
+        parse=math_verify.parse,
+        verify=math_verify.verify,
+        timeout_error=TimeoutException,
+        response_config=(latex(boxed_match_priority=0), expr()),
+        gold_config=(latex(), expr()),
+    )
+
 
 # A "$" not preceded by a backslash opens inline math; "\$" is a dollar sign (MATH500 has "\$36").
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
@@ -91,8 +116,9 @@ def parse_gold(gold: str) -> list | None:
     gold = str(gold).strip()
     if not gold:
         return None
+    mv = _math_verify()
     for text in _gold_candidates(gold):
-        result = parse(text, extraction_config=_GOLD_CONFIG, parsing_timeout=None)
+        result = mv.parse(text, extraction_config=mv.gold_config, parsing_timeout=None)
         if any(_is_math(x) for x in result):
             return result
     return None
@@ -146,7 +172,8 @@ def parse_response(text: str) -> list:
     boxed = last_boxed(text)
     if boxed is not None:
         text = f"\\boxed{{{boxed}}}"
-    return parse(text, extraction_config=_RESPONSE_CONFIG, parsing_timeout=None)
+    mv = _math_verify()
+    return mv.parse(text, extraction_config=mv.response_config, parsing_timeout=None)
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -164,7 +191,7 @@ def score_response(response: str, gold: str, *, require_think_close: bool = Fals
     if not predicted:
         return 0.0
     # verify() treats anything but a list as a single expression, so the cached tuple goes back to a list.
-    return 1.0 if verify(list(gold_parsed), predicted, timeout_seconds=None) else 0.0
+    return 1.0 if _math_verify().verify(list(gold_parsed), predicted, timeout_seconds=None) else 0.0
 
 
 def math_reward(response: str, gold: str, *, require_think_close: bool = False) -> float:
@@ -173,9 +200,10 @@ def math_reward(response: str, gold: str, *, require_think_close: bool = False) 
     Prefers the last ``\\boxed{}`` answer, falling back to math-verify's normal extraction. Runs in this
     process without a timeout; use ``VerifierPool`` for untrusted model output in bulk.
     """
+    timeout_error = _math_verify().timeout_error  # outside the try: a missing math-verify is not a 0
     try:
         return score_response(response, gold, require_think_close=require_think_close)
-    except (Exception, TimeoutException):  # TimeoutException derives from BaseException
+    except (Exception, timeout_error):
         return 0.0
 
 
@@ -221,10 +249,11 @@ def parse_golds(items: Mapping[Hashable, str] | Iterable[tuple[Hashable, str]]) 
     pairs = items.items() if isinstance(items, Mapping) else items
     parsed: dict[Hashable, list] = {}
     bad: dict[Hashable, str] = {}
+    timeout_error = _math_verify().timeout_error
     for item_id, gold in pairs:
         try:
             result = parse_gold(gold)
-        except (Exception, TimeoutException):
+        except (Exception, timeout_error):
             result = None
         if result is None:
             bad[item_id] = gold

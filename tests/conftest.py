@@ -26,6 +26,18 @@ def _fast_cpu_compiles() -> None:
 
 _fast_cpu_compiles()
 
+
+# The files whose module fixtures take minutes (8-device checks, vLLM engines, the GPU script's smoke run, whole
+# training runs), run first: under `pytest -n 2 --dist loadfile` (tools/test.sh) they then overlap instead of
+# one of them finishing alone at the end while the other worker idles.
+SLOW_FILES_FIRST = ("test_sharding.py", "test_vllm.py", "test_gpu_bench.py", "test_train.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file is kept
+
+
 # Tiny but structurally complete: GQA (4 query heads over 2 KV heads), head_dim 16, q/k/v biases.
 TINY_HF_KWARGS = dict(
     vocab_size=96,

@@ -41,9 +41,27 @@ REQUIRED = (
 )
 
 
+# Declared dependencies that the GPU machine's Python lacks (its package list is fixed; nothing can be fetched
+# there). The script must run without them, so every run here hides them from every process it starts.
+ABSENT_ON_GPU_MACHINE = ("math_verify", "latex2sympy2_extended", "tensorboardX", "vllm")
+_HIDE_ABSENT = f"""
+import importlib.abc, sys
+
+class _Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {ABSENT_ON_GPU_MACHINE!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (absent on the GPU machine)", name=name)
+
+sys.meta_path.insert(0, _Absent())
+"""
+
+
 def run_bench(out_dir, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = os.path.join(out_dir, "gpu.json")
-    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    # A sitecustomize.py on the path runs at the start of the script and of each section's subprocess.
+    with open(os.path.join(out_dir, "sitecustomize.py"), "w") as f:
+        f.write(_HIDE_ABSENT)
+    path = os.pathsep.join([out_dir, ROOT, os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     cmd = [sys.executable, SCRIPT, "--smoke", "--out", out, *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -83,7 +101,11 @@ def test_throughputs_and_mfu(smoke):
     assert set(train["train_variants"]) == {"xla", "einsum"} and train["attention_check_xla"]["ok"]
     best = max(train["train_variants"].values(), key=lambda v: v["tokens_per_s"])
     assert (smoke["train_attention"], smoke["train_mfu"]) == (best["attention"], best["mfu"])
-    assert 0 < smoke["sampler_floor_fraction_b256"] and 0 < smoke["sampler_floor_fraction_b64"]
+    for label in ("b256", "b64"):
+        part = smoke["sections"]["sampler"][f"sampler_{label}"]
+        fraction, floor_s, decode_s = smoke[f"sampler_floor_fraction_{label}"], part["floor_s"], part["decode_s"]
+        # At smoke shapes timing noise can make the prompt pass look longer than the call: then no fraction.
+        assert fraction == pytest.approx(floor_s / decode_s) and fraction > 0 if decode_s > 0 else fraction is None
     if HAS_HF:
         assert all(positive(smoke[key]) for key in HF_RATES), {key: smoke[key] for key in HF_RATES}
         assert 0 < smoke["hf_train_mfu"] < 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -94,12 +95,29 @@ def test_require_think_close():
     assert math_reward(r"\boxed{4}</think> oops </think> \boxed{5}", "4", require_think_close=True) == 0.0
 
 
+def _patch_verify(monkeypatch, fn) -> None:
+    """Replace math-verify's ``verify`` as this module sees it (math-verify is imported at first use)."""
+    loaded = rewards._math_verify()
+    monkeypatch.setattr(rewards, "_math_verify", lambda: loaded._replace(verify=fn))
+
+
 def test_math_reward_swallows_base_exceptions(monkeypatch):
     def boom(*args, **kwargs):
         raise TimeoutException("from math-verify")
 
-    monkeypatch.setattr(rewards, "verify", boom)
+    _patch_verify(monkeypatch, boom)
     assert math_reward(r"\boxed{1}", "1") == 0.0
+
+
+def test_missing_math_verify_is_an_error_not_a_zero(monkeypatch):
+    # The module imports without math-verify (the trainer needs only its length shaping); scoring then says why.
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # None in sys.modules makes the import fail
+    rewards._math_verify.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="needs math-verify"):
+            math_reward(r"\boxed{1}", "1")
+    finally:
+        rewards._math_verify.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------- golds
@@ -193,7 +211,7 @@ def test_in_process_mode_counts_errors(monkeypatch):
 
     with VerifierPool(workers=0) as p:
         np.testing.assert_array_equal(p.score([r"\boxed{2}", r"\boxed{3}"], ["2", "2"]), [1, 0])
-        monkeypatch.setattr(rewards, "verify", boom)
+        _patch_verify(monkeypatch, boom)
         np.testing.assert_array_equal(p.score([r"\boxed{2}"], ["2"]), [0])
         assert p.last_stats.errors == 1 and p.stats.scored == 3
 
