@@ -42,10 +42,12 @@ lspo     ``train.train_step`` at a reduced shape (4 prompts x 16 rollouts, 64 pr
          and ``scaffold_share_vs_dapo = 1 - DAPO step / LSPO step``. Without the DAPO step (time budget) the share
          is the lower bound (time_sft + time_reroll) / step time, and ``scaffold_share_method`` says so.
 
-Profiles: after its timed runs, ``sampler_b256`` and each train kernel run once more under ``jax.profiler``;
-the ops that took the device's time (self time on the busiest device timeline, top 15) are recorded as
-``profile_<part>`` and printed. ``--profile DIR`` keeps the traces (``benchmarks/trace_summary.py DIR/PART``
-prints the same table); ``--no-profile`` skips the extra runs.
+Profiles: once their figures are recorded, ``sampler_b256`` (at the section's end) and each train kernel run once
+more under ``jax.profiler``; the ops that took the device's time (self time on the busiest device timeline, top
+15) are recorded as ``profile_<part>`` and printed. A profile that does not fit the budget is skipped, and one
+that hangs ends its section after ``PROFILE_WATCHDOG_S`` (the later sections still run). ``--profile DIR``
+keeps the traces (``benchmarks/trace_summary.py DIR/PART`` prints the same table); ``--no-profile`` skips the
+extra runs.
 
 ``--smoke`` shrinks every shape (tiny model preset, short prompts, few tokens, tiny batches) and runs the same
 code, transformers on the CPU included; its numbers measure nothing. The ``_b256``/``_b64`` keys name the GPU
@@ -65,6 +67,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import functools
 import gc
 import importlib.metadata
@@ -95,7 +98,8 @@ from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutC
 
 SECTIONS = ("sampler", "train", "lspo")
 BATCH_LABELS = ("b256", "b64")
-PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "flax", "optax", "transformers", "torch", "numpy")
+PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "nvidia-cudnn-cu13", "flax", "optax")
+PACKAGES += ("orbax-checkpoint", "transformers", "torch", "numpy")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu.json")
 
 # Rough seconds per part on the H200, compile included; --smoke scales them by SMOKE_SCALE. Used only to skip
@@ -112,7 +116,9 @@ ESTIMATE_S = {
     "attention_check": 30,
     "lspo": 180,
     "dapo_step": 20,
+    "profile": 40,  # one more call under jax.profiler, and reading its trace
 }
+PROFILE_WATCHDOG_S = 180  # a profiler that hangs (CUPTI under a sandbox) ends its section after this
 CORE_PARTS = {
     "sampler": ("sampler_b256", "hf_generate_b256"),
     "train": ("hf_train", "attention_check", "train"),
@@ -308,8 +314,16 @@ class Context:
         of the busiest timeline) goes into ``profile_<part>``. A failure is recorded; the part's timings stand."""
         if self.args.no_profile:
             return
+        skip = self.room_for("profile")
+        if skip:
+            self.rec.skip(f"profile_{part}", skip)
+            return
         root = self.args.profile or tempfile.mkdtemp(prefix="gpu_bench_trace_")
         path = os.path.join(root, part)
+        # Every figure is on disk before this runs. A hang would hold the section until the budget's end and
+        # starve the later sections, so a watchdog thread ends the process instead (the parent records it).
+        limit = PROFILE_WATCHDOG_S * (SMOKE_SCALE if self.args.smoke else 1.0) + 60 * self.args.smoke
+        faulthandler.dump_traceback_later(limit, exit=True)
         try:
             with jax.profiler.trace(path):
                 jax.block_until_ready(call())
@@ -317,6 +331,7 @@ class Context:
         except Exception as err:  # a profiler that cannot start (e.g. CUPTI missing) costs only the summary
             summary = {"error": f"{type(err).__name__}: {err}"[:2000]}
         finally:
+            faulthandler.cancel_dump_traceback_later()
             if not self.args.profile:
                 shutil.rmtree(root, ignore_errors=True)
         self.rec.set(**{f"profile_{part}": summary})
@@ -366,7 +381,8 @@ def hf_device(ctx: Context) -> tuple[str | None, str]:
         return None, f"transformers + torch not importable: {err}"
     ctx.rec.set(torch_version=torch.__version__, transformers_version=transformers.__version__)
     if torch.cuda.is_available():
-        ctx.rec.set(torch_device=torch.cuda.get_device_name(0))
+        ctx.rec.set(torch_device=torch.cuda.get_device_name(0), torch_cuda=torch.version.cuda)
+        ctx.rec.set(torch_cudnn=torch.backends.cudnn.version())
         return "cuda", ""
     return ("cpu", "") if ctx.args.smoke else (None, "torch has no CUDA device (CPU runs only with --smoke)")
 
@@ -415,9 +431,14 @@ def decode_floor_s(config: ModelConfig, params, batch: int, prompt_len: int, new
     return (steps * weights + batch * kv_per_token * context_sum) / hbm
 
 
-def time_our_sampler(ctx: Context, config: ModelConfig, params, prompts: np.ndarray, label: str) -> dict:
+def sampler_kwargs(ctx: Context) -> dict:
     n_new = ctx.shapes.sampler_new_tokens
-    kw = dict(max_new_tokens=n_new, eos_token_ids=(), cache_window=ctx.args.cache_window)
+    return dict(max_new_tokens=n_new, eos_token_ids=(), cache_window=ctx.args.cache_window)
+
+
+def time_our_sampler(ctx: Context, config: ModelConfig, params, prompts: np.ndarray) -> dict:
+    n_new = ctx.shapes.sampler_new_tokens
+    kw = sampler_kwargs(ctx)
     rows = prompts.tolist()
     start = time.perf_counter()
     out = sampler.generate_arrays(config, params, rows, key=jax.random.key(0), **kw)
@@ -430,10 +451,6 @@ def time_our_sampler(ctx: Context, config: ModelConfig, params, prompts: np.ndar
         # generate_arrays fetches tokens to the host: the call returns only when the device is done.
         jax.block_until_ready(sampler.generate_arrays(config, params, rows, key=jax.random.key(i + 1), **kw))
         times.append(time.perf_counter() - start)
-    if label == "b256":
-        ctx.profile_call(
-            f"sampler_{label}", lambda: sampler.generate_arrays(config, params, rows, key=jax.random.key(0), **kw)
-        )
     prefill_times = []  # the prompt pass of the same call alone (its compiled program), to split off the decode
     for i in range(ctx.args.repeats):
         start = time.perf_counter()
@@ -477,6 +494,7 @@ def section_sampler(ctx: Context) -> None:
     device, why_not = hf_device(ctx)
     hbm = args.hbm_tb_s * 1e12
     hf = {}  # the bf16 transformers model, built at first use and kept for the second batch
+    profiled = {}
     rng = np.random.default_rng(args.seed)
     for label in BATCH_LABELS:
         batch = getattr(shapes, f"sampler_batch_{label}")
@@ -490,12 +508,13 @@ def section_sampler(ctx: Context) -> None:
             rec.skip(part, skip)
         else:
             with rec.part(part):
-                ours = time_our_sampler(ctx, config, params, prompts, label)
+                ours = time_our_sampler(ctx, config, params, prompts)
                 decode_s = ours["time_s"] - ours["prefill_s"]
                 ours.update(new_tokens_per_s=new_tokens / ours["time_s"], floor_s=floor_s, decode_s=decode_s)
                 # None when timing noise makes the prompt pass look longer than the call (tiny smoke shapes).
                 ours["floor_fraction"] = floor_s / decode_s if decode_s > 0 else None
                 rec.set(**{part: ours})
+                profiled.setdefault("rows", prompts.tolist())  # the first batch timed: b256
                 rec.headline(
                     **{f"sampler_tokens_per_s_{label}": ours["new_tokens_per_s"]},
                     **{f"sampler_floor_fraction_{label}": ours["floor_fraction"]},
@@ -515,6 +534,12 @@ def section_sampler(ctx: Context) -> None:
             if ours is not None:
                 rec.headline(**{f"sampler_ratio_vs_hf_{label}": ours["new_tokens_per_s"] / theirs["new_tokens_per_s"]})
     rec.set(jax_peak_gb=jax_peak_gb())
+    hf.clear()
+    if "rows" in profiled:  # last: every figure of the section is recorded by then
+        rows, kw = profiled["rows"], sampler_kwargs(ctx)
+        ctx.profile_call(
+            "sampler_b256", lambda: sampler.generate_arrays(config, params, rows, key=jax.random.key(0), **kw)
+        )
 
 
 # ------------------------------------------------------------------------------------- section: train
@@ -534,7 +559,7 @@ def synthetic_rl_batch(config: ModelConfig, rows: int, seq: int, seed: int) -> d
     return committed(batch)
 
 
-def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig) -> dict:
+def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig) -> tuple[dict, Any]:
     shapes = ctx.shapes
     params = init_committed(config, ctx.args.seed)
     opt_state = committed(jax.jit(optim.make_optimizer().init)(params))
@@ -551,9 +576,11 @@ def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig) -> dict:
     step_s = (time.perf_counter() - start) / shapes.train_steps
     if not bool(metrics["finite"]):
         raise RuntimeError(f"non-finite loss or gradient: {jax.device_get(metrics)}")
-    # Donated buffers: the profiled step consumes params and state, so it runs last.
-    ctx.profile_call(f"train_{config.attention}", lambda: step(params, opt_state, batch))
-    return {"first_step_s": first_s, "step_s": step_s, "loss": float(metrics["loss"]), "peak_gb": jax_peak_gb()}
+    record = {"first_step_s": first_s, "step_s": step_s, "loss": float(metrics["loss"])}
+    # peak_bytes_in_use cannot be reset: the process's peak so far, earlier parts and failed attempts included.
+    record["process_peak_gb"] = jax_peak_gb()
+    # One more step for the profiler, once the figures are recorded. It consumes the donated params and state.
+    return record, lambda: step(params, opt_state, batch)
 
 
 def time_hf_train(config: ModelConfig, device: str, shapes: Shapes, seed: int) -> dict:
@@ -603,7 +630,6 @@ def section_train(ctx: Context) -> None:
     else:
         with rec.part("hf_train"):
             hf = time_hf_train(model_config(shapes, "float32"), device, shapes, args.seed)
-            release_torch(device)  # the model and optimizer died with time_hf_train's frame
             hf.update(tokens_per_s=tokens / hf["step_s"])
             rec.set(hf_train=hf)
             rec.headline(
@@ -611,6 +637,7 @@ def section_train(ctx: Context) -> None:
                 hf_train_mfu=hf["tokens_per_s"] * flops_per_token / peak,
                 hf_train_step_seconds=hf["step_s"],
             )
+        release_torch(device)  # also after a failure (out of memory): JAX's steps need the memory next
     loss = LossConfig(chunk_size=args.chunk_size or None)
     variants: dict[str, dict] = {}
     for attention in train_kernels(args):
@@ -625,21 +652,27 @@ def section_train(ctx: Context) -> None:
                 rec.set(**{f"attention_check_{attention}": check})
                 if not check["ok"]:
                     raise RuntimeError(f"attention {attention!r} disagrees with einsum: {check}")
-            ours = time_train_variant(ctx, attention, loss)
+            ours, profile = time_train_variant(ctx, attention, loss)
             ours.update(tokens_per_s=tokens / ours["step_s"])
             ours.update(mfu=ours["tokens_per_s"] * flops_per_token / peak)
             variants[attention] = ours
-            rec.set(train_variants=variants)
-    if variants:
-        best = max(variants.values(), key=lambda v: v["tokens_per_s"])
-        rec.set(train=best)
-        rec.headline(
-            train_tokens_per_s=best["tokens_per_s"],
-            train_mfu=best["mfu"],
-            train_step_seconds=best["step_s"],
-            train_remat=best["remat"],
-            train_attention=best["attention"],
-        )
+            record_best_train(rec, variants)
+        if attention in variants:
+            ctx.profile_call(f"train_{attention}", profile)
+            del profile  # the variant's params and optimizer state, before the next variant
+
+
+def record_best_train(rec: Recorder, variants: dict[str, dict]) -> None:
+    """Every variant so far, and the fastest as the headline."""
+    best = max(variants.values(), key=lambda v: v["tokens_per_s"])
+    rec.set(train_variants=variants, train=best)
+    rec.headline(
+        train_tokens_per_s=best["tokens_per_s"],
+        train_mfu=best["mfu"],
+        train_step_seconds=best["step_s"],
+        train_remat=best["remat"],
+        train_attention=best["attention"],
+    )
 
 
 def train_kernels(args: argparse.Namespace) -> list[str]:
@@ -649,20 +682,31 @@ def train_kernels(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(kernels))
 
 
-def time_train_variant(ctx: Context, attention: str, loss: LossConfig) -> dict:
-    """The RL step with ``attention``, under the first remat policy that fits."""
+def out_of_memory(err: BaseException) -> bool:
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def time_train_variant(ctx: Context, attention: str, loss: LossConfig) -> tuple[dict, Any]:
+    """The RL step with ``attention`` under the first remat policy that fits, and a call that runs it once more.
+
+    Only an out-of-memory error moves on to the next policy: any other failure would repeat under each.
+    """
     # A fused kernel never holds the [B, H, T, T] scores, so no remat may fit; einsum's scores need remat at 8 x 2048.
     remats = ctx.args.remat or (["dots", "full"] if attention == "einsum" else ["none", "dots", "full"])
     failed = {}
     for remat in remats:
         gc.collect()  # the arrays of a failed attempt, freed with its traceback
         try:
-            ours = time_rl_update(ctx, model_config(ctx.shapes, "float32", remat, attention), loss)
-        except Exception as err:  # out of memory, most likely: the next policy keeps less
+            ours, profile = time_rl_update(ctx, model_config(ctx.shapes, "float32", remat, attention), loss)
+        except Exception as err:
+            if not out_of_memory(err):
+                raise
             failed[remat] = f"{type(err).__name__}: {err}"[:2000]
-            ctx.rec.log(f"train {attention}: remat={remat} failed ({type(err).__name__}); trying the next policy")
+            ctx.rec.log(f"train {attention}: remat={remat} out of memory; trying the next policy")
             continue
-        return {**ours, "attention": attention, "remat": remat, "chunk_size": loss.chunk_size, "failed": failed}
+        record = {**ours, "attention": attention, "remat": remat, "chunk_size": loss.chunk_size, "failed": failed}
+        return record, profile
     raise RuntimeError(f"every remat policy failed: {failed}")
 
 
@@ -784,7 +828,7 @@ def section_lspo(ctx: Context) -> None:
         with ctx.profile("lspo"):
             step_s, metrics = timed_step(run, policy, state, verifier, examples, args.seed)
         lspo = {"step_s": step_s, **{k: metrics[k] for k in phase_keys}, **{k: metrics.get(k) for k in scaffold_keys}}
-        lspo.update(peak_gb=jax_peak_gb(), rows=shapes.lspo_prompts * shapes.lspo_group)
+        lspo.update(process_peak_gb=jax_peak_gb(), rows=shapes.lspo_prompts * shapes.lspo_group)
         share, method = scaffold_share(lspo, None)
         rec.set(lspo=lspo, scaffold_share_method=method)
         rec.headline(lspo_step_seconds=step_s, scaffold_share=share, lspo_phases={k: lspo[k] for k in phase_keys})
@@ -814,6 +858,9 @@ def run_section(args: argparse.Namespace) -> None:
     # Both are read when the backend starts, below. JAX would otherwise take 75% of the GPU up front and leave
     # torch too little; on a CPU smoke run compiling dominates, and LLVM's optimisation of tiny programs is waste.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # Without preallocation JAX still stops at 75% of the device by default; the train step may need more.
+    # Torch runs before JAX in the train section, and after it in the sampler section where JAX holds ~20 GB.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     flags = os.environ.get("XLA_FLAGS", "")
     if args.smoke and os.environ.get("JAX_PLATFORMS") == "cpu" and "optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()

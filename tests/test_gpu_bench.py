@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -152,6 +153,51 @@ def test_profile_summaries_in_the_smoke_run(smoke):
     for section, part in (("sampler", "sampler_b256"), ("train", "train_xla"), ("train", "train_einsum")):
         summary = smoke["sections"][section][f"profile_{part}"]
         assert summary["top"] and summary["total_ms"] > 0, (part, summary)
+
+
+def _gpu_module():
+    """``benchmarks/gpu.py`` as a module (it imports ``trace_summary`` from its own folder)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def test_only_out_of_memory_moves_to_the_next_remat_policy():
+    oom = _gpu_module().out_of_memory
+    assert oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12.50GiB."))
+    assert oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))  # torch's wording
+    assert not oom(RuntimeError("non-finite loss or gradient: {...}"))
+    assert not oom(ValueError("INTERNAL: cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"))
+
+
+HANGING_PROFILE = """
+import argparse, sys, time
+sys.path.insert(0, {bench!r})
+import gpu
+gpu.PROFILE_WATCHDOG_S = 1.0
+args = argparse.Namespace(no_profile=False, profile=None, soft_deadline=None, smoke=False)
+rec = gpu.Recorder({path!r}, "sampler", time.time())
+rec.set(sampler_b256={{"new_tokens_per_s": 123.0}})
+gpu.Context(args=args, shapes=gpu.Shapes(), rec=rec).profile_call("sampler_b256", lambda: time.sleep(600))
+"""
+
+
+def test_a_hanging_profile_ends_its_section_and_keeps_its_figures(tmp_path):
+    path = str(tmp_path / "section.json")
+    code = HANGING_PROFILE.format(bench=os.path.join(ROOT, "benchmarks"), path=path)
+    path_var = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path_var}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - start < 60, proc.stderr[-2000:]
+    with open(path) as f:
+        assert json.load(f)["sampler_b256"] == {"new_tokens_per_s": 123.0}
 
 
 def _trace_summary():
