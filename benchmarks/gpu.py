@@ -323,6 +323,7 @@ class Context:
         # Every figure is on disk before this runs. A hang would hold the section until the budget's end and
         # starve the later sections, so a watchdog thread ends the process instead (the parent records it).
         limit = PROFILE_WATCHDOG_S * (SMOKE_SCALE if self.args.smoke else 1.0) + 60 * self.args.smoke
+        self.rec.set(**{f"profile_{part}": {"error": f"watchdog: no result within {limit:.0f} s"}})  # until done
         faulthandler.dump_traceback_later(limit, exit=True)
         try:
             with jax.profiler.trace(path):
@@ -514,7 +515,8 @@ def section_sampler(ctx: Context) -> None:
                 # None when timing noise makes the prompt pass look longer than the call (tiny smoke shapes).
                 ours["floor_fraction"] = floor_s / decode_s if decode_s > 0 else None
                 rec.set(**{part: ours})
-                profiled.setdefault("rows", prompts.tolist())  # the first batch timed: b256
+                if label == "b256":
+                    profiled["rows"] = prompts.tolist()
                 rec.headline(
                     **{f"sampler_tokens_per_s_{label}": ours["new_tokens_per_s"]},
                     **{f"sampler_floor_fraction_{label}": ours["floor_fraction"]},
@@ -534,7 +536,9 @@ def section_sampler(ctx: Context) -> None:
             if ours is not None:
                 rec.headline(**{f"sampler_ratio_vs_hf_{label}": ours["new_tokens_per_s"] / theirs["new_tokens_per_s"]})
     rec.set(jax_peak_gb=jax_peak_gb())
-    hf.clear()
+    if hf:
+        hf.clear()
+        release_torch(device)
     if "rows" in profiled:  # last: every figure of the section is recorded by then
         rows, kw = profiled["rows"], sampler_kwargs(ctx)
         ctx.profile_call(
@@ -855,7 +859,7 @@ SECTION_FUNCTIONS = {"sampler": section_sampler, "train": section_train, "lspo":
 
 def run_section(args: argparse.Namespace) -> None:
     """The subprocess side: run one section, leaving its record in ``args.section_file``."""
-    # Both are read when the backend starts, below. JAX would otherwise take 75% of the GPU up front and leave
+    # These are read when the backend starts, below. JAX would otherwise take 75% of the GPU up front and leave
     # torch too little; on a CPU smoke run compiling dominates, and LLVM's optimisation of tiny programs is waste.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     # Without preallocation JAX still stops at 75% of the device by default; the train step may need more.

@@ -24,7 +24,7 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
-from lspo_jax.rewards import score_response
+from lspo_jax.rewards import _math_verify, score_response
 
 __all__ = ["VerifierPool", "VerifierStats"]
 
@@ -155,6 +155,7 @@ class VerifierPool:
             workers = min(os.cpu_count() or 1, 4)
         if workers < 0 or timeout <= 0:
             raise ValueError(f"need workers >= 0 and timeout > 0, got workers={workers}, timeout={timeout}")
+        _math_verify()  # a missing math-verify is an error here, not a worker dying or a score of 0
         self.num_workers = workers
         self.timeout = float(timeout)
         self.require_think_close = require_think_close

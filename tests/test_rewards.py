@@ -116,6 +116,8 @@ def test_missing_math_verify_is_an_error_not_a_zero(monkeypatch):
     try:
         with pytest.raises(ImportError, match="needs math-verify"):
             math_reward(r"\boxed{1}", "1")
+        with pytest.raises(ImportError, match="needs math-verify"):  # not a pool whose every score is an error
+            VerifierPool(workers=0)
     finally:
         rewards._math_verify.cache_clear()
 
