@@ -56,6 +56,14 @@ batches; ``shapes`` in the JSON holds the sizes used.
     PYTHONPATH=. python3 benchmarks/gpu.py --time-budget 450     # the H200; writes benchmarks/results/gpu.json
     JAX_PLATFORMS=cpu python benchmarks/gpu.py --smoke --out /tmp/gpu_smoke.json
 
+Every part fits no single call of a few minutes: the estimates (``ESTIMATE_S``) add up to about 15 minutes with
+the profiles. Split over calls, each later call merges the sections it does not run from the earlier JSON:
+
+    PYTHONPATH=. python3 benchmarks/gpu.py --only sampler,train --time-budget 480 --out $OUT/gpu.json
+    # copy that gpu.json to benchmarks/results/gpu.json, then
+    PYTHONPATH=. python3 benchmarks/gpu.py --only lspo --time-budget 240 --merge benchmarks/results/gpu.json \
+        --out $OUT/gpu.json
+
 The script runs from a checkout, without installing the package, on a Python that has jax, flax, optax,
 orbax-checkpoint, transformers and torch but not math-verify, tensorboardX or vLLM (as on the GPU machine);
 ``tests/test_gpu_bench.py`` runs the smoke shapes with those three hidden.
@@ -188,6 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU, TFLOP/s")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=VALUE", help="override one of Shapes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", metavar="JSON", help="an earlier run's JSON: its sections that are not run now are kept")
     # Set by the parent for the subprocess that runs one section.
     p.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
     p.add_argument("--section-file", help=argparse.SUPPRESS)
@@ -1000,12 +1009,34 @@ def orchestrate(args: argparse.Namespace) -> dict:
             log(args.t0, "main", f"{section}: start ({i + 1}/{len(SECTIONS)})")
             record = run_child(args, section, soft, timeout)
             result["sections"][section] = record
-            result.update(record.pop("headline", {}))
+            result.update(record["headline"])
             for key in ("jax_device", "torch_device", "backend"):
                 result[key] = result[key] or record.get(key)
             log(args.t0, "main", f"{section}: {record['status']} in {record['seconds']} s")
         write_json(args.out, result)
+    if args.merge:
+        merge_earlier(result, args.merge)
+        write_json(args.out, result)
     return result
+
+
+def merge_earlier(result: dict, path: str) -> None:
+    """Fill the sections that did not run now (not selected, or skipped for time) from an earlier run's JSON,
+    headline figures included, so that a benchmark split over several device calls ends in one file."""
+    with open(path) as f:
+        earlier = json.load(f)
+    merged = []
+    for name, section in earlier.get("sections", {}).items():
+        if result["sections"].get(name, {}).get("status") == "skipped" and section.get("status") != "skipped":
+            result["sections"][name] = {
+                **section,
+                "merged_from": {"date": earlier["date"], "command": earlier["command"]},
+            }
+            result.update(section.get("headline", {}))
+            for key in ("jax_device", "torch_device", "backend"):
+                result[key] = result[key] or earlier.get(key)
+            merged.append(name)
+    result["merged"] = merged
 
 
 def fmt(value: Any) -> str:
@@ -1025,6 +1056,8 @@ def print_table(result: dict) -> None:
         problems = {**section.get("errors", {}), **section.get("skipped", {})}
         why = section.get("error") or section.get("reason") or ""
         detail = "; ".join([why, *(f"{k}: {v[:160]}" for k, v in problems.items())]).strip("; ")
+        if "merged_from" in section:
+            detail = f"from the run of {section['merged_from']['date']}; {detail}".strip("; ")
         print(f"section {name:<8} {section['status']:<8} {fmt(section.get('seconds'))} s  {detail}")
 
 

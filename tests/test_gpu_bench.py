@@ -144,6 +144,20 @@ def test_time_budget_skips_sections(tmp_path):
     assert result["sampler_tokens_per_s_b256"] is None and result["lspo_phases"] is None
 
 
+def test_a_later_call_merges_the_sections_it_did_not_run(smoke, tmp_path):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({**smoke, "sections": {**smoke["sections"], "lspo": {"status": "skipped"}}}))
+    # Budget 1 s: nothing runs now, so every section the earlier run has is taken from it, figures included.
+    proc, result = run_bench(str(tmp_path), "--time-budget", "1", "--merge", str(earlier))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert result["merged"] == ["sampler", "train"] and "--merge" in result["command"]
+    assert result["sections"]["train"]["merged_from"]["date"] == smoke["date"]
+    assert result["sections"]["lspo"]["status"] == "skipped" and result["lspo_step_seconds"] is None
+    keys = ("sampler_tokens_per_s_b256", "train_mfu", "train_attention") + HAS_HF * ("sampler_ratio_vs_hf_b64",)
+    for key in keys:
+        assert result[key] == smoke[key] is not None, key
+
+
 def test_profile_summaries_in_the_smoke_run(smoke):
     for section, part in (("sampler", "sampler_b256"), ("train", "train_xla"), ("train", "train_einsum")):
         summary = smoke["sections"][section][f"profile_{part}"]
