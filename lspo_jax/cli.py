@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -11,7 +12,11 @@ def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lspo-train", description="Train with LSPO (or DAPO: scaffold.enabled=false).")
     p.add_argument("--config", help="YAML config (defaults apply to keys it does not name)")
     p.add_argument("--out", required=True, help="output directory: metrics, checkpoints, summary, plots")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --out (with its config.yaml when --config is not given)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. rollout.group_size=8")
     return p
 
@@ -34,8 +39,13 @@ def train_main(argv: list[str] | None = None) -> int:
     from lspo_jax.run import RunStopped, train_run
     from lspo_jax.train_config import ConfigError, load_config
 
+    config_path = args.config
+    saved = os.path.join(args.out, "config.yaml")
+    if config_path is None and args.resume and os.path.exists(saved):
+        config_path = saved  # the run's own settings, the overrides on top
+        print(f"lspo-train: resuming with {saved}", file=sys.stderr)
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(config_path, args.overrides)
     except ConfigError as err:
         print(f"lspo-train: config error: {err}", file=sys.stderr)
         return 2
@@ -50,6 +60,9 @@ def train_main(argv: list[str] | None = None) -> int:
         return 3
     except (FileExistsError, FileNotFoundError) as err:
         print(f"lspo-train: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:
+        print(f"lspo-train: config error: {err}", file=sys.stderr)
         return 2
     print(format_summary(summary))
     _plot(args.out)
@@ -215,11 +228,11 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 def _warn_about_rows(name: str, report: dict) -> None:
     """A benchmark that lost problems at load time is not the published benchmark: say so."""
-    lost = {k: report[k] for k in ("rows_invalid", "prompt_skipped", "prompt_truncated") if report.get(k)}
-    if report.get("gold_unparseable"):
-        lost["gold_unparseable"] = len(report["gold_unparseable"])
-    if lost:
-        print(f"lspo-eval: {name}: {report['kept']} of {report['rows']} problems kept; {lost}", file=sys.stderr)
+    from lspo_jax.data import DataReport
+
+    line = DataReport(**report).losses()
+    if line:
+        print(f"lspo-eval: {name}: {line}", file=sys.stderr)
 
 
 def export_main(argv: list[str] | None = None) -> int:

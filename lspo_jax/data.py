@@ -65,6 +65,16 @@ class DataReport:
     solution_truncated: int = 0
     gold_unparseable: list[str] = dataclasses.field(default_factory=list)
 
+    def losses(self) -> str | None:
+        """One line on the rows that loading dropped or cut, for the console; None when it kept them all whole."""
+        lost = {k: getattr(self, k) for k in ("rows_invalid", "prompt_skipped", "prompt_truncated") if getattr(self, k)}
+        if self.gold_unparseable:
+            lost["gold_unparseable"] = len(self.gold_unparseable)
+        if not lost:
+            return None
+        example = f"; e.g. {self.row_errors[0]}" if self.row_errors else ""
+        return f"{self.kept} of {self.rows} rows kept; {lost}{example}"
+
     def invalid(self, where: str, problem: str) -> None:
         self.rows_invalid += 1
         if len(self.row_errors) < MAX_LISTED:

@@ -462,13 +462,11 @@ class SamplerGenerate:
 def load_generate(path: str, *, dtype: str = "float32", engine: Any = None, **options: Any) -> SamplerGenerate:
     """A ``SamplerGenerate`` on the Hugging Face directory ``path`` (weights and compute in ``dtype``);
     ``options`` are ``SamplerGenerate``'s keywords (``max_new_tokens``, ``temperature``, ``seed``, ...)."""
-    from transformers import AutoTokenizer
-
     from lspo_jax import hf
 
     config, params = hf.load_pretrained(path, dtype=dtype)
     config = dataclasses.replace(config, compute_dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = hf.load_tokenizer(path)
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple | list) else (int(eos),)
     return SamplerGenerate(config, params, tokenizer, eos_ids, engine=engine, **options)

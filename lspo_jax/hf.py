@@ -198,11 +198,28 @@ def _assemble(config: ModelConfig, slots: dict[Any, np.ndarray]) -> Params:
     return base
 
 
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer saved in the model directory ``path``.
+
+    Without tokenizer files transformers still builds one, which encodes every text to nothing, so every prompt
+    would be empty; that is an error here, naming the directory.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.encode("1+1=2", add_special_tokens=False):
+        raise FileNotFoundError(f"{path}: no usable tokenizer (it encodes text to nothing); save it with the model")
+    return tokenizer
+
+
 def load_pretrained(path: str, dtype: Any = jnp.float32) -> tuple[ModelConfig, Params]:
     """Read a local Hugging Face Qwen2 directory -> ``(ModelConfig, {"base": params})``, weights in ``dtype``.
 
     No adapter is created; add one with ``model.init_lora``.
     """
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        what = "no such directory" if not os.path.isdir(path) else "no config.json in it"
+        raise FileNotFoundError(f"{path}: not a Hugging Face model directory ({what})")
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
     dtype = jnp.dtype(dtype)

@@ -29,6 +29,20 @@ def pow2_rows(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def sft_slots(
+    prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], max_prompt: int, max_target: int
+) -> tuple[int, int]:
+    """``pack_sft``'s ``(prompt_slots, target_slots)`` for these rows: the prompt slots hold the longest prompt, and
+    the row length is the power of two (at least 64) that holds the longest prompt and the longest target, at
+    most ``max_prompt + max_target``. Short worked solutions then cost short rows, and a run compiles one SFT
+    program per row length, whatever its prompts' lengths.
+    """
+    longest_prompt = max(len(p) for p in prompts)
+    need = longest_prompt + max(len(t) for t in targets)
+    length = min(max_prompt + max_target, max(64, pow2_rows(need)))
+    return longest_prompt, length - longest_prompt
+
+
 def left_pad(seqs: Sequence[Sequence[int]], slots: int) -> tuple[np.ndarray, np.ndarray]:
     """``(ids [N, slots], mask [N, slots])`` with each sequence right-aligned; error if one does not fit."""
     ids = np.zeros((len(seqs), slots), np.int32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from lspo_jax.config import ModelConfig
 from lspo_jax.metrics_log import MetricsLog, NullLog
 from lspo_jax.model import Params
 from lspo_jax.train import Policy, StopFlag, TrainState, place_state, train_step
-from lspo_jax.train_config import TrainConfig, to_dict
+from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
 
 
 class RunStopped(RuntimeError):
@@ -38,10 +39,12 @@ def model_dir(run: TrainConfig, cache_dir: str) -> str:
 
 def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
     """The policy's config, tokenizer and base params from ``model.path`` (``toy``: the demo's own model)."""
-    from transformers import AutoTokenizer
-
     path = model_dir(run, cache_dir)
-    config, params = hf.load_pretrained(path)
+    try:
+        config, params = hf.load_pretrained(path)
+        tokenizer = hf.load_tokenizer(path)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"model.path: {err}") from err
     config = dataclasses.replace(
         config,
         compute_dtype=run.model.compute_dtype,
@@ -49,10 +52,27 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
         attention=run.model.attention,
         lora=run.model.lora,
     )
-    tokenizer = AutoTokenizer.from_pretrained(path)
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple | list) else (int(eos),)
     return Policy(config, tokenizer, eos_ids), params
+
+
+def check_resumable(run: TrainConfig, out_dir: str, checkpointer: Checkpointer) -> None:
+    """Refuse to resume with model settings other than the run's own (its ``config.yaml``): the checkpoint's
+    arrays would not fit, and the error would come from deep inside the restore."""
+    path = os.path.join(out_dir, "config.yaml")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = (yaml.safe_load(f) or {}).get("model", {})
+    now = to_dict(run)["model"]
+    changed = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
+    if changed:
+        checkpointer.close()
+        details = ", ".join(f"model.{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
+        raise ConfigError(
+            f"--resume: {details} differ from {path}; resume without --config to use the run's own config"
+        )
 
 
 def run_mesh(run: TrainConfig) -> Mesh | None:
@@ -155,12 +175,22 @@ class Run:
         os.makedirs(out_dir, exist_ok=True)
         # Several hosts share out_dir: process 0 writes the files, all of them write checkpoint shards.
         self.writer = jax.process_index() == 0
-        if self.writer:
-            with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-                yaml.safe_dump(to_dict(run), f, sort_keys=False)
+        # Refusals first, before anything is loaded or written: the run's own config.yaml stays as it was.
+        self.checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=run.checkpoint.keep)
+        latest = self.checkpointer.latest_step()
+        if latest is not None and not resume:
+            self.checkpointer.close()
+            raise FileExistsError(
+                f"{out_dir} already holds a run (checkpoint at step {latest}): pass --resume to continue it, "
+                "or choose another --out"
+            )
+        if latest is not None:
+            check_resumable(run, out_dir, self.checkpointer)
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
         self.policy = dataclasses.replace(self.policy, mesh=run_mesh(run))
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
+        if self.writer and (line := data.DataReport(**self.data_report).losses()):
+            print(f"lspo-train: data.train {run.data.train}: {line}", file=sys.stderr)  # also in summary.json
         self.examples = self.examples[: run.data.limit]  # the first `limit` usable prompts (all when null)
         self.held_out, self.held_out_data = self._held_out()
         self.order = data.PromptOrder(len(self.examples), seed=run.seed, shuffle=run.data.shuffle)
@@ -178,16 +208,11 @@ class Run:
         self.tx = optim.make_optimizer(run.optim, run.scaffold.sft)
         params, opt_state = place_state(run, self.policy, params, self.tx.init(params))
         self.state = TrainState(step=0, params=params, opt_state=opt_state)
-        self.checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=run.checkpoint.keep)
-        latest = self.checkpointer.latest_step()
-        if latest is not None and not resume:
-            self.checkpointer.close()
-            raise FileExistsError(
-                f"{out_dir} already holds a run (checkpoint at step {latest}): pass --resume to continue it, "
-                "or choose another --out"
-            )
         if latest is not None:
             self._restore()
+        if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
+            with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(to_dict(run), f, sort_keys=False)
         if run.first_mistake.enabled:
             judge = judge or make_judge(run, self.policy, self.state.params)
             self.policy = dataclasses.replace(self.policy, judge=judge)

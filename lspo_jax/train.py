@@ -143,6 +143,9 @@ def place_state(run: TrainConfig, policy: Policy, params: Params, opt_state: Any
 def apply_rl_update(run: TrainConfig, policy: Policy, state: TrainState, batch: dict) -> dict:
     """The RL update of ``state`` on ``batch``, on one device or on the mesh; returns the step's metrics."""
     if policy.mesh is None:
+        # Masked rows (no gradient, no token in the mean) up to a multiple of the micro-batch count, as on a mesh.
+        m = run.loss.micro_batches
+        batch = rollout.pad_rows(batch, -(-len(batch["tokens"]) // m) * m)
         state.params, state.opt_state, metrics = rl_update(
             policy.config, state.params, state.opt_state, batch,
             rl=run.optim, loss=run.loss, temperature=run.rollout.temperature,
@@ -238,17 +241,17 @@ def run_scaffold(
             policy.config, state.params, state.opt_state, adapter_key, sft=run.scaffold.sft
         )
         state.params, state.opt_state = place_state(run, policy, params, opt_state)
-        sft_batch = rollout.pack_sft(
-            [ex.prompt_ids for ex in cliff_examples], [ex.solution_ids for ex in cliff_examples],
-            run.data.max_prompt_tokens, run.data.max_solution_tokens,
-        )  # fmt: skip
+        prompts, solutions = [ex.prompt_ids for ex in cliff_examples], [ex.solution_ids for ex in cliff_examples]
+        # Rows as long as these cliffs need (a power of two), not the configured maxima: short worked solutions
+        # would otherwise pay for max_prompt_tokens + max_solution_tokens of attention and MLP per row.
+        lengths = rollout.sft_slots(prompts, solutions, run.data.max_prompt_tokens, run.data.max_solution_tokens)
+        sft_batch = rollout.pack_sft(prompts, solutions, *lengths)
         slots = max(len(cliff_examples), run.scaffold.min_cliff_bucket)
         sft_batch = rollout.pad_rows(sft_batch, rollout.pow2_rows(slots))
         for _ in range(run.scaffold.sft_steps):
             sft_metrics = apply_sft_update(run, policy, state, sft_batch)
         metrics["sft_loss"] = float(sft_metrics["sft_loss"])
     with phases("reroll"):
-        prompts = [ex.prompt_ids for ex in cliff_examples]
         padding = [prompts[0]] * (slots - len(prompts))  # sampled, then dropped: only fixes the shape
         rerolls = sample_rows(run, policy, state.params, prompts + padding, reroll_key, lora_scale=1.0)
         rerolls = {name: value[: len(prompts) * k] for name, value in rerolls.items()}

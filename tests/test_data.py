@@ -109,6 +109,18 @@ def test_load_examples_sft_targets_length_policy_and_golds(tmp_path):
     assert sft["mask"][0, :16].sum() == 0 and sft["mask"][0, 16:].sum() == len(examples[0].solution_ids)
 
 
+def test_sft_rows_as_long_as_the_cliffs_need():
+    # Longest prompt 5 + longest solution 40 = 45 tokens -> a row of 64 (the smallest): 5 prompt + 59 solution slots.
+    prompts, solutions = [[7] * 3, [7] * 5], [[8] * 10, [8] * 40]
+    assert rollout.sft_slots(prompts, solutions, 1024, 8192) == (5, 59)
+    # 5 + 90 = 95 -> 128 slots, but the configured maxima allow 16 + 100 = 116: 5 + 111.
+    assert rollout.sft_slots(prompts, [[8] * 10, [8] * 90], 16, 100) == (5, 111)
+    rows = rollout.pack_sft(prompts, solutions, *rollout.sft_slots(prompts, solutions, 1024, 8192))
+    assert rows["tokens"].shape == (2, 64) and rows["mask"].sum(axis=1).tolist() == [10, 40]
+    # Row 0: 2 pad slots, its 3 prompt tokens, 10 solution tokens, then padding; one run of real tokens.
+    assert rows["attention_mask"][0].tolist() == [0, 0] + [1] * 13 + [0] * 49
+
+
 # ---------------------------------------------------------------------------------------------- prompts
 BOS, USER, ASSISTANT, EOS = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
 # DeepSeek-R1-Distill-Qwen's template, reduced to what it renders for one user turn with a generation prompt.
@@ -213,3 +225,14 @@ def test_benchmark_gold_answers_verify_against_themselves():
     ]
     print(f"neighbouring answers accepted: {wrong}")
     assert len(wrong) <= 0.01 * len(golds), wrong
+
+
+def test_the_console_line_on_dropped_rows():
+    assert data.DataReport(rows=20, kept=20).losses() is None
+    report = data.DataReport(rows=20, kept=9, prompt_skipped=1, gold_unparseable=["7"])
+    report.invalid("line 3 (id a)", "missing answer")
+    # Counted by cause; the first listed row error is quoted.
+    assert report.losses() == (
+        "9 of 20 rows kept; {'rows_invalid': 1, 'prompt_skipped': 1, 'gold_unparseable': 1}; "
+        "e.g. line 3 (id a): missing answer"
+    )

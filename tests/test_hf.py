@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from lspo_jax.config import ModelConfig
-from lspo_jax.hf import load_pretrained, save_pretrained, to_hf_state_dict
+from lspo_jax.hf import load_pretrained, load_tokenizer, save_pretrained, to_hf_state_dict
 from lspo_jax.model import forward, init_lora
 
 _forward = jax.jit(forward, static_argnums=0)
@@ -188,3 +188,17 @@ def test_hf_config_round_trip_through_transformers():
     assert hf.rope_parameters["rope_theta"] == 10000.0 and hf.tie_word_embeddings is False
     assert hf.max_position_embeddings == 131072 and hf.eos_token_id == 151643
     assert ModelConfig.from_hf_config(hf.to_dict()) == ours
+
+
+def test_a_directory_without_model_or_tokenizer_is_named(hf_untied_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_pretrained(str(tmp_path / "missing"))
+    assert load_tokenizer(hf_untied_dir).encode("1+1=2", add_special_tokens=False)
+    # Weights without tokenizer files: transformers builds a tokenizer that encodes everything to nothing.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(hf_untied_dir, name), bare / name)
+    load_pretrained(str(bare))  # the weights alone load
+    with pytest.raises(FileNotFoundError, match="no usable tokenizer"):
+        load_tokenizer(str(bare))

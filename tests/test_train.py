@@ -21,14 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lspo_jax import evaluation, losses, model, optim, rollout, toy, train
+from lspo_jax import cli, evaluation, losses, model, optim, rollout, toy, train
 from lspo_jax import run as run_module
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.cli import format_summary
 from lspo_jax.export import export_checkpoint
 from lspo_jax.metrics_log import read_metrics
 from lspo_jax.run import Run, RunStopped, checkpoint_state
-from lspo_jax.train_config import load_config
+from lspo_jax.train_config import ConfigError, load_config
 
 K = 2  # rollouts per prompt in every run of this module
 
@@ -450,6 +450,50 @@ def test_train_records_hold_the_documented_keys(trained_run):
 def test_a_finished_run_is_not_overwritten_without_resume(trained_run, make_config, easy_rule):
     with pytest.raises(FileExistsError, match="already holds a run .* pass --resume"):
         Run(make_config(steps=4), trained_run["dir"], verifier=FakeVerifier(easy_rule))
+
+
+def test_refusals_leave_the_runs_config_as_it_was(trained_run, make_config, easy_rule):
+    path = os.path.join(trained_run["dir"], "config.yaml")
+    with open(path) as f:
+        before = f.read()
+    with pytest.raises(FileExistsError):
+        Run(make_config(steps=4, seed=7), trained_run["dir"], verifier=FakeVerifier(easy_rule))
+    # Other model settings would not fit the checkpoint: refused with the key named, before the restore.
+    with pytest.raises(ConfigError, match=r"model\.compute_dtype: 'float32' -> 'bfloat16' differ"):
+        Run(make_config(model__compute_dtype="bfloat16"), trained_run["dir"], resume=True, verifier=None)
+    with open(path) as f:
+        assert f.read() == before
+
+
+def test_resume_without_config_takes_the_runs_own(trained_run, monkeypatch):
+    seen = []
+    monkeypatch.setattr(run_module, "train_run", lambda config, out, resume: seen.append((config, resume)) or {})
+    monkeypatch.setattr(cli, "format_summary", lambda summary: "")
+    monkeypatch.setattr(cli, "_plot", lambda out: None)
+    assert cli.train_main(["--out", trained_run["dir"], "--resume", "steps=6"]) == 0
+    ((config, resume),) = seen
+    saved = load_config(os.path.join(trained_run["dir"], "config.yaml"))
+    assert resume and config == dataclasses.replace(saved, steps=6) and saved.steps == 4
+
+
+def test_more_micro_batches_than_rows_pads_with_masked_rows(trained_run, make_config):
+    # 3 rows in 8 micro-batches: 5 masked rows are added, and the update equals the one of a single batch.
+    job, rng = trained_run["job"], np.random.default_rng(0)
+    tokens = rng.integers(4, 40, size=(3, 20)).astype(np.int32)
+    mask = np.zeros_like(tokens)
+    mask[:, 8:] = 1
+    old_logp, advantages = np.full(tokens.shape, -3.0, np.float32), np.array([1.0, -0.5, 0.25], np.float32)
+    batch = {"tokens": tokens, "attention_mask": np.ones_like(tokens), "mask": mask, "old_logp": old_logp,
+             "advantages": advantages}  # fmt: skip
+    results = []
+    for micro_batches in (1, 8):
+        state = train.TrainState(step=0, params=copy_tree(job.state.params), opt_state=copy_tree(job.state.opt_state))
+        metrics = train.apply_rl_update(make_config(loss__micro_batches=micro_batches), job.policy, state, dict(batch))
+        results.append((state.params["base"], float(metrics["loss"])))
+    (one, loss_one), (eight, loss_eight) = results
+    assert loss_eight == pytest.approx(loss_one, rel=1e-5)
+    pairs = zip(jax.tree.leaves(one), jax.tree.leaves(eight), strict=True)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs) < 1e-6
 
 
 def test_cliff_bucket_pads_the_reroll_and_drops_the_padding(tmp_path, make_config, easy_rule, monkeypatch):
