@@ -44,8 +44,10 @@ def train_main(argv: list[str] | None = None) -> int:
     if config_path is None and args.resume and os.path.exists(saved):
         config_path = saved  # the run's own settings, the overrides on top
         print(f"lspo-train: resuming with {saved}", file=sys.stderr)
+    # Process 0 wrote config.yaml, with its own mesh.process_id: each host takes its id from the environment.
+    overrides = ["mesh.process_id=null", *args.overrides] if config_path == saved else args.overrides
     try:
-        config = load_config(config_path, args.overrides)
+        config = load_config(config_path, overrides)
     except ConfigError as err:
         print(f"lspo-train: config error: {err}", file=sys.stderr)
         return 2

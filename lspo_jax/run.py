@@ -58,20 +58,19 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
 
 
 def check_resumable(run: TrainConfig, out_dir: str, checkpointer: Checkpointer) -> None:
-    """Refuse to resume with model settings other than the run's own (its ``config.yaml``): the checkpoint's
-    arrays would not fit, and the error would come from deep inside the restore."""
+    """Refuse to resume from another model than the run's own (its ``config.yaml``): the checkpoint's arrays would
+    not fit it, and the error would come from deep inside the restore. How the model computes (dtype, remat,
+    attention) and the adapter (never checkpointed) may change."""
     path = os.path.join(out_dir, "config.yaml")
     if not os.path.exists(path):
         return
     with open(path) as f:
-        saved = (yaml.safe_load(f) or {}).get("model", {})
-    now = to_dict(run)["model"]
-    changed = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
-    if changed:
+        saved = (yaml.safe_load(f) or {}).get("model", {}).get("path")
+    if saved is not None and saved != run.model.path:
         checkpointer.close()
-        details = ", ".join(f"model.{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
         raise ConfigError(
-            f"--resume: {details} differ from {path}; resume without --config to use the run's own config"
+            f"--resume: model.path {run.model.path!r} is not the run's {saved!r} ({path}); resume without "
+            "--config to use the run's own config"
         )
 
 
@@ -186,6 +185,15 @@ class Run:
             )
         if latest is not None:
             check_resumable(run, out_dir, self.checkpointer)
+        try:
+            self._load(run, resume=latest is not None, verifier=verifier, judge=judge)
+        except BaseException:
+            self.checkpointer.close()
+            raise
+
+    def _load(self, run: TrainConfig, *, resume: bool, verifier: Any, judge: Any) -> None:
+        """Model, data and state (restored when resuming), then config.yaml; then judge, verifier and engine."""
+        out_dir = self.out_dir
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
         self.policy = dataclasses.replace(self.policy, mesh=run_mesh(run))
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
@@ -208,7 +216,7 @@ class Run:
         self.tx = optim.make_optimizer(run.optim, run.scaffold.sft)
         params, opt_state = place_state(run, self.policy, params, self.tx.init(params))
         self.state = TrainState(step=0, params=params, opt_state=opt_state)
-        if latest is not None:
+        if resume:
             self._restore()
         if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
             with open(os.path.join(out_dir, "config.yaml"), "w") as f:

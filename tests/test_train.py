@@ -458,9 +458,9 @@ def test_refusals_leave_the_runs_config_as_it_was(trained_run, make_config, easy
         before = f.read()
     with pytest.raises(FileExistsError):
         Run(make_config(steps=4, seed=7), trained_run["dir"], verifier=FakeVerifier(easy_rule))
-    # Other model settings would not fit the checkpoint: refused with the key named, before the restore.
-    with pytest.raises(ConfigError, match=r"model\.compute_dtype: 'float32' -> 'bfloat16' differ"):
-        Run(make_config(model__compute_dtype="bfloat16"), trained_run["dir"], resume=True, verifier=None)
+    # Another model would not fit the checkpoint: refused with the key named, before anything is loaded.
+    with pytest.raises(ConfigError, match=r"model\.path '/no/such/model' is not the run's"):
+        Run(make_config(model__path="/no/such/model"), trained_run["dir"], resume=True, verifier=None)
     with open(path) as f:
         assert f.read() == before
 
