@@ -36,6 +36,7 @@ def _enable_compilation_cache() -> None:
 def train_main(argv: list[str] | None = None) -> int:
     args = _train_parser().parse_args(argv)
     _enable_compilation_cache()
+    from lspo_jax.data import DataError
     from lspo_jax.run import RunStopped, train_run
     from lspo_jax.train_config import ConfigError, load_config
 
@@ -60,7 +61,7 @@ def train_main(argv: list[str] | None = None) -> int:
     except RunStopped as err:
         print(f"lspo-train: stopped: {err}", file=sys.stderr)
         return 3
-    except (FileExistsError, FileNotFoundError) as err:
+    except (FileExistsError, FileNotFoundError, DataError) as err:
         print(f"lspo-train: {err}", file=sys.stderr)
         return 2
     except ConfigError as err:
@@ -125,7 +126,7 @@ def _eval_parser() -> argparse.ArgumentParser:
                    help="comma-separated names (DATA_DIR/NAME.jsonl) or paths (default: %(default)s)")  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where benchmark names resolve (default: ../shared/data)")
     p.add_argument("--n", type=int, default=None, help="samples per problem (default: eval.n)")
-    p.add_argument("--ks", default=None, help="comma-separated k (default: eval.ks; with --n, those of 1,4,8,16 <= n)")
+    p.add_argument("--ks", default=None, help="comma-separated k (default: eval.ks; with --n, n and 1,4,8,16 <= n)")
     p.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens")
     p.add_argument("--temperature", type=float, default=None, help="default: eval.temperature")
@@ -146,8 +147,8 @@ def _eval_settings(run, args):
     n = args.n or run.eval.n
     if args.ks:
         ks = [int(k) for k in args.ks.split(",")]
-    else:  # with a new n, the usual ks that fit; otherwise those of the config
-        ks = [k for k in DEFAULT_KS if k <= n] if args.n else list(run.eval.ks)
+    else:  # with a new n, the usual ks that fit and n itself; otherwise those of the config
+        ks = sorted({k for k in DEFAULT_KS if k <= n} | {n}) if args.n else list(run.eval.ks)
     flags = {
         "eval.benchmarks": [b.strip() for b in args.benchmarks.split(",") if b.strip()], "eval.n": n, "eval.ks": ks,
         "eval.limit": args.limit, "eval.max_new_tokens": args.max_new_tokens, "eval.temperature": args.temperature,

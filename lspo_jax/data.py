@@ -46,6 +46,10 @@ class Example:
     solution: str | None = None
 
 
+class DataError(ValueError):
+    """A data file that cannot be used as a whole (no usable row, an unknown format): the commands print it alone."""
+
+
 @dataclasses.dataclass
 class DataReport:
     """What loading did to the rows, for the run's log.
@@ -124,7 +128,7 @@ def read_rows(
                     rows.append(row)
             index += 1
     if index and not rows:
-        raise ValueError(f"{spec}: none of its {index} rows is usable, e.g. {report.row_errors[:3]}")
+        raise DataError(f"{spec}: none of its {index} rows is usable, e.g. {report.row_errors[:3]}")
     return rows
 
 
@@ -149,7 +153,7 @@ def _detect_format(file: Path) -> str:
         return "shared"
     if "question" in fields:
         return "deepmath"
-    raise ValueError(f"{file}: cannot tell the format from its fields {sorted(fields)}; set data.format")
+    raise DataError(f"{file}: cannot tell the format from its fields {sorted(fields)}; set data.format")
 
 
 def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, dict[str, Any] | None]]:
@@ -294,7 +298,7 @@ class PromptOrder:
 
     def __init__(self, size: int, *, seed: int, shuffle: bool = True):
         if size == 0:
-            raise ValueError("no training prompts left after loading; see the data report")
+            raise DataError("no training prompts left after loading; see the data report")
         self.size, self.seed, self.shuffle = size, seed, shuffle
         self.epoch, self.position = 0, 0
 

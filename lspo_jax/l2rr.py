@@ -709,13 +709,17 @@ class TargetSide:
         solution_slots: int,
         **options: Any,
     ) -> TargetSide:
-        """Target rows from ``data.Example``s with worked solutions (``rollout.pack_sft``); the others are left out."""
+        """Target rows from ``data.Example``s with worked solutions (``rollout.pack_sft``); the others are left out.
+
+        ``prompt_slots`` and ``solution_slots`` are the most a row may take; rows are as long as the examples need
+        (``rollout.sft_slots``), since every step's target gradient runs over them.
+        """
         solved = [ex for ex in examples if ex.solution_ids is not None]
         if not solved:
             raise ValueError("no target example has a worked solution")
-        rows = rollout.pack_sft(
-            [ex.prompt_ids for ex in solved], [ex.solution_ids for ex in solved], prompt_slots, solution_slots
-        )
+        prompts, solutions = [ex.prompt_ids for ex in solved], [ex.solution_ids for ex in solved]
+        slots = rollout.sft_slots(prompts, solutions, prompt_slots, solution_slots)
+        rows = rollout.pack_sft(prompts, solutions, *slots)
         return cls(config, rows, **options)
 
     def directional_derivatives(

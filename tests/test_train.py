@@ -496,6 +496,15 @@ def test_more_micro_batches_than_rows_pads_with_masked_rows(trained_run, make_co
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs) < 1e-6
 
 
+def test_an_unusable_data_file_is_one_line_and_leaves_no_run(model_dir, tmp_path, capsys):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "problem": "1+1="}, {"id": "b", "problem": "2+2="}])
+    out = tmp_path / "run"
+    assert cli.train_main(["--out", str(out), f"model.path={model_dir}", f"data.train={bad}"]) == 2
+    err = capsys.readouterr().err
+    assert "none of its 2 rows is usable" in err and "line 1 (id a): missing answer" in err and "Traceback" not in err
+    assert not (out / "config.yaml").exists()
+
+
 def test_cliff_bucket_pads_the_reroll_and_drops_the_padding(tmp_path, make_config, easy_rule, monkeypatch):
     # min_cliff_bucket 2 with one cliff: the re-roll samples the cliff prompt twice (a fixed shape) and the
     # copy is dropped before scoring, so exactly K re-rollouts are scored and one of them (slot 1) splices.
