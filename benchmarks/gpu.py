@@ -59,9 +59,9 @@ batches; ``shapes`` in the JSON holds the sizes used.
 Every part fits no single call of a few minutes: the estimates (``ESTIMATE_S``) add up to about 15 minutes with
 the profiles. Split over calls, each later call merges the sections it does not run from the earlier JSON:
 
-    PYTHONPATH=. python3 benchmarks/gpu.py --only sampler,train --time-budget 480 --out $OUT/gpu.json
+    PYTHONPATH=. python3 benchmarks/gpu.py --only sampler,train --time-budget 450 --out $OUT/gpu.json
     # copy that gpu.json to benchmarks/results/gpu.json, then
-    PYTHONPATH=. python3 benchmarks/gpu.py --only lspo --time-budget 240 --merge benchmarks/results/gpu.json \
+    PYTHONPATH=. python3 benchmarks/gpu.py --only lspo --time-budget 220 --merge benchmarks/results/gpu.json \
         --out $OUT/gpu.json
 
 The script runs from a checkout, without installing the package, on a Python that has jax, flax, optax,
@@ -504,7 +504,7 @@ def section_sampler(ctx: Context) -> None:
     device, why_not = hf_device(ctx)
     hbm = args.hbm_tb_s * 1e12
     hf = {}  # the bf16 transformers model, built at first use and kept for the second batch
-    profiled = {}
+    profile_rows = None  # b256's prompts, profiled once every figure is recorded
     rng = np.random.default_rng(args.seed)
     for label in BATCH_LABELS:
         batch = getattr(shapes, f"sampler_batch_{label}")
@@ -525,7 +525,7 @@ def section_sampler(ctx: Context) -> None:
                 ours["floor_fraction"] = floor_s / decode_s if decode_s > 0 else None
                 rec.set(**{part: ours})
                 if label == "b256":
-                    profiled["rows"] = prompts.tolist()
+                    profile_rows = prompts.tolist()
                 rec.headline(
                     **{f"sampler_tokens_per_s_{label}": ours["new_tokens_per_s"]},
                     **{f"sampler_floor_fraction_{label}": ours["floor_fraction"]},
@@ -548,10 +548,10 @@ def section_sampler(ctx: Context) -> None:
     if hf:
         hf.clear()
         release_torch(device)
-    if "rows" in profiled:  # last: every figure of the section is recorded by then
-        rows, kw = profiled["rows"], sampler_kwargs(ctx)
+    if profile_rows is not None:
+        kw = sampler_kwargs(ctx)
         ctx.profile_call(
-            "sampler_b256", lambda: sampler.generate_arrays(config, params, rows, key=jax.random.key(0), **kw)
+            "sampler_b256", lambda: sampler.generate_arrays(config, params, profile_rows, key=jax.random.key(0), **kw)
         )
 
 
@@ -1008,16 +1008,22 @@ def orchestrate(args: argparse.Namespace) -> dict:
             timeout = None if end is None else max(1.0, left - margin)
             log(args.t0, "main", f"{section}: start ({i + 1}/{len(SECTIONS)})")
             record = run_child(args, section, soft, timeout)
-            result["sections"][section] = record
-            result.update(record["headline"])
-            for key in ("jax_device", "torch_device", "backend"):
-                result[key] = result[key] or record.get(key)
+            take_section(result, section, record, record)
             log(args.t0, "main", f"{section}: {record['status']} in {record['seconds']} s")
         write_json(args.out, result)
     if args.merge:
         merge_earlier(result, args.merge)
         write_json(args.out, result)
     return result
+
+
+def take_section(result: dict, name: str, record: dict, devices: dict) -> None:
+    """``record`` as section ``name`` of ``result``: its headline figures, and the device names from ``devices``
+    where ``result`` has none yet."""
+    result["sections"][name] = record
+    result.update(record.get("headline", {}))
+    for key in ("jax_device", "torch_device", "backend"):
+        result[key] = result[key] or devices.get(key)
 
 
 def merge_earlier(result: dict, path: str) -> None:
@@ -1028,13 +1034,8 @@ def merge_earlier(result: dict, path: str) -> None:
     merged = []
     for name, section in earlier.get("sections", {}).items():
         if result["sections"].get(name, {}).get("status") == "skipped" and section.get("status") != "skipped":
-            result["sections"][name] = {
-                **section,
-                "merged_from": {"date": earlier["date"], "command": earlier["command"]},
-            }
-            result.update(section.get("headline", {}))
-            for key in ("jax_device", "torch_device", "backend"):
-                result[key] = result[key] or earlier.get(key)
+            origin = {"date": earlier["date"], "command": earlier["command"]}
+            take_section(result, name, {**section, "merged_from": origin}, earlier)
             merged.append(name)
     result["merged"] = merged
 
