@@ -164,13 +164,13 @@ def test_profile_summaries_in_the_smoke_run(smoke):
         assert summary["top"] and summary["total_ms"] > 0, (part, summary)
 
 
-def _gpu_module():
-    """``benchmarks/gpu.py`` as a module (it imports ``trace_summary`` from its own folder)."""
+def _bench_module(name: str):
+    """``benchmarks/NAME.py`` as a module (``gpu.py`` imports ``trace_summary`` from its own folder)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
-        spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        sys.modules[spec.name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
     finally:
         sys.path.pop(0)
@@ -178,7 +178,7 @@ def _gpu_module():
 
 
 def test_only_out_of_memory_moves_to_the_next_remat_policy():
-    oom = _gpu_module().out_of_memory
+    oom = _bench_module("gpu").out_of_memory
     assert oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12.50GiB."))
     assert oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))  # torch's wording
     assert not oom(RuntimeError("non-finite loss or gradient: {...}"))
@@ -209,13 +209,6 @@ def test_a_hanging_profile_ends_its_section_and_keeps_its_figures(tmp_path):
         assert json.load(f)["sampler_b256"] == {"new_tokens_per_s": 123.0}
 
 
-def _trace_summary():
-    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(ROOT, "benchmarks", "trace_summary.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_trace_summary_reads_the_busiest_device_timeline():
     meta = lambda kind, pid, name, tid=0: {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
     op = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
@@ -230,7 +223,7 @@ def test_trace_summary_reads_the_busiest_device_timeline():
         op(1, 11, "jit_step", 0, 60),  # the module span over the same ops: a coarser timeline, not summed
         op(2, 5, "host_work", 0, 500),  # host events are ignored when the trace has a device
     ]
-    summary = _trace_summary().summarize_events(events)
+    summary = _bench_module("trace_summary").summarize_events(events)
     assert summary["timeline"] == "/device:GPU:0 / XLA Ops" and summary["source"] == "device"
     # fusion.1: 30 + 20 = 50 us of 60 us -> 0.05 ms, share 5/6; fusion.2: 10 us -> share 1/6.
     assert summary["total_ms"] == pytest.approx(0.06)
@@ -247,7 +240,7 @@ def test_trace_summary_of_a_host_trace_counts_self_time():
         op("fusion.2", 50, 20),  # nested in while.3
         op("fusion.2", 200, 40),
     ]
-    summary = _trace_summary().summarize_events(events)
+    summary = _bench_module("trace_summary").summarize_events(events)
     # while.3's self time is 100 - 30 - 20 = 50 us; fusion.2 20 + 40 = 60 us; dot.1 30 us; total 140 us.
     assert summary["source"] == "host" and summary["total_ms"] == pytest.approx(0.14)
     want = {"fusion.2": 0.06, "while.3": 0.05, "dot.1": 0.03}
