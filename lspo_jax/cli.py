@@ -247,5 +247,5 @@ def export_main(argv: list[str] | None = None) -> int:
     from lspo_jax.export import export_checkpoint
 
     path = export_checkpoint(args.run_dir, args.out, step=args.step)
-    print(json.dumps({"exported": path}))
+    print(json.dumps({"exported": os.path.abspath(path)}))  # absolute: the line is read by scripts run elsewhere
     return 0

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -24,7 +25,7 @@ from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
 from lspo_jax.metrics_log import MetricsLog, NullLog
 from lspo_jax.model import Params
-from lspo_jax.train import Policy, StopFlag, TrainState, place_state, train_step
+from lspo_jax.train import Policy, StepAbandoned, StopFlag, TrainState, place_state, train_step
 from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
 
 
@@ -279,8 +280,12 @@ class Run:
         bar = tqdm(total=run.steps, initial=self.state.step, desc="lspo", unit="step", dynamic_ncols=True,
                    disable=not self.writer)  # fmt: skip
         with StopFlag() as stop:
-            while self.state.step < run.steps and not stop.requested:
-                metrics = self.one_step()
+            while self.state.step < run.steps and not stop.agreed():
+                try:
+                    metrics = self.one_step(stop)
+                except StepAbandoned as err:
+                    tqdm.write(f"lspo: {err}: step {self.state.step + 1} abandoned, its prompts not consumed")
+                    break
                 _accumulate(totals, metrics, run.rollout.group_size)
                 bar.update(1)
                 bar.set_postfix(acc=f"{metrics['accuracy_mean']:.2f}", cliffs=metrics["cliff_groups"],
@@ -289,34 +294,45 @@ class Run:
                     self.save()
                     raise RunStopped(f"{self.state.nonfinite_in_row} non-finite updates in a row at step "
                                      f"{self.state.step}; checkpoint written")  # fmt: skip
-                if self.state.step % run.checkpoint.every == 0 or stop.requested:
+                if self.state.step % run.checkpoint.every == 0 or stop.agreed():
                     self.save()
                 if run.eval.every and self.state.step % run.eval.every == 0 and self.state.step < run.steps:
                     self.validate()
         bar.close()
         if self.checkpointer.latest_step() != self.state.step:
             self.save()
-        after = self.validate() if not stop.requested else None
-        return self._summary(before, after, totals, time.perf_counter() - start, stop.requested)
+        stopped = stop.agreed()
+        after = self.validate() if not stopped else None
+        return self._summary(before, after, totals, time.perf_counter() - start, stopped)
 
-    def one_step(self) -> dict[str, Any]:
+    def one_step(self, stop: StopFlag | None = None) -> dict[str, Any]:
+        """One training step, logged. A step abandoned by ``stop`` leaves the prompt order as it found it, so
+        a resume from the next checkpoint draws the same prompts."""
         key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step)
-        if self.sampler is None:
-            batch = [self.examples[i] for i in self.order.take(self.run.rollout.prompts_per_step)]
-            metrics = train_step(self.run, self.policy, self.state, self.pool, batch, key)
-        else:
-            metrics = self._reweighted_step(key)
+        order = self.order.state()
+        sampler = copy.deepcopy(self.sampler.state_dict()) if self.sampler is not None else None
+        try:
+            if self.sampler is None:
+                batch = [self.examples[i] for i in self.order.take(self.run.rollout.prompts_per_step)]
+                metrics = train_step(self.run, self.policy, self.state, self.pool, batch, key, stop=stop)
+            else:
+                metrics = self._reweighted_step(key, stop)
+        except StepAbandoned:
+            self.order.restore(order)
+            if sampler is not None:
+                self.sampler.load_state_dict(sampler)
+            raise
         self.log.write({"kind": "train", **metrics})
         return metrics
 
-    def _reweighted_step(self, key) -> dict[str, Any]:
+    def _reweighted_step(self, key, stop: StopFlag | None) -> dict[str, Any]:
         """A step whose prompts and rollout counts come from the L2RR sampler (``reweight``)."""
         draw_key, step_key = jax.random.split(key)
         got = reweight.collect(self.run, self.policy, self.state, self.pool, self.examples, self.sampler, draw_key)
         score = reweight.scorer(self.run, self.policy, self.state, self.target, self.sampler, got)
         return train_step(
             self.run, self.policy, self.state, self.pool, got.examples, step_key, sampled=got.sampled,
-            before_update=score,
+            before_update=score, stop=stop,
         )  # fmt: skip
 
     def _summary(self, before, after, totals, seconds, stopped) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from lspo_jax import distributed, losses, optim, rewards, rollout, scaffold, sharding
@@ -65,17 +66,28 @@ class TrainState:
     nonfinite_total: int = 0
 
 
+class StepAbandoned(Exception):
+    """A stop was requested before the step's update: nothing of the step reached the base or its optimizer."""
+
+
 class Phases:
-    """Wall-clock seconds per phase of a step (``time_sample``, ``time_reward``, ...)."""
+    """Wall-clock seconds per phase of a step (``time_sample``, ``time_reward``, ...).
+
+    With ``stop`` (a ``StopFlag``, or anything with its ``agreed()``), entering a phase after a stop was
+    requested raises ``StepAbandoned``: a preempted job checkpoints within one phase, not one whole step.
+    """
 
     NAMES = ("sample", "reward", "sft", "reroll", "logprob", "judge", "update")
 
-    def __init__(self):
+    def __init__(self, stop=None):
         # Every phase is reported, 0 when it did not run (a step without cliffs has no sft or reroll).
         self.seconds: dict[str, float] = {f"time_{name}": 0.0 for name in self.NAMES}
+        self.stop = stop
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        if self.stop is not None and self.stop.agreed():
+            raise StepAbandoned(f"stop requested before the step's {name} phase")
         start = time.perf_counter()
         try:
             yield
@@ -283,15 +295,17 @@ class Sampled:
 
 def train_step(
     run: TrainConfig, policy: Policy, state: TrainState, pool, batch_examples, key, *,
-    sampled: Sampled | None = None, before_update=None,
+    sampled: Sampled | None = None, before_update=None, stop=None,
 ) -> dict[str, Any]:  # fmt: skip
     """One RL step on ``batch_examples`` (B prompts); updates ``state`` in place and returns its metrics.
 
     ``sampled``: the step's rollouts, already sampled and scored (else ``group_size`` per prompt are sampled
     here). ``before_update(batch) -> metrics`` sees the RL batch just before the update (which donates the
-    params), e.g. to score its prompts against a target set.
+    params), e.g. to score its prompts against a target set. ``stop``: see ``Phases``; a step abandoned by it
+    raises ``StepAbandoned`` with ``state``'s base, RL optimizer state and counters as they came in (the
+    scaffold's adapter, reset every step, may have moved).
     """
-    phases = Phases()
+    phases = Phases(stop)
     engine_sync_before = policy.engine.stats["sync_s_total"] if policy.engine is not None else 0.0
     sample_key, scaffold_key = jax.random.split(key)
     prompts = [ex.prompt_ids for ex in batch_examples]
@@ -421,7 +435,8 @@ def _spliced_ratio_mean(base_logp: np.ndarray, rows: dict, spliced_rows: np.ndar
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT: the loop finishes its step, writes a checkpoint and exits cleanly."""
+    """Set by SIGTERM/SIGINT: the loop abandons its step at the next phase (or finishes it once its update has
+    begun), writes a checkpoint and exits cleanly."""
 
     def __init__(self):
         self.requested = False
@@ -434,6 +449,16 @@ class StopFlag:
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether any process of the job was asked to stop. Every process gets the same answer, so they all
+        leave the loop at the same point: a scheduler's signals reach the hosts at slightly different times,
+        and one host leaving a collective the others entered would hang them. Each call is a collective when
+        there are several processes: call it at the same points on all of them."""
+        if jax.process_count() == 1:
+            return self.requested
+        flags = multihost_utils.process_allgather(np.asarray(self.requested, np.int32))
+        return bool(np.any(flags))
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():

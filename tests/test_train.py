@@ -180,7 +180,7 @@ def test_scaffold_mechanics(tmp_path, make_config, easy_rule, easy_answers, monk
         verifier.adapter_on = lora_scale == 1.0
         return {"lora_scale": lora_scale, "prompts": list(prompts), "params": copy_tree(params)}
 
-    monkeypatch.setattr(run_module, "train_step", spy("batch", run_module.train_step, lambda *a: {"ex": a[4]}))
+    monkeypatch.setattr(run_module, "train_step", spy("batch", run_module.train_step, lambda *a, **k: {"ex": a[4]}))
     monkeypatch.setattr(train, "sample_rows", spy("sample", train.sample_rows, before_sample, lambda r: {"rows": r}))
     monkeypatch.setattr(rollout, "pack_sft", spy("sft_in", rollout.pack_sft, lambda p, t, *a: {"p": p, "t": t}))
     fresh = lambda r: copy_tree({"lora": r[0]["lora"], "sft_opt": r[1].inner_states["lora"]})
@@ -326,7 +326,7 @@ def test_checkpoints_hold_no_adapter(trained_run):
     checkpointer.close()
 
 
-def test_export_loads_in_transformers(trained_run, model_dir, tmp_path):
+def test_export_loads_in_transformers(trained_run, model_dir, tmp_path, monkeypatch, capsys):
     import torch
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
@@ -345,8 +345,10 @@ def test_export_loads_in_transformers(trained_run, model_dir, tmp_path):
     np.testing.assert_allclose(theirs, ours, atol=1e-5)
     # The export is the trained base of step 4, not the initial model and not the step-2 checkpoint.
     initial = load_file(os.path.join(model_dir, "model.safetensors"))
-    step2 = load_file(os.path.join(export_checkpoint(trained_run["dir"], str(tmp_path / "step2"), step=2),
-                                   "model.safetensors"))  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # the command line prints the absolute path of a relative OUT
+    assert cli.export_main([trained_run["dir"], "step2", "--step", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"exported": str(tmp_path / "step2")}
+    step2 = load_file(str(tmp_path / "step2" / "model.safetensors"))
     for other in (initial, step2):
         assert other.keys() == weights.keys()
         assert any(not np.array_equal(weights[name], other[name]) for name in weights)
@@ -432,6 +434,49 @@ def test_sigterm_checkpoints_and_stops_cleanly(tmp_path, make_config, easy_rule,
     job = run_steps(make_config(steps=5, checkpoint__every=10), str(tmp_path), easy_rule)
     assert job.summary["stopped_early"] and job.summary["steps"] == 1
     assert job.checkpointer.latest_step() == 1  # written although checkpoint.every is 10
+
+
+def test_sigterm_mid_step_abandons_it_and_resumes_where_it_left(tmp_path, make_config, easy_rule, monkeypatch):
+    real_step, real_score, steps, bases = run_module.train_step, train.score_rows, [], []
+
+    def counted_step(run, policy, state, *args, **kwargs):
+        steps.append(state.step)
+        metrics = real_step(run, policy, state, *args, **kwargs)
+        bases.append(copy_tree(state.params["base"]))
+        return metrics
+
+    def score_then_sigterm(*args, **kwargs):  # the signal arrives while step 2's rollouts are scored
+        real_score(*args, **kwargs)
+        if len(steps) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "train_step", counted_step)
+    monkeypatch.setattr(train, "score_rows", score_then_sigterm)
+    config = make_config(steps=5, checkpoint__every=10)
+    job = run_steps(config, str(tmp_path), easy_rule)
+    assert job.summary["stopped_early"] and job.summary["steps"] == 1 and len(bases) == 1
+    assert job.checkpointer.latest_step() == 1
+    assert [r["step"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if r["kind"] == "train"] == [1]
+    monkeypatch.undo()
+    resumed = Run(config, str(tmp_path), resume=True, verifier=FakeVerifier(easy_rule))
+    try:  # step 1's base and the order after step 1's 2 prompts: step 2 draws the abandoned step's prompts again
+        assert resumed.state.step == 1 and resumed.order.state() == {"epoch": 0, "position": 2}
+        assert_trees_equal(resumed.state.params["base"], bases[0])
+    finally:
+        resumed.close()
+
+
+@pytest.mark.parametrize("flags, expected", [([0, 0], False), ([0, 1], True)])
+def test_a_stop_is_agreed_by_every_process(monkeypatch, flags, expected):
+    gathered = []
+
+    def allgather(x):  # this process (not asked to stop) and one other, as the collective returns them
+        gathered.append(int(x))
+        return np.asarray(flags, np.int32)
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(train.multihost_utils, "process_allgather", allgather)
+    assert train.StopFlag().agreed() is expected and gathered == [0]
 
 
 def test_train_records_hold_the_documented_keys(trained_run):
