@@ -68,7 +68,10 @@ def train_main(argv: list[str] | None = None) -> int:
         print(f"lspo-train: config error: {err}", file=sys.stderr)
         return 2
     print(format_summary(summary))
-    _plot(args.out)
+    import jax
+
+    if jax.process_index() == 0:  # one writer of the run directory, as for its logs and config
+        _plot(args.out)
     return 0
 
 

@@ -578,8 +578,12 @@ def generate_arrays(
     )
     state = call.decode(call.prefill(key), key)
     rows = len(prompts) * n  # padding rows come last: drop them
-    # On several hosts each holds only its devices' rows: gather them so every host gets the whole result.
-    fetch = jax.device_get if jax.process_count() == 1 else multihost_utils.process_allgather
+    # On several hosts each holds only its devices' rows: gather them so every host gets the whole result
+    # (tiled: the global arrays as they are, not stacked per host).
+    if jax.process_count() == 1:
+        fetch = jax.device_get
+    else:
+        fetch = functools.partial(multihost_utils.process_allgather, tiled=True)
     tokens, logp, lengths, eos, steps = fetch((state.tokens_CN, state.logp_CN, state.length_C, state.eos_C, state.step))
     return SampleBatch(
         tokens=tokens[:rows, :max_new_tokens],
@@ -587,7 +591,7 @@ def generate_arrays(
         lengths=lengths[:rows],
         eos=eos[:rows],
         n=n,
-        steps=int(steps),
+        steps=int(np.max(steps)),  # one value, however the scalar came back
     )
 
 

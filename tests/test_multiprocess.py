@@ -1,0 +1,87 @@
+"""``lspo-train`` as two processes of one job (one CPU device each, joined by ``jax.distributed``), as hosts run it.
+
+The mesh spans both processes, so every gather of rollouts crosses them, and a SIGTERM reaching one process only
+must still stop both at the same point: a process left inside a collective would hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 4
+TIMEOUT_S = 400
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def train_records(out: str) -> list[dict]:
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [r for r in map(json.loads, f.read().splitlines()) if r.get("kind") == "train"]
+
+
+def launch(out: str, port: int, process_id: int) -> subprocess.Popen:
+    overrides = [
+        f"steps={STEPS}", "eval.every=0", "eval.limit=4", "checkpoint.every=10", "rollout.prompts_per_step=4",
+        "rollout.group_size=4", "scaffold.sft_steps=4",
+        f"mesh.coordinator=localhost:{port}", "mesh.num_processes=2", f"mesh.process_id={process_id}",
+    ]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "LSPO_JAX_COMPILATION_CACHE": "", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-c", "from lspo_jax.cli import train_main; raise SystemExit(train_main())"]
+    cmd += ["--config", os.path.join(ROOT, "configs", "demo.yaml"), "--out", out, *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def stopped_job(tmp_path_factory):
+    """Two processes; once step 1 is logged, SIGTERM goes to process 1 alone."""
+    out, port = str(tmp_path_factory.mktemp("job") / "run"), free_port()
+    procs = [launch(out, port, i) for i in range(2)]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not train_records(out) and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        assert train_records(out), "step 1 was never logged: " + procs[0].communicate(timeout=60)[0][-3000:]
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return {"out": out, "codes": [p.returncode for p in procs], "outputs": outputs}
+
+
+def test_both_processes_stop_cleanly_at_the_same_step(stopped_job):
+    assert stopped_job["codes"] == [0, 0], stopped_job["outputs"][1][-3000:]
+    steps = []
+    for text in stopped_job["outputs"]:
+        found = re.search(r"^steps (\d+) in [\d.]+ s \(stopped early\)$", text, re.MULTILINE)
+        assert found, text[-3000:]
+        steps.append(int(found.group(1)))
+    assert steps[0] == steps[1] and 1 <= steps[0] < STEPS
+    # Process 0 logged every finished step once, and checkpointed the last of them for a resume.
+    assert [r["step"] for r in train_records(stopped_job["out"])] == list(range(1, steps[0] + 1))
+    assert os.listdir(os.path.join(stopped_job["out"], "checkpoints")) == [str(steps[0])]
+
+
+def test_rollouts_gathered_across_processes_are_whole(stopped_job):
+    # Each process sampled its half of the rows; scoring and the update saw all of them on both.
+    for record in train_records(stopped_job["out"]):
+        assert record["rollouts"] == 4 * 4
+        assert 0.0 <= record["accuracy_mean"] <= 1.0 and record["response_len_mean"] > 0
