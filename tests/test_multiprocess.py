@@ -1,7 +1,8 @@
 """``lspo-train`` as two processes of one job (one CPU device each, joined by ``jax.distributed``), as hosts run it.
 
 The mesh spans both processes, so every gather of rollouts crosses them, and a SIGTERM reaching one process only
-must still stop both at the same point: a process left inside a collective would hang.
+must still stop both at the same point: a process left inside a collective would hang. Restarted with
+``--resume``, both restore their shards of the checkpoint and finish the run.
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ def train_records(out: str) -> list[dict]:
         return [r for r in map(json.loads, f.read().splitlines()) if r.get("kind") == "train"]
 
 
-def launch(out: str, port: int, process_id: int) -> subprocess.Popen:
-    overrides = [
-        f"steps={STEPS}", "eval.every=0", "eval.limit=4", "checkpoint.every=10", "rollout.prompts_per_step=4",
-        "rollout.group_size=4", "scaffold.sft_steps=4",
-        f"mesh.coordinator=localhost:{port}", "mesh.num_processes=2", f"mesh.process_id={process_id}",
-    ]  # fmt: skip
+def launch(out: str, port: int, process_id: int, *, resume: bool = False) -> subprocess.Popen:
+    join = [f"mesh.coordinator=localhost:{port}", "mesh.num_processes=2", f"mesh.process_id={process_id}"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "LSPO_JAX_COMPILATION_CACHE": "", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-c", "from lspo_jax.cli import train_main; raise SystemExit(train_main())"]
-    cmd += ["--config", os.path.join(ROOT, "configs", "demo.yaml"), "--out", out, *overrides]
+    cmd = [sys.executable, "-c", "from lspo_jax.cli import train_main; raise SystemExit(train_main())", "--out", out]
+    if resume:  # the run's own config.yaml, as a restarted job would
+        cmd += ["--resume", *join]
+    else:
+        overrides = [f"steps={STEPS}", "eval.every=0", "eval.limit=4", "checkpoint.every=10",
+                     "rollout.prompts_per_step=4", "rollout.group_size=4", "scaffold.sft_steps=4"]  # fmt: skip
+        cmd += ["--config", os.path.join(ROOT, "configs", "demo.yaml"), *overrides, *join]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -85,3 +87,19 @@ def test_rollouts_gathered_across_processes_are_whole(stopped_job):
     for record in train_records(stopped_job["out"]):
         assert record["rollouts"] == 4 * 4
         assert 0.0 <= record["accuracy_mean"] <= 1.0 and record["response_len_mean"] > 0
+
+
+def test_both_processes_resume_the_stopped_run_to_its_end(stopped_job):
+    port = free_port()
+    procs = [launch(stopped_job["out"], port, i, resume=True) for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:]
+    assert all(re.search(rf"^steps {STEPS} in [\d.]+ s$", text, re.MULTILINE) for text in outputs), outputs[1][-3000:]
+    # The resumed steps follow the stopped ones in the same log, none repeated or skipped.
+    assert [r["step"] for r in train_records(stopped_job["out"])] == list(range(1, STEPS + 1))
+    assert str(STEPS) in os.listdir(os.path.join(stopped_job["out"], "checkpoints"))
