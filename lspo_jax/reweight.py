@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lspo_jax import l2rr
+from lspo_jax import data, l2rr
 from lspo_jax.train import Policy, Sampled, TrainState, sample_rows, score_rows
 from lspo_jax.train_config import TrainConfig
 
@@ -120,8 +120,12 @@ def load_target(run: TrainConfig, policy: Policy, load_examples) -> l2rr.TargetS
     """The target side of ``l2rr.target`` (its first ``target_limit`` examples with worked solutions)."""
     from lspo_jax import evaluation
 
-    examples, _ = load_examples(run, policy, evaluation.benchmark_path(run.l2rr.target, run.eval.data_dir), run.seed)
+    path = evaluation.benchmark_path(run.l2rr.target, run.eval.data_dir)
+    examples, report = load_examples(run, policy, path, run.seed)
     solved = [ex for ex in examples if ex.solution_ids is not None][: run.l2rr.target_limit]
+    if not solved:  # a start-up error naming the file and what loading dropped, not a traceback from l2rr
+        lost = data.DataReport(**report).losses()
+        raise data.DataError(f"l2rr.target {path}: no example with a worked solution" + (f"; {lost}" if lost else ""))
     return l2rr.TargetSide.from_examples(
         policy.config, solved, run.data.max_prompt_tokens, run.data.max_solution_tokens,
         kind=run.l2rr.target_loss, num_micro_batches=run.l2rr.target_micro_batches, chunk_size=run.loss.chunk_size,

@@ -121,7 +121,7 @@ def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> d
     for spec in specs:
         name = evaluation.benchmark_name(spec)
         if name in out:
-            raise ValueError(f"eval.benchmarks: two benchmarks are named {name!r}; rename one of the files")
+            raise ConfigError(f"eval.benchmarks: two benchmarks are named {name!r}; rename one of the files")
         examples, report = load_examples(run, policy, evaluation.benchmark_path(spec, run.eval.data_dir), run.seed)
         out[name] = (examples[: run.eval.limit] if run.eval.limit else examples, report)
     return out
@@ -206,8 +206,9 @@ class Run:
         self.sampler = self.target = None
         if run.l2rr.enabled:  # a learned draw over the prompts instead of the shuffled order
             if len(self.examples) < run.rollout.prompts_per_step:
-                raise ValueError(f"l2rr draws {run.rollout.prompts_per_step} distinct prompts a step, but "
-                                 f"{run.data.train} has {len(self.examples)}")  # fmt: skip
+                raise data.DataError(f"l2rr draws rollout.prompts_per_step = {run.rollout.prompts_per_step} distinct "
+                                     f"prompts a step, but data.train {run.data.train} has {len(self.examples)} "
+                                     "usable ones")  # fmt: skip
             self.sampler = l2rr.make_sampler(len(self.examples), run.rollout.group_size, run.l2rr, seed=run.seed)
             self.target = reweight.load_target(run, self.policy, load_examples)
         key = jax.random.key(run.seed)

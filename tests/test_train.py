@@ -550,6 +550,21 @@ def test_an_unusable_data_file_is_one_line_and_leaves_no_run(model_dir, tmp_path
     assert not (out / "config.yaml").exists()
 
 
+def test_an_l2rr_target_without_a_usable_example_is_one_line(model_dir, train_file, tmp_path, capsys):
+    long_problem = "+".join("123456789") + "="  # 18 characters and BOS: over the 16 prompt slots
+    row = {"id": "t", "problem": long_problem, "answer": "45", "solution": "\\boxed{45}"}
+    target = write_jsonl(tmp_path / "target.jsonl", [row, {**row, "id": "u"}])
+    argv = ["--out", str(tmp_path / "run"), f"model.path={model_dir}", f"data.train={train_file}",
+            "data.instruction_position=none", "data.max_prompt_tokens=16", "l2rr.enabled=true",
+            f"l2rr.target={target}"]  # fmt: skip
+    assert cli.train_main(argv) == 2  # the paper's 32 prompts a step from a file of 8
+    assert f"prompts a step, but data.train {train_file} has 8 usable ones" in capsys.readouterr().err
+    assert cli.train_main([*argv, "rollout.prompts_per_step=2"]) == 2
+    err = capsys.readouterr().err
+    assert f"l2rr.target {target}: no example with a worked solution; 0 of 2 rows kept" in err
+    assert "'prompt_skipped': 2" in err and "Traceback" not in err
+
+
 def test_cliff_bucket_pads_the_reroll_and_drops_the_padding(tmp_path, make_config, easy_rule, monkeypatch):
     # min_cliff_bucket 2 with one cliff: the re-roll samples the cliff prompt twice (a fixed shape) and the
     # copy is dropped before scoring, so exactly K re-rollouts are scored and one of them (slot 1) splices.
