@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import yaml
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -92,6 +94,27 @@ def make_verifier(run: TrainConfig) -> rewards.VerifierPool:
     return rewards.VerifierPool(
         workers=reward.workers, timeout=reward.timeout_s, require_think_close=reward.require_think_close
     )
+
+
+class AgreedVerifier:
+    """A verifier whose scores are process 0's on every process of a multi-host job.
+
+    Every host verifies the same responses, but a verification's time limit can run out on one host and not on
+    another. A host with other scores would find other cliffs and advantages, take another sequence of phases
+    and hang at the next collective; with process 0's scores everywhere the hosts stay in step.
+    """
+
+    def __init__(self, verifier: Any):
+        self.verifier = verifier
+
+    def score(self, responses: Sequence[str], golds: Sequence[str], **kwargs: Any) -> np.ndarray:
+        scores = np.asarray(self.verifier.score(responses, golds, **kwargs), np.float32)
+        if not len(scores):  # every host has the same count, so all skip the collective together
+            return scores
+        return np.asarray(multihost_utils.broadcast_one_to_all(scores))
+
+    def __getattr__(self, name: str) -> Any:  # stats, close, ... of the wrapped verifier
+        return getattr(self.verifier, name)
 
 
 def make_engine(run: TrainConfig, policy: Policy, out_dir: str) -> Any:
@@ -229,7 +252,7 @@ class Run:
         self.log = MetricsLog(out_dir) if self.writer else NullLog()
         if verifier is None:
             verifier = make_verifier(run)
-        self.pool = verifier
+        self.pool = verifier if jax.process_count() == 1 else AgreedVerifier(verifier)
         if run.rollout.engine == "vllm":  # last: nothing after it can fail and leave the engine running
             self.policy = dataclasses.replace(self.policy, engine=make_engine(run, self.policy, out_dir))
 
@@ -280,31 +303,42 @@ class Run:
                   "rollouts_spent": 0}  # fmt: skip
         bar = tqdm(total=run.steps, initial=self.state.step, desc="lspo", unit="step", dynamic_ncols=True,
                    disable=not self.writer)  # fmt: skip
+        # The handlers stay until the end: a signal during the last save or validation is a stop, not a kill.
         with StopFlag() as stop:
-            while self.state.step < run.steps and not stop.agreed():
-                try:
-                    metrics = self.one_step(stop)
-                except StepAbandoned as err:
-                    tqdm.write(f"lspo: {err}: step {self.state.step + 1} abandoned, its prompts not consumed")
-                    break
-                _accumulate(totals, metrics, run.rollout.group_size)
-                bar.update(1)
-                bar.set_postfix(acc=f"{metrics['accuracy_mean']:.2f}", cliffs=metrics["cliff_groups"],
-                                rescued=metrics["surpassed_groups"])  # fmt: skip
-                if self.state.nonfinite_in_row >= run.max_nonfinite_in_row:
-                    self.save()
-                    raise RunStopped(f"{self.state.nonfinite_in_row} non-finite updates in a row at step "
-                                     f"{self.state.step}; checkpoint written")  # fmt: skip
-                if self.state.step % run.checkpoint.every == 0 or stop.agreed():
-                    self.save()
-                if run.eval.every and self.state.step % run.eval.every == 0 and self.state.step < run.steps:
-                    self.validate()
-        bar.close()
-        if self.checkpointer.latest_step() != self.state.step:
-            self.save()
-        stopped = stop.agreed()
-        after = self.validate() if not stopped else None
+            stopped = self._steps(stop, totals, bar)
+            bar.close()
+            if self.checkpointer.latest_step() != self.state.step:
+                self.save()
+            after = self.validate() if not stopped else None
         return self._summary(before, after, totals, time.perf_counter() - start, stopped)
+
+    def _steps(self, stop: StopFlag, totals: dict[str, int], bar: tqdm) -> bool:
+        """Steps until ``run.steps``, checkpointing and validating on schedule; returns whether a stop ended them."""
+        run = self.run
+        while self.state.step < run.steps:
+            if stop.agreed():
+                return True
+            try:
+                metrics = self.one_step(stop)
+            except StepAbandoned as err:
+                tqdm.write(f"lspo: {err}: step {self.state.step + 1} abandoned, its prompts not consumed")
+                return True
+            _accumulate(totals, metrics, run.rollout.group_size)
+            bar.update(1)
+            bar.set_postfix(acc=f"{metrics['accuracy_mean']:.2f}", cliffs=metrics["cliff_groups"],
+                            rescued=metrics["surpassed_groups"])  # fmt: skip
+            if self.state.nonfinite_in_row >= run.max_nonfinite_in_row:
+                self.save()
+                raise RunStopped(f"{self.state.nonfinite_in_row} non-finite updates in a row at step "
+                                 f"{self.state.step}; checkpoint written")  # fmt: skip
+            stopping = stop.agreed()  # once per step, so every process takes the same branches below
+            if self.state.step % run.checkpoint.every == 0 or stopping:
+                self.save()
+            if stopping:
+                return True  # no scheduled validation: a stopping job has a grace period to keep
+            if run.eval.every and self.state.step % run.eval.every == 0 and self.state.step < run.steps:
+                self.validate()
+        return False
 
     def one_step(self, stop: StopFlag | None = None) -> dict[str, Any]:
         """One training step, logged. A step abandoned by ``stop`` leaves the prompt order as it found it, so

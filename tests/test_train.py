@@ -437,33 +437,50 @@ def test_sigterm_checkpoints_and_stops_cleanly(tmp_path, make_config, easy_rule,
 
 
 def test_sigterm_mid_step_abandons_it_and_resumes_where_it_left(tmp_path, make_config, easy_rule, monkeypatch):
-    real_step, real_score, steps, bases = run_module.train_step, train.score_rows, [], []
+    real_step, real_score, steps, scored, finished = run_module.train_step, train.score_rows, [], [], []
 
     def counted_step(run, policy, state, *args, **kwargs):
         steps.append(state.step)
         metrics = real_step(run, policy, state, *args, **kwargs)
-        bases.append(copy_tree(state.params["base"]))
+        finished.append(copy_tree(checkpoint_state(state.params, state.opt_state)))
         return metrics
 
-    def score_then_sigterm(*args, **kwargs):  # the signal arrives while step 2's rollouts are scored
+    def score_then_sigterm(*args, **kwargs):
         real_score(*args, **kwargs)
-        if len(steps) == 2:
+        scored.append(len(steps))
+        if scored.count(2) == 2:  # step 2's re-rolls: its adapter SFT has run, donating the params
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(run_module, "train_step", counted_step)
     monkeypatch.setattr(train, "score_rows", score_then_sigterm)
     config = make_config(steps=5, checkpoint__every=10)
     job = run_steps(config, str(tmp_path), easy_rule)
-    assert job.summary["stopped_early"] and job.summary["steps"] == 1 and len(bases) == 1
+    assert job.summary["stopped_early"] and job.summary["steps"] == 1 and len(finished) == 1
     assert job.checkpointer.latest_step() == 1
     assert [r["step"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if r["kind"] == "train"] == [1]
     monkeypatch.undo()
     resumed = Run(config, str(tmp_path), resume=True, verifier=FakeVerifier(easy_rule))
-    try:  # step 1's base and the order after step 1's 2 prompts: step 2 draws the abandoned step's prompts again
+    try:  # step 1's base and RL state, and the order after its 2 prompts: step 2 draws the same prompts again
         assert resumed.state.step == 1 and resumed.order.state() == {"epoch": 0, "position": 2}
-        assert_trees_equal(resumed.state.params["base"], bases[0])
+        assert_trees_equal(checkpoint_state(resumed.state.params, resumed.state.opt_state), finished[0])
     finally:
         resumed.close()
+
+
+def test_a_verifier_of_several_processes_gives_process_0s_scores(monkeypatch):
+    sent = []
+
+    def broadcast(x):  # the collective: every process gets process 0's array
+        sent.append(np.asarray(x).tolist())
+        return np.array([1.0, 0.0, 1.0], np.float32)
+
+    monkeypatch.setattr(run_module.multihost_utils, "broadcast_one_to_all", broadcast)
+    local = FakeVerifier(lambda response, gold, slot: False)
+    agreed = run_module.AgreedVerifier(local)
+    assert agreed.score(["a", "b", "c"], ["1", "2", "3"]).tolist() == [1.0, 0.0, 1.0]
+    assert sent == [[0.0, 0.0, 0.0]] and agreed.score([], []).tolist() == [] and len(sent) == 1
+    agreed.close()  # the rest of the verifier's interface is the wrapped one's
+    assert local.closed
 
 
 @pytest.mark.parametrize("flags, expected", [([0, 0], False), ([0, 1], True)])
