@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from lspo_jax import data, l2rr
-from lspo_jax.train import Policy, Sampled, TrainState, sample_rows, score_rows
+from lspo_jax.train import Policy, Sampled, StepAbandoned, TrainState, sample_rows, score_rows
 from lspo_jax.train_config import TrainConfig
 
 
@@ -38,13 +38,17 @@ class Collected:
     kept: int  # the first ``kept`` groups of the batch are ``drawn.batch``; the rest fill the shape
 
 
-def collect(run: TrainConfig, policy: Policy, state: TrainState, pool, examples, sampler, key) -> Collected:
-    """Draw rounds until ``prompts_per_step`` prompts with a learning signal (see the module docstring)."""
+def collect(run: TrainConfig, policy: Policy, state: TrainState, pool, examples, sampler, key, stop=None) -> Collected:
+    """Draw rounds until ``prompts_per_step`` prompts with a learning signal (see the module docstring).
+
+    ``stop`` (a ``train.StopFlag``) is asked before each round; a requested stop raises ``StepAbandoned``."""
     k, rounds = run.rollout.group_size, []
     seconds = {"time_sample": 0.0, "time_reward": 0.0}
     rng = np.random.default_rng([run.seed, state.step])  # a function of the step: resumes draw the same
 
     def run_round(indices: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if stop is not None and stop.agreed():
+            raise StepAbandoned(f"stop requested before draw round {len(rounds) + 1}")
         start = time.perf_counter()
         prompts = [examples[i].prompt_ids for i, n in zip(indices, counts, strict=True) for _ in range(n)]
         key_round = jax.random.fold_in(key, len(rounds))

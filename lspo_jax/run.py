@@ -363,7 +363,9 @@ class Run:
     def _reweighted_step(self, key, stop: StopFlag | None) -> dict[str, Any]:
         """A step whose prompts and rollout counts come from the L2RR sampler (``reweight``)."""
         draw_key, step_key = jax.random.split(key)
-        got = reweight.collect(self.run, self.policy, self.state, self.pool, self.examples, self.sampler, draw_key)
+        got = reweight.collect(
+            self.run, self.policy, self.state, self.pool, self.examples, self.sampler, draw_key, stop=stop
+        )
         score = reweight.scorer(self.run, self.policy, self.state, self.target, self.sampler, got)
         return train_step(
             self.run, self.policy, self.state, self.pool, got.examples, step_key, sampled=got.sampled,

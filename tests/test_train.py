@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lspo_jax import cli, evaluation, losses, model, optim, rollout, toy, train
+from lspo_jax import cli, evaluation, losses, model, optim, reweight, rollout, toy, train
 from lspo_jax import run as run_module
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.cli import format_summary
@@ -752,3 +752,37 @@ def test_l2rr_run_draws_unequal_groups_and_resumes(tmp_path, make_config, train_
     resumed = Run(dataclasses.replace(config, steps=4), str(tmp_path / "run"), resume=True, verifier=verifier)
     assert resumed.sampler.state_dict() == meta["sampler"]
     resumed.close()
+
+
+def test_sigterm_during_an_l2rr_draw_restores_the_sampler(tmp_path, make_config, train_rows, monkeypatch):
+    target = write_jsonl(tmp_path / "target.jsonl", toy.target_rows(4))
+    config = make_config(
+        rollout__group_size=4, steps=3, scaffold__sft_steps=1, data__limit=2, reward__overlong_factor=0.0,
+        l2rr={"enabled": True, "target": target, "g_min": 2, "rho_min": 0.25, "p_e": 0.5, "a": 2.0},
+    )  # fmt: skip
+    real_score, real_step, saved = reweight.score_rows, run_module.train_step, []
+
+    def step_keeping_the_sampler(*args, **kwargs):
+        metrics = real_step(*args, **kwargs)
+        saved.append(job.sampler.state_dict())
+        return metrics
+
+    def score_then_sigterm(*args, **kwargs):  # step 2's first draw round
+        real_score(*args, **kwargs)
+        if len(saved) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(reweight, "score_rows", score_then_sigterm)
+    monkeypatch.setattr(run_module, "train_step", step_keeping_the_sampler)
+    job = Run(config, str(tmp_path / "run"), verifier=BlockVerifier({train_rows[0]["answer"]}))
+    try:
+        summary = job.train()
+    finally:
+        job.close()
+    assert summary["stopped_early"] and summary["steps"] == 1 and len(saved) == 1
+    monkeypatch.undo()
+    resumed = Run(config, str(tmp_path / "run"), resume=True, verifier=BlockVerifier(set()))
+    try:  # the draw's bookkeeping as step 1 left it, not as step 2's abandoned round changed it
+        assert resumed.state.step == 1 and resumed.sampler.state_dict() == saved[0]
+    finally:
+        resumed.close()
