@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from lspo_jax import distributed, optim, sharding
@@ -125,7 +124,7 @@ def teacher_forced_logprobs(
     else:
         program = _mesh_logprobs(config, mesh, lora_scale, temperature, chunk_size, micro_batches)
         placed = mesh_rows(mesh, padded, multiple=micro_batches)
-        logp = fetch(program(params, placed["tokens"], placed["attention_mask"]))
+        logp = sharding.fetch(program(params, placed["tokens"], placed["attention_mask"]))
     return np.where(rows["mask"] > 0, np.asarray(logp)[:count], 0.0).astype(np.float32)
 
 
@@ -144,11 +143,6 @@ def mesh_rows(mesh: Mesh, rows: Rows, *, multiple: int = 1) -> dict[str, jax.Arr
     count = len(next(iter(rows.values())))
     step = sharding.batch_shards(mesh) * multiple
     return sharding.global_batch(mesh, pad_rows(rows, -(-count // step) * step))
-
-
-def fetch(x: jax.Array) -> np.ndarray:
-    """A global array as one host array on every host (gathered across hosts when there are several)."""
-    return np.asarray(x) if jax.process_count() == 1 else np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def decode_responses(tokenizer, rows: Rows, prompt_slots: int) -> list[str]:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -345,7 +344,7 @@ class Run:
         a resume from the next checkpoint draws the same prompts."""
         key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step)
         order = self.order.state()
-        sampler = copy.deepcopy(self.sampler.state_dict()) if self.sampler is not None else None
+        sampler = self.sampler.state_dict() if self.sampler is not None else None  # fresh JSON-able values
         try:
             if self.sampler is None:
                 batch = [self.examples[i] for i in self.order.take(self.run.rollout.prompts_per_step)]

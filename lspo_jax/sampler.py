@@ -43,7 +43,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from lspo_jax import sharding
 from lspo_jax.config import ModelConfig
@@ -578,13 +577,9 @@ def generate_arrays(
     )
     state = call.decode(call.prefill(key), key)
     rows = len(prompts) * n  # padding rows come last: drop them
-    # On several hosts each holds only its devices' rows: gather them so every host gets the whole result
-    # (tiled: the global arrays as they are, not stacked per host).
-    if jax.process_count() == 1:
-        fetch = jax.device_get
-    else:
-        fetch = functools.partial(multihost_utils.process_allgather, tiled=True)
-    tokens, logp, lengths, eos, steps = fetch((state.tokens_CN, state.logp_CN, state.length_C, state.eos_C, state.step))
+    # On several hosts each holds only its devices' rows: gather them so every host gets the whole result.
+    outputs = (state.tokens_CN, state.logp_CN, state.length_C, state.eos_C, state.step)
+    tokens, logp, lengths, eos, steps = jax.tree.map(sharding.fetch, outputs)
     return SampleBatch(
         tokens=tokens[:rows, :max_new_tokens],
         logprobs=logp[:rows, :max_new_tokens],

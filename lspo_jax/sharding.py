@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 # model imports this module too (for ``constrain``): both refer to each other's attributes only at call
@@ -263,6 +264,11 @@ def initialize_distributed(
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return None if value in (None, "") else int(value)
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """A global array as one host array on every host (gathered across hosts when there are several)."""
+    return np.asarray(x) if jax.process_count() == 1 else np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def host_batch_slice(global_batch: int, process_index: int, process_count: int) -> slice:

@@ -7,7 +7,6 @@ must still stop both at the same point: a process left inside a collective would
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -17,6 +16,8 @@ import sys
 import time
 
 import pytest
+
+from lspo_jax.metrics_log import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
@@ -33,8 +34,7 @@ def train_records(out: str) -> list[dict]:
     path = os.path.join(out, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [r for r in map(json.loads, f.read().splitlines()) if r.get("kind") == "train"]
+    return [r for r in read_metrics(path) if r["kind"] == "train"]
 
 
 def launch(out: str, port: int, process_id: int, *, resume: bool = False) -> subprocess.Popen:

@@ -725,17 +725,22 @@ class BlockVerifier:
         pass
 
 
+def l2rr_config(make_config, tmp_path):
+    """3 steps of L2RR over the first 2 training prompts, 4 slots each, against 4 toy target examples."""
+    target = write_jsonl(tmp_path / "target.jsonl", toy.target_rows(4))
+    return make_config(
+        rollout__group_size=4, steps=3, scaffold__sft_steps=1, data__limit=2, reward__overlong_factor=0.0,
+        l2rr={"enabled": True, "target": target, "g_min": 2, "rho_min": 0.25, "p_e": 0.5, "a": 2.0},
+    )  # fmt: skip
+
+
 def test_l2rr_run_draws_unequal_groups_and_resumes(tmp_path, make_config, train_rows, monkeypatch):
     """Two source prompts, both drawn every step into 4 slots each: prompt 0 passes once per group, prompt 1
     never (a cliff with a worked solution, which the scaffold keeps). The budget is round(B * K * clip(mean_i
     p_e ** z_i, rho_min, 1)) with prompt 1's zero streak z = 0, 1, 2 over the steps:
     8 * mean(1, 1) = 8, then 8 * mean(1, 0.5) = 6, then 8 * mean(1, 0.25) = 5 rollouts, each prompt in [2, 4]."""
     verifier = BlockVerifier({train_rows[0]["answer"]})
-    target = write_jsonl(tmp_path / "target.jsonl", toy.target_rows(4))
-    config = make_config(
-        rollout__group_size=4, steps=3, scaffold__sft_steps=1, data__limit=2, reward__overlong_factor=0.0,
-        l2rr={"enabled": True, "target": target, "g_min": 2, "rho_min": 0.25, "p_e": 0.5, "a": 2.0},
-    )  # fmt: skip
+    config = l2rr_config(make_config, tmp_path)
     job = Run(config, str(tmp_path / "run"), verifier=verifier)
     seen = run_capturing_advantages(job, monkeypatch)
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
@@ -755,11 +760,7 @@ def test_l2rr_run_draws_unequal_groups_and_resumes(tmp_path, make_config, train_
 
 
 def test_sigterm_during_an_l2rr_draw_restores_the_sampler(tmp_path, make_config, train_rows, monkeypatch):
-    target = write_jsonl(tmp_path / "target.jsonl", toy.target_rows(4))
-    config = make_config(
-        rollout__group_size=4, steps=3, scaffold__sft_steps=1, data__limit=2, reward__overlong_factor=0.0,
-        l2rr={"enabled": True, "target": target, "g_min": 2, "rho_min": 0.25, "p_e": 0.5, "a": 2.0},
-    )  # fmt: skip
+    config = l2rr_config(make_config, tmp_path)
     real_score, real_step, saved = reweight.score_rows, run_module.train_step, []
 
     def step_keeping_the_sampler(*args, **kwargs):
