@@ -27,6 +27,32 @@ def _fast_cpu_compiles() -> None:
 _fast_cpu_compiles()
 
 
+# float32 results differ between x86 builds (AVX2 or AVX-512 kernels, another tiling of a matmul sums in another
+# order), so a quantity that passes through matmuls, softmax, layers or a backward pass is compared over the whole
+# tensor: an element that cancels to near zero keeps no relative precision, and a per-element tolerance on it
+# fails on some CPU. Over the whole tensor, the tiny models' logits and log-probs move by <= 9e-7 of their norm
+# between kernels and orderings, gradients by <= 1.2e-6 (measured across XLA's CPU kernels, ISA levels and
+# optimisation levels): the tests allow 2e-5 and 1e-4, while a real bug (a transposed weight, a position off
+# by one, a missing mask) moves the random models' outputs by O(1) of their scale.
+def relative_error(actual, desired) -> float:
+    """``||actual - desired|| / ||desired||``: Frobenius norms over every element, in float64."""
+    a, d = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+    assert a.shape == d.shape, (a.shape, d.shape)
+    diff = np.linalg.norm(a - d)
+    return 0.0 if diff == 0 else float(diff / np.linalg.norm(d))  # NaN fails any bound, as it should
+
+
+def assert_close_relative(actual, desired, rel: float, err_msg: str = "") -> None:
+    """Assert ``||actual - desired|| <= rel * ||desired||`` over the whole array (see above for why)."""
+    error = relative_error(actual, desired)
+    if not error <= rel:
+        a, d = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+        raise AssertionError(
+            f"{err_msg + ': ' if err_msg else ''}relative error {error:.3g} > {rel:g} "
+            f"(max abs difference {np.abs(a - d).max():.3g}, max abs value {np.abs(d).max():.3g}, shape {d.shape})"
+        )
+
+
 # The files whose module fixtures take minutes (8-device checks, vLLM engines, the GPU script's smoke run, whole
 # training runs), run first: under `pytest -n 2 --dist loadfile` (tools/test.sh) they then overlap instead of
 # one of them finishing alone at the end while the other worker idles.

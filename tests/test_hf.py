@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import assert_close_relative
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
@@ -51,7 +52,8 @@ def test_logits_match_transformers_on_left_padded_batch(hf_reference, left_padde
     ours = np.asarray(_forward(config, params, tokens, mask))
     real = mask == 1
     assert np.abs(ref[real]).max() > 1.0  # weights are wide enough that a layout bug cannot hide
-    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+    # Two float32 implementations (XLA against torch) of two layers: rounding is ~5e-7 of the logits' norm.
+    assert_close_relative(ours[real], ref[real], 2e-5)
 
 
 def test_export_loads_in_transformers_and_round_trips(hf_reference, left_padded_batch, tmp_path):
@@ -62,7 +64,7 @@ def test_export_loads_in_transformers_and_round_trips(hf_reference, left_padded_
     assert not any("lora" in k for k in load_file(str(tmp_path / "model.safetensors")))  # base only
     ours = np.asarray(_forward(config, params, tokens, mask))
     real = mask == 1
-    np.testing.assert_allclose(_hf_logits(str(tmp_path), tokens, mask)[real], ours[real], atol=1e-5, rtol=0)
+    assert_close_relative(_hf_logits(str(tmp_path), tokens, mask)[real], ours[real], 2e-5)  # as in the parity test
     config2, params2 = load_pretrained(str(tmp_path))
     assert config2 == config
     jax.tree.map(np.testing.assert_array_equal, params2, params)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close_relative
 
 from lspo_jax import data, l2rr, losses, optim, rollout
 from lspo_jax.config import ModelConfig
@@ -253,7 +254,9 @@ def test_directional_derivatives_equal_explicit_gradient_dots(tiny_params):
     jacobian = _per_prompt_gradients(base, _rl_batch())
     explicit = _tree_dots(jacobian, _target_gradient(base, rows))
     assert fast.shape == (P,) and np.all(np.abs(explicit) > 1e-3)
-    np.testing.assert_allclose(fast, explicit, rtol=1e-5, atol=1e-5 * np.abs(explicit).max())
+    # d_i = <g_i, g_target>: forward mode against two reverse-mode gradients dotted over ~1e5 parameters, float32
+    # rounding of the forward and backward passes (~6e-7 of the norm measured); a wrong sign or row is O(1).
+    assert_close_relative(fast, explicit, 1e-4)
     # The sign convention: a small step down prompt i's gradient changes the target loss by -lr * d_i.
     direction = _random_direction(base)  # unused here; the same arguments reuse one compiled program
     before = float(_target_losses(base, rows, direction)[0])
@@ -287,8 +290,10 @@ def test_target_gradient_of_each_kind(tiny_params):
     stacked = lambda tree: jax.tree.map(lambda x: x[None], tree)
     token = _tree_dots(stacked(_target_gradient(base, rows)), direction)[0]
     example = _tree_dots(stacked(_target_gradient(base, rows, "nll_example_mean")), direction)[0]
-    assert token == pytest.approx(float(token_slope), rel=1e-5)
-    assert example == pytest.approx(float(example_slope), rel=1e-5)
+    # Slopes along a random direction of ~1e5 parameters: sums with cancelling signs of float32 gradients and
+    # tangents (~8e-7 relative measured); the two kinds differ by ~30%, far above rel 1e-4.
+    assert token == pytest.approx(float(token_slope), rel=1e-4)
+    assert example == pytest.approx(float(example_slope), rel=1e-4)
     assert abs(token - example) > 1e-3 * abs(token)  # the two kinds weigh the rows differently
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close_relative
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -168,7 +169,7 @@ def test_accumulated_gradient_equals_full_batch(num_micro_batches):
         _linear_policy_loss, w, batch, num_micro_batches
     )
     np.testing.assert_allclose(loss, full_loss, atol=1e-6)
-    np.testing.assert_allclose(grad, full_grad, atol=1e-6)
+    assert_close_relative(grad, full_grad, 1e-5)  # sums over 17 tokens in another order: ~5e-8 of the norm measured
     assert float(m["num_tokens"]) == sum(LENGTHS)
     for name in ("ratio_mean", "ratio_max", "clip_frac_low", "clip_frac_high", "approx_kl"):
         np.testing.assert_allclose(m[name], full_m[name], rtol=1e-5, err_msg=name)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close_relative
 
 from lspo_jax.config import LoraConfig, ModelConfig
 from lspo_jax.kv_cache import init_cache
@@ -129,7 +130,7 @@ def test_lora_scale_zero_equals_base_exactly(tiny_config, tiny_params, left_padd
     np.testing.assert_array_equal(_forward(tiny_config, tiny_params, tokens, mask, lora_scale=0.0), base)
     # Eagerly a Python 0 skips the adapter at trace time; same result.
     eager = forward(tiny_config, tiny_params, tokens, mask, lora_scale=0.0)
-    np.testing.assert_allclose(eager, base, atol=1e-6, rtol=0)
+    assert_close_relative(eager, base, 2e-5)  # jit fuses the same float32 ops otherwise (~4e-8 measured)
     np.testing.assert_array_equal(eager, forward(tiny_config, _base_only(tiny_params), tokens, mask))
 
 
@@ -138,7 +139,8 @@ def test_merged_adapter_equals_unmerged(tiny_config, tiny_params, left_padded_ba
     tokens, mask = left_padded_batch
     unmerged = _forward(tiny_config, tiny_params, tokens, mask, lora_scale=lora_scale)
     merged = {"base": merge_lora(tiny_config, tiny_params, lora_scale=lora_scale)}
-    np.testing.assert_allclose(_forward(tiny_config, merged, tokens, mask), unmerged, atol=1e-5, rtol=0)
+    # (W + s BA) x against W x + s B (A x): float32 rounding of two layers (<= 9e-7 of the norm measured).
+    assert_close_relative(_forward(tiny_config, merged, tokens, mask), unmerged, 2e-5)
     assert set(merged["base"]) == set(tiny_params["base"])
 
 
@@ -186,7 +188,8 @@ def test_left_padding_does_not_change_real_tokens(tiny_config, tiny_params, left
     alone = np.asarray(_forward(tiny_config, tiny_params, unpadded, lora_scale=1.0))
     for row in range(3):
         n = int(mask[row].sum())
-        np.testing.assert_allclose(padded[row, mask[row] == 1], alone[row, :n], atol=1e-5, rtol=0)
+        # Masked keys add exact zeros, but the real ones sit in other slots of the vector sums: rounding only.
+        assert_close_relative(padded[row, mask[row] == 1], alone[row, :n], 2e-5)
     all_pad = _forward(tiny_config, tiny_params, tokens, np.zeros_like(mask), lora_scale=1.0)
     assert np.isfinite(np.asarray(all_pad)).all()
 
@@ -201,7 +204,8 @@ def test_positions_and_mask_of_left_padding():
 def test_jit_equals_eager_and_hidden_path(tiny_config, tiny_params, left_padded_batch):
     tokens, mask = left_padded_batch
     eager = forward(tiny_config, tiny_params, tokens, mask, lora_scale=1.0)
-    np.testing.assert_allclose(_forward(tiny_config, tiny_params, tokens, mask, lora_scale=1.0), eager, atol=1e-6)
+    # Fused under jit, op by op eagerly: the same float32 ops in another order (~4e-8 of the norm measured).
+    assert_close_relative(_forward(tiny_config, tiny_params, tokens, mask, lora_scale=1.0), eager, 2e-5)
     h = hidden_states(tiny_config, tiny_params, tokens, mask, lora_scale=1.0)
     assert h.shape == (3, 10, 64) and eager.dtype == jnp.float32
     np.testing.assert_array_equal(lm_logits(tiny_config, tiny_params, h), eager)
@@ -229,7 +233,8 @@ def test_kv_cache_hook_matches_full_forward(tiny_config, tiny_params, left_padde
         chunk, cache = step(cache, start)
         logits.append(chunk)
     real = mask == 1
-    np.testing.assert_allclose(np.concatenate(logits, axis=1)[real], np.asarray(full)[real], atol=1e-5, rtol=0)
+    # Attention over 2-token chunks and a cache against one pass: float32 rounding (~5e-7 of the norm measured).
+    assert_close_relative(np.concatenate(logits, axis=1)[real], np.asarray(full)[real], 2e-5)
 
 
 def test_bfloat16_compute_stays_close(tiny_config, tiny_params, left_padded_batch):
@@ -272,10 +277,13 @@ def test_fused_attention_equals_the_einsum_path(tiny_config, tiny_params, remat=
     grad = jax.jit(jax.grad(loss, argnums=1, has_aux=True), static_argnums=0)
     want_grads, want = grad(tiny_config, tiny_params)
     got_grads, got = grad(fused, tiny_params)
-    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5, rtol=0)
+    # Another attention kernel on rotated rows: float32 rounding of two layers (~5e-7 of the norm measured).
+    assert_close_relative(np.asarray(got)[real], np.asarray(want)[real], 2e-5)
     assert np.isfinite(np.asarray(got)).all()  # padding slots too, the empty row included
-    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
+    # Gradients add the backward pass and sums over every position: each leaf against its own norm (<= 1.2e-6
+    # measured), not per element, where entries that cancel differ between CPU builds (AVX2 vs AVX-512).
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads), strict=True):
+        assert_close_relative(g, w, 1e-4, jax.tree_util.keystr(path))
     assert max(np.abs(np.asarray(w)).max() for w in jax.tree.leaves(want_grads["lora"])) > 1e-2  # not vacuous
 
 

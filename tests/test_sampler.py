@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close_relative
 
 from lspo_jax import sampler
 from lspo_jax.model import forward
@@ -97,7 +98,8 @@ def test_logprobs_match_teacher_forced_forward(tiny_config, tiny_params, lora_sc
     for i, rec in enumerate(recs):
         # New token j sits at column width - 10 + j and is predicted by the column before it.
         cols = width - 10 - 1 + np.arange(10)
-        np.testing.assert_allclose(rec.logprobs, logp[i, cols, rec.tokens], atol=1e-5)
+        # Cached decode, one token at a time, against one pass: float32 rounding (~4e-7 of the norm measured).
+        assert_close_relative(rec.logprobs, logp[i, cols, rec.tokens], 2e-5)
         if lora_scale:  # the adapter really changed the distribution the tokens were drawn from
             assert np.abs(rec.logprobs - base_logp[i, cols, rec.tokens]).max() > 1e-3
 
@@ -113,7 +115,7 @@ def test_reproducible_and_independent_of_cache_window(tiny_config, tiny_params):
     # One window of 16 instead of windows 8 and 16: the same tokens, the same log-probs up to rounding.
     whole = run(1, cache_window=16)
     np.testing.assert_array_equal(a.tokens, whole.tokens)
-    np.testing.assert_allclose(a.logprobs, whole.logprobs, atol=1e-5)
+    assert_close_relative(a.logprobs, whole.logprobs, 2e-5)
 
 
 # ------------------------------------------------------------------------------------------ EOS, length
