@@ -13,16 +13,17 @@ cliffs that no rollout can pass).
 Prompts are rendered with the tokenizer's chat template when it has one. For DeepSeek-R1-Distill-Qwen that
 gives ``<｜begin▁of▁sentence｜><｜User｜>{problem}<｜Assistant｜><think>\n``: the prompt already opens the
 thought, which is why a DeepMath ``r1_solution_*`` trace (no opening ``<think>``, one ``</think>``, then the
-written solution) is the SFT target as it is, followed by EOS.
+written solution) is the SFT target as it is, followed by EOS. A trace cut to ``max_solution_tokens`` gets no EOS
+(unless ``data.eos_after_truncated``): the cut is mid-thought, and an EOS there would teach the adapter to stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -35,8 +36,8 @@ MAX_LISTED = 100  # rows named in ``DataReport.row_errors``; the count is always
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One training prompt: token ids of the prompt and of its worked solution (EOS appended), if any; the
-    problem and solution texts for a judge that reads them (``first_mistake``)."""
+    """One training prompt: token ids of the prompt and of its worked solution (EOS appended unless it was
+    truncated), if any; the problem and solution texts for a judge that reads them (``first_mistake``)."""
 
     id: str
     answer: str
@@ -47,7 +48,8 @@ class Example:
 
 
 class DataError(ValueError):
-    """A data file that cannot be used as a whole (no usable row, an unknown format): the commands print it alone."""
+    """A data file that cannot be used as a whole (no usable row, an unknown format, unreadable): the commands
+    print it alone."""
 
 
 @dataclasses.dataclass
@@ -92,25 +94,36 @@ def is_generated(spec: str) -> bool:
 
 
 def read_rows(
-    spec: str, config: DataConfig | None = None, *, seed: int = 0, report: DataReport | None = None
+    spec: str,
+    config: DataConfig | None = None,
+    *,
+    seed: int = 0,
+    report: DataReport | None = None,
+    max_rows: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows in the shared schema from a JSONL or parquet file, a directory of them, or a generated task.
+    """Rows in the shared schema from a JSONL or parquet file, a directory of them, or a generated task;
+    with ``max_rows``, of its first that many records only (those skipped among them included).
 
     Records lacking a required field (or lines that are not JSON) are counted in ``report`` and skipped;
-    a source with records but none usable is an error, since that is a wrong file rather than bad rows.
+    a source with records but none usable is an error, since that is a wrong file rather than bad rows, and
+    so is a file that cannot be opened or a parquet file that cannot be read (``DataError`` naming the file).
     """
     config = config or DataConfig()
     report = report if report is not None else DataReport()
-    if spec == "toy:addition":
-        return toy.addition_rows(2000, (2, 4), seed=seed, prefix="train")
-    if spec == "toy:heldout":
-        return toy.heldout_rows(seed=seed)
-    if spec == "toy:target":
-        return toy.target_rows(seed=seed)
+    generated = {
+        "toy:addition": lambda: toy.addition_rows(2000, (2, 4), seed=seed, prefix="train"),
+        "toy:heldout": lambda: toy.heldout_rows(seed=seed),
+        "toy:target": lambda: toy.target_rows(seed=seed),
+    }
+    if spec in generated:
+        return generated[spec]()[:max_rows]
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"no such data file or directory: {spec}")
-    files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet")) if path.is_dir() else [path]
+    try:
+        files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet")) if path.is_dir() else [path]
+    except OSError as err:
+        raise DataError(f"{spec}: cannot list the directory ({_cause(err)})") from err
     if not files:
         raise FileNotFoundError(f"no .jsonl or .parquet files in {spec}")
     rows: list[dict[str, Any]] = []
@@ -119,6 +132,8 @@ def read_rows(
         fmt = config.format if config.format != "auto" else _detect_format(file)
         name = file.name if path.is_dir() else ""
         for where, record in _records(file, fmt, config):
+            if index == max_rows:
+                break
             where = f"{name} {where}".strip()
             if record is None:
                 report.invalid(where, "not a JSON object")
@@ -132,19 +147,43 @@ def read_rows(
     return rows
 
 
+def _cause(err: BaseException) -> str:
+    """``Type: the first line of the message``, for a one-line error."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _parquet(file: Path, read: Callable[..., Any], **kwargs: Any) -> Any:
+    """``read(file, **kwargs)``; a file pyarrow cannot open or read (cut short, not parquet) is a ``DataError``."""
+    import pyarrow as pa
+
+    try:
+        return read(file, **kwargs)
+    except (pa.ArrowException, OSError) as err:  # ArrowInvalid for a missing footer, OSError for bad metadata
+        raise DataError(f"{file}: not a readable parquet file ({_cause(err)})") from err
+
+
+def _open(file: Path) -> BinaryIO:
+    """The file in binary mode: ``json.loads`` decodes each line, so bytes that are not UTF-8 make a bad row."""
+    try:
+        return file.open("rb")
+    except OSError as err:
+        raise DataError(f"{file}: cannot be opened ({_cause(err)})") from err
+
+
 def _detect_format(file: Path) -> str:
     """``shared`` or ``deepmath``, from the fields of the file's first record (parquet: its schema)."""
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        fields = set(pq.read_schema(file).names)
+        fields = set(_parquet(file, pq.read_schema).names)
     else:
         fields = set()
-        with file.open() as f:
+        with _open(file) as f:
             for line in f:
                 try:
                     record = json.loads(line) if line.strip() else None
-                except json.JSONDecodeError:
+                except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError)
                     continue
                 if isinstance(record, dict):
                     fields = set(record)
@@ -163,18 +202,18 @@ def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, di
 
         # Only the columns that are used: the three R1 traces of DeepMath-103K run to gigabytes in memory.
         wanted = ("id", "question", "final_answer", "difficulty", "topic", config.solution_field)
-        names = pq.read_schema(file).names
-        table = pq.read_table(file, columns=[n for n in names if fmt == "shared" or n in wanted])
+        names = _parquet(file, pq.read_schema).names
+        table = _parquet(file, pq.read_table, columns=[n for n in names if fmt == "shared" or n in wanted])
         for i, record in enumerate(table.to_pylist()):
             yield f"row {i}", record
         return
-    with file.open() as f:
+    with _open(file) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError): a bad row, counted
                 record = None
             yield f"line {line_no}", record if isinstance(record, dict) else None
 
@@ -269,20 +308,25 @@ def _solution(row: dict[str, Any], tokenizer: Any, config: DataConfig, report: D
         report.solution_missing += 1
         return None
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if len(ids) + 1 > config.max_solution_tokens:
-        if config.solution_policy == "skip":
-            report.solution_skipped += 1
-            return None
-        report.solution_truncated += 1
-        ids = ids[: config.max_solution_tokens - 1]
-    return tuple(ids) + (tokenizer.eos_token_id,)
+    if len(ids) + 1 <= config.max_solution_tokens:  # the whole solution and its EOS fit
+        return tuple(ids) + (tokenizer.eos_token_id,)
+    if config.solution_policy == "skip":
+        report.solution_skipped += 1
+        return None
+    report.solution_truncated += 1
+    if config.eos_after_truncated:
+        return tuple(ids[: config.max_solution_tokens - 1]) + (tokenizer.eos_token_id,)
+    return tuple(ids[: config.max_solution_tokens])
 
 
-def load_examples(spec: str, tokenizer: Any, config: DataConfig, *, seed: int = 0) -> tuple[list[Example], DataReport]:
-    """Read, check and tokenise ``spec``: gold answers are parsed once and rows whose gold does not parse are
-    left out and listed, then the length policies apply. ``report.rows`` counts every record of the source."""
+def load_examples(
+    spec: str, tokenizer: Any, config: DataConfig, *, seed: int = 0, max_rows: int | None = None
+) -> tuple[list[Example], DataReport]:
+    """Read, check and tokenise ``spec`` (its first ``max_rows`` records when given): gold answers are parsed once
+    and rows whose gold does not parse are left out and listed, then the length policies apply. ``report.rows``
+    counts every record read."""
     report = DataReport()
-    rows = read_rows(spec, config, seed=seed, report=report)
+    rows = read_rows(spec, config, seed=seed, report=report, max_rows=max_rows)
     golds = rewards.parse_golds((str(r["id"]), str(r["answer"])) for r in rows)
     bad = set(golds.bad_ids)
     examples, report = encode_rows(

@@ -1,6 +1,8 @@
 """Arms x seeds of training runs in the layout of the paper's Table 1, from their validation records.
 
-Per (run, benchmark, k): the peak of held-out pass@k over the run's validation trace, up to a step horizon.
+Per (run, benchmark, k): the peak of held-out pass@k over the run's validation trace, up to a step horizon
+(by default the runs' configured ``steps``: a run trained or resumed past the matched horizon, such as the
+paper's 1000 steps, must not win on steps the other arm never had).
 Per arm: the mean and range [min, max] of those peaks over its seeds. Per other arm: the difference of its
 mean from the baseline arm's (``lspo - dapo``), with the range of the per-seed differences when both arms
 ran the same seeds (paired). ``tools/compare_runs.py`` (recorded runs) and ``tools/compare_arms.py`` (runs it
@@ -27,12 +29,14 @@ UNNAMED_BENCHMARK = "held_out"
 
 @dataclasses.dataclass(frozen=True)
 class RunTrace:
-    """One training run: its arm, its seed and its validation records (``kind: eval`` of ``metrics.jsonl``)."""
+    """One training run: its arm, its seed, its validation records (``kind: eval`` of ``metrics.jsonl``) and
+    its configured ``steps`` (None when unknown)."""
 
     arm: str
     seed: int
     evals: tuple[dict[str, Any], ...]
     path: str = ""
+    steps: int | None = None
 
 
 def benchmark_of(record: dict[str, Any]) -> str:
@@ -41,7 +45,7 @@ def benchmark_of(record: dict[str, Any]) -> str:
 
 def read_run(path: str, arm: str | None = None, seed: int | None = None) -> RunTrace:
     """A run directory's validation trace; ``arm`` and ``seed`` default to its ``config.yaml``
-    (``scaffold.enabled`` -> ``lspo``, else ``dapo``; ``seed``)."""
+    (``scaffold.enabled`` -> ``lspo``, else ``dapo``; ``seed``), which also gives its ``steps``."""
     config_path = os.path.join(path, "config.yaml")
     config: dict[str, Any] = {}
     if os.path.exists(config_path):
@@ -56,7 +60,24 @@ def read_run(path: str, arm: str | None = None, seed: int | None = None) -> RunT
             raise ValueError(f"{path}: no seed in a config.yaml; write it as ARM:SEED=DIR")
         seed = int(config["seed"])
     records = read_metrics(os.path.join(path, "metrics.jsonl"))
-    return RunTrace(arm, seed, tuple(r for r in records if r.get("kind") == "eval"), path)
+    steps = int(config["steps"]) if config.get("steps") is not None else None
+    return RunTrace(arm, seed, tuple(r for r in records if r.get("kind") == "eval"), path, steps)
+
+
+def resolve_horizon(runs: Sequence[RunTrace], horizon: int | None = None) -> tuple[int | None, str]:
+    """``(horizon, a line saying where it came from)``: ``horizon`` when given, else the smallest of the runs'
+    configured ``steps`` (None, the whole trace, when no run says)."""
+    if horizon is not None:
+        return horizon, f"Horizon: validation steps <= {horizon} (--horizon)."
+    steps = sorted({run.steps for run in runs if run.steps is not None})
+    unknown = sum(run.steps is None for run in runs)
+    if not steps:
+        return None, "Horizon: the whole trace (no run's config.yaml gives its steps; set --horizon)."
+    note = f"; {unknown} of {len(runs)} runs do not say theirs" if unknown else ""
+    if len(steps) > 1:
+        listed = ", ".join(map(str, steps))
+        return steps[0], f"Horizon: validation steps <= {steps[0]}, the smallest of the runs' steps ({listed}){note}."
+    return steps[0], f"Horizon: validation steps <= {steps[0]}, the runs' configured steps{note}."
 
 
 def peak(evals: Iterable[dict[str, Any]], benchmark: str, key: str, horizon: int | None = None) -> float:

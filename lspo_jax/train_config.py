@@ -70,9 +70,10 @@ class DataConfig:
     (joined by a newline), or left out (``none``); generated tasks (``toy:``) never get it.
 
     Prompts longer than ``max_prompt_tokens`` and solutions longer than ``max_solution_tokens`` follow
-    their policy, ``skip`` or ``truncate``, and are counted; rows without a solution are counted and
-    never used by the scaffold; rows lacking a required field are counted, listed and skipped. ``limit``
-    keeps the first that many usable prompts (null: all).
+    their policy, ``skip`` or ``truncate``, and are counted. A truncated solution gets no EOS unless
+    ``eos_after_truncated``: the adapter should not learn to stop mid-thought. Rows without a solution are
+    counted and never used by the scaffold; rows lacking a required field are counted, listed and skipped.
+    ``limit`` keeps the first that many usable prompts (null: all).
     """
 
     train: str = "toy:addition"
@@ -84,6 +85,7 @@ class DataConfig:
     prompt_policy: str = "skip"
     max_solution_tokens: int = 4096
     solution_policy: str = "truncate"
+    eos_after_truncated: bool = False
     shuffle: bool = True
     limit: int | None = None
 
@@ -164,6 +166,9 @@ class LossConfig:
         _require(self.chunk_size is None or self.chunk_size > 0, "loss.chunk_size", "must be positive or null")
         _require(0 <= self.eps_low < 1, "loss.eps_low", "must be in [0, 1)")
         _require(self.eps_high >= 0, "loss.eps_high", "must be >= 0")
+        # Clip-higher widens the upper side (DAPO: 0.2 / 0.28); a narrower one is a swapped pair.
+        pair = f"eps_high {self.eps_high} < eps_low {self.eps_low}"
+        _require(self.eps_high >= self.eps_low, "loss.eps_high", f"must be >= loss.eps_low (clip-higher), got {pair}")
         _require(self.clip_c is None or self.clip_c > 1, "loss.clip_c", "must be > 1 or null")
         _require(self.micro_batches > 0, "loss.micro_batches", "must be positive")
 
@@ -252,6 +257,21 @@ class MeshSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """Where metrics go besides ``metrics.jsonl`` and TensorBoard: a Weights & Biases run when ``wandb``
+    (an optional dependency, ``lspo_jax[wandb]``). ``offline`` writes it under the run directory for a
+    later ``wandb sync``; a resumed run continues the same W&B run."""
+
+    wandb: bool = False
+    wandb_project: str = "lspo_jax"
+    wandb_mode: str = "offline"
+
+    def __post_init__(self) -> None:
+        _require(self.wandb_mode in ("online", "offline"), "log.wandb_mode", "must be online or offline")
+        _require(bool(self.wandb_project), "log.wandb_project", "must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """One training run; every section has defaults, so a YAML file names only what differs."""
 
@@ -267,6 +287,7 @@ class TrainConfig:
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     first_mistake: FirstMistakeConfig = dataclasses.field(default_factory=FirstMistakeConfig)
     l2rr: L2RRConfig = dataclasses.field(default_factory=L2RRConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
     steps: int = 1500
     seed: int = 42
     max_nonfinite_in_row: int = 3
@@ -274,6 +295,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.steps > 0, "steps", "must be positive")
         _require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive")
+        # The penalty starts at max_new_tokens - buffer tokens: a larger buffer penalises every response.
+        buffer, limit = self.reward.overlong_buffer, self.rollout.max_new_tokens
+        _require(buffer <= limit or self.reward.overlong_factor == 0, "reward.overlong_buffer",
+                 f"{buffer} is more than rollout.max_new_tokens {limit}: every response would be penalised; "
+                 "set it <= max_new_tokens (or reward.overlong_factor: 0)")  # fmt: skip
         _require(self.l2rr.g_min <= self.rollout.group_size, "l2rr.g_min", "must not exceed rollout.group_size")
         _require(not self.l2rr.enabled or bool(self.l2rr.target), "l2rr.target", "must name the target set")
 

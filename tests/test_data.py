@@ -99,11 +99,11 @@ def test_load_examples_sft_targets_length_policy_and_golds(tmp_path):
     assert examples[0].solution_ids == (*tokenizer.encode(TRACE, add_special_tokens=False), toy.EOS_ID)
     assert examples[0].prompt_ids == (toy.BOS_ID, *tokenizer.encode("What is 0+0?", add_special_tokens=False))
     assert examples[1].solution_ids is None
-    # Truncation keeps the head of the trace, counted; EOS still ends it.
+    # Truncation keeps the head of the trace, counted, with no EOS (test_a_truncated_solution_gets_no_eos).
     config = DataConfig(instruction_position="none", max_solution_tokens=64)
     examples, report = data.load_examples(path, tokenizer, config)
     x = tokenizer.convert_tokens_to_ids("x")
-    assert report.solution_truncated == 1 and examples[1].solution_ids == (*[x] * 63, toy.EOS_ID)
+    assert report.solution_truncated == 1 and examples[1].solution_ids == (x,) * 64
     # Prompt tokens are masked in the SFT rows, the target tokens (EOS included) are not.
     sft = rollout.pack_sft([examples[0].prompt_ids], [examples[0].solution_ids], 16, 64)
     assert sft["mask"][0, :16].sum() == 0 and sft["mask"][0, 16:].sum() == len(examples[0].solution_ids)
@@ -236,3 +236,24 @@ def test_the_console_line_on_dropped_rows():
         "9 of 20 rows kept; {'rows_invalid': 1, 'prompt_skipped': 1, 'gold_unparseable': 1}; "
         "e.g. line 3 (id a): missing answer"
     )
+
+
+def test_a_truncated_solution_gets_no_eos():
+    tokenizer = toy.char_tokenizer()
+    ids = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))
+    # 7 characters + EOS fit in 8 tokens; 8 characters leave no room for the EOS, so they are cut like 20.
+    solutions = ["1234567", "12345678", "9" * 20]
+    rows = [{"id": str(i), "problem": "1+1=", "answer": "2", "solution": s} for i, s in enumerate(solutions)]
+    config = DataConfig(max_solution_tokens=8)
+    examples, report = data.encode_rows(rows, tokenizer, config, instruction=False)
+    assert report.solution_truncated == 2
+    assert [ex.solution_ids for ex in examples] == [(*ids("1234567"), toy.EOS_ID), ids("12345678"), ids("9" * 8)]
+    # The loss mask covers exactly the target's tokens, with or without its EOS.
+    sft = rollout.pack_sft([ex.prompt_ids for ex in examples], [ex.solution_ids for ex in examples], 8, 16)
+    assert sft["mask"][:, :8].sum() == 0 and sft["mask"][:, 8:].sum(axis=1).tolist() == [8, 8, 8]
+    # The old behaviour, a cut target that ends in EOS, is a config key.
+    examples, _ = data.encode_rows(rows, tokenizer, DataConfig(max_solution_tokens=8, eos_after_truncated=True),
+                                   instruction=False)  # fmt: skip
+    assert [ex.solution_ids for ex in examples] == [
+        (*ids("1234567"), toy.EOS_ID), (*ids("1234567"), toy.EOS_ID), (*ids("9" * 7), toy.EOS_ID)
+    ]  # fmt: skip

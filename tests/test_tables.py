@@ -110,3 +110,40 @@ def test_records_without_a_benchmark_are_one_pooled_set():
     assert tables.peak(evals, tables.UNNAMED_BENCHMARK, "pass@1", horizon=15) == 0.3
     assert math.isnan(tables.peak(evals, tables.UNNAMED_BENCHMARK, "pass@1", horizon=5))
     assert math.isnan(tables.peak(evals, "math500", "pass@1"))
+
+
+def test_the_horizon_defaults_to_the_runs_configured_steps(tmp_path, capsys):
+    # Both runs were configured for 20 steps; lspo's record at step 30 (pass@1 0.90, from a longer resumed run)
+    # lies past that matched horizon, so its peak is 0.60 (step 10) unless --horizon says otherwise.
+    def run(name, arm, steps):
+        config = {"scaffold": {"enabled": arm == "lspo"}, "seed": 42, "steps": steps}
+        return write_run(tmp_path / name, TRACES[arm, 42], config)
+
+    lspo, dapo = run("l", "lspo", 20), run("d", "dapo", 20)
+    out = tmp_path / "table.md"
+    assert compare_runs().main([lspo, dapo, "--benchmarks", "math500", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text in capsys.readouterr().out
+    assert "Horizon: validation steps <= 20, the runs' configured steps." in text.splitlines()
+    assert "| math500 | lspo (n=1) | 60.0 [60.0, 60.0] | 80.0 [80.0, 80.0] |" in text.splitlines()
+    # Runs that disagree: the smallest, said so; --horizon still overrides.
+    longer = run("d30", "dapo", 30)
+    assert compare_runs().main([lspo, longer, "--benchmarks", "math500"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "Horizon: validation steps <= 20, the smallest of the runs' steps (20, 30)." in lines
+    assert compare_runs().main([lspo, dapo, "--benchmarks", "math500", "--horizon", "30"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "Horizon: validation steps <= 30 (--horizon)." in lines
+    assert "| math500 | lspo (n=1) | 90.0 [90.0, 90.0] | 95.0 [95.0, 95.0] |" in lines
+
+
+def test_compare_arms_cuts_at_the_configs_steps():
+    spec = importlib.util.spec_from_file_location("compare_arms", TOOL.with_name("compare_arms.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    points = TRACES["lspo", 42]["math500"]
+    evals = [{"kind": "eval", "step": s, "benchmark": "math500", "pass@1": p} for s, p, _ in points]
+    results = [{"arm": arm, "seed": 42, "evals": evals, "steps": 20} for arm in ("lspo", "dapo")]
+    table, line = module.peak_table(results, [1], None)
+    assert table.horizon == 20 and line == "Horizon: validation steps <= 20, the runs' configured steps."
+    assert table.summary("math500", 1, "lspo") == (0.60, 0.60, 0.60)  # not step 30's 0.90

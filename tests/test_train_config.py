@@ -151,3 +151,20 @@ def test_option_sections_errors_name_the_key():
         load_config(None, ["first_mistake.lam=-1"])
     with pytest.raises(ConfigError, match=r"data\.limit"):
         load_config(None, ["data.limit=0"])
+
+
+def test_pairs_that_contradict_each_other_name_the_key():
+    # Clip-higher: the ratio is clipped to [1 - eps_low, 1 + eps_high] with eps_high >= eps_low (DAPO 0.2 / 0.28).
+    with pytest.raises(ConfigError, match=r"^loss\.eps_high: .*got eps_high 0\.1 < eps_low 0\.2$"):
+        load_config(None, ["loss.eps_high=0.1"])
+    assert load_config(None, ["loss.eps_high=0.2"]).loss.eps_high == 0.2  # symmetric PPO clipping is fine
+    # The overlong penalty starts at max_new_tokens - buffer: 64 - 65 < 0 would penalise every response.
+    with pytest.raises(ConfigError, match=r"^reward\.overlong_buffer: 65 is more than rollout\.max_new_tokens 64"):
+        load_config(DEMO, ["reward.overlong_buffer=65"])
+    assert load_config(DEMO, ["reward.overlong_buffer=64"]).reward.overlong_buffer == 64
+    assert load_config(DEMO, ["reward.overlong_buffer=65", "reward.overlong_factor=0"]).reward.overlong_factor == 0
+
+
+def test_every_shipped_config_loads():
+    for path in sorted(DEMO.parent.glob("*.yaml")):
+        assert load_config(path).steps > 0, path

@@ -2,7 +2,8 @@
 
 Each seed trains both arms from the same model with the same data order; the arms differ only in
 ``scaffold.enabled``. Per (run, benchmark, k) the peak of held-out pass@k over the validation trace is taken,
-then the mean and range over seeds per arm, and the difference LSPO - DAPO (the tables of
+up to ``--horizon`` steps (default: the config's ``steps``, so a reused run that trained longer is cut back to
+the matched horizon), then the mean and range over seeds per arm, and the difference LSPO - DAPO (the tables of
 ``tools/compare_runs.py``, from ``lspo_jax.tables``). The scaffold's own figures
 (cliff groups, surpass rate, per-rollout pass rate of the re-rollouts) are reported beside it.
 
@@ -41,13 +42,15 @@ def run_arm(base_config, arm: str, seed: int, out_root: str) -> dict:
     else:
         summary = train_run(config, out, resume=True)
     evals = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r.get("kind") == "eval"]
-    return {"arm": arm, "seed": seed, "summary": summary, "evals": evals}
+    return {"arm": arm, "seed": seed, "summary": summary, "evals": evals, "steps": config.steps}
 
 
-def peak_table(results: list[dict], ks: list[int], horizon: int | None) -> tables.PeakTable:
-    """Peak held-out pass@k per (run, benchmark, k), per arm and seed (``lspo_jax.tables``, DAPO the baseline)."""
-    runs = [tables.RunTrace(r["arm"], r["seed"], tuple(r["evals"])) for r in results]
-    return tables.peak_table(runs, ks=ks, horizon=horizon, baseline="dapo")
+def peak_table(results: list[dict], ks: list[int], horizon: int | None) -> tuple[tables.PeakTable, str]:
+    """Peak held-out pass@k per (run, benchmark, k), per arm and seed (``lspo_jax.tables``, DAPO the baseline),
+    up to ``horizon`` (None: the runs' ``steps``), and the line that says which horizon it was."""
+    runs = [tables.RunTrace(r["arm"], r["seed"], tuple(r["evals"]), steps=r.get("steps")) for r in results]
+    horizon, horizon_line = tables.resolve_horizon(runs, horizon)
+    return tables.peak_table(runs, ks=ks, horizon=horizon, baseline="dapo"), horizon_line
 
 
 def scaffold_figures(results: list[dict]) -> str:
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
     p.add_argument("--out", default="runs/arms")
-    p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this count")
+    p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this count (default: steps)")
     p.add_argument("--results", default=None, help="append the tables to this Markdown file")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
@@ -76,13 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = [run_arm(base, arm, seed, args.out) for seed in args.seeds for arm in ARMS]
     minutes = (time.perf_counter() - start) / 60
-    table = peak_table(results, list(base.eval.ks), args.horizon)
+    table, horizon_line = peak_table(results, list(base.eval.ks), args.horizon)
     command = " ".join(["tools/compare_arms.py", *(argv if argv is not None else sys.argv[1:])])
     text = "\n\n".join([
         f"## LSPO vs DAPO on `{args.config}` ({date.today().isoformat()})",
         f"Command: `.venv/bin/python {command}`; {len(results)} runs in {minutes:.1f} min on "
         f"{platform.machine()} ({os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()}).",
         tables.caption(table),
+        horizon_line,
         tables.markdown(table),
         "Per seed:",
         tables.markdown_per_seed(table),

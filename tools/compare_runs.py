@@ -2,8 +2,9 @@
 
 Each run is a training output directory (its ``metrics.jsonl``; ``config.yaml`` for the arm and seed),
 given as ``DIR`` (arm from ``scaffold.enabled``: lspo or dapo; seed from the config), ``ARM=DIR`` or
-``ARM:SEED=DIR``. Per (run, benchmark, k) the peak of validation pass@k up to ``--horizon`` steps, then
-the mean and [min, max] per arm and the difference from the baseline arm (``lspo_jax.tables``).
+``ARM:SEED=DIR``. Per (run, benchmark, k) the peak of validation pass@k up to ``--horizon`` steps (default:
+the runs' configured ``steps``, the smallest when they differ), then the mean and [min, max] per arm and the
+difference from the baseline arm (``lspo_jax.tables``). The output says which horizon it used.
 
     .venv/bin/python tools/compare_runs.py runs/lspo_seed4{2,3,4} runs/dapo_seed4{2,3,4} --horizon 500 \\
         [--out table.md] [--plot table.png] [--per-seed] [--estimator unbiased]
@@ -28,7 +29,7 @@ def parse_run(item: str) -> tables.RunTrace:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="DIR, ARM=DIR or ARM:SEED=DIR")
-    p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this count")
+    p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this (default: runs' steps)")
     p.add_argument("--estimator", default="first_k", choices=["first_k", "unbiased"])
     p.add_argument("--ks", default=None, help="comma-separated k (default: all the records hold)")
     p.add_argument("--benchmarks", default=None, help="comma-separated (default: all, in order of appearance)")
@@ -37,15 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the Markdown here")
     p.add_argument("--plot", default=None, help="write the PNG plot here")
     args = p.parse_args(argv)
+    runs = [parse_run(item) for item in args.runs]
+    horizon, horizon_line = tables.resolve_horizon(runs, args.horizon)
     table = tables.peak_table(
-        [parse_run(item) for item in args.runs],
+        runs,
         ks=[int(k) for k in args.ks.split(",")] if args.ks else None,
         benchmarks=args.benchmarks.split(",") if args.benchmarks else None,
         estimator=args.estimator,
-        horizon=args.horizon,
+        horizon=horizon,
         baseline=args.baseline,
     )
-    parts = [tables.caption(table), tables.markdown(table)]
+    parts = [tables.caption(table), horizon_line, tables.markdown(table)]
     if args.per_seed:
         parts += ["Per run:", tables.markdown_per_seed(table)]
     text = "\n\n".join(parts) + "\n"

@@ -1,0 +1,71 @@
+"""Data files that cannot be read as a whole: a cut parquet file, a JSONL path that is a directory, a directory
+without data files. ``lspo-train`` prints each as one line naming the file (exit 2, no traceback, no run left);
+bad lines of a JSONL file stay counted rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lspo_jax import cli, data, toy
+
+DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+ROW = {"id": "a", "problem": "1+1=", "answer": "2", "solution": "1+1=2"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return toy.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
+
+
+def cut_parquet(path: Path) -> str:
+    """A real parquet file with its second half (the footer with the schema) cut off."""
+    pq.write_table(pa.Table.from_pylist([{**ROW, "id": str(i)} for i in range(50)]), path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return str(path)
+
+
+def train(model_dir: str, spec: str, out: Path, capsys) -> tuple[int, str]:
+    argv = ["--config", DEMO, "--out", str(out), f"model.path={model_dir}", f"data.train={spec}",
+            "data.instruction_position=none", "data.max_prompt_tokens=16", "reward.workers=0"]  # fmt: skip
+    code = cli.train_main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_a_cut_parquet_file_is_one_line_naming_it(model_dir, tmp_path, capsys):
+    bad = cut_parquet(tmp_path / "train-00000.parquet")
+    code, err = train(model_dir, bad, tmp_path / "run", capsys)
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "run" / "config.yaml").exists()
+    assert f"{bad}: not a readable parquet file (ArrowInvalid: Parquet magic bytes not found" in err
+    # Inside a directory of shards too, and with the format named (the schema is then read by the reader).
+    with pytest.raises(data.DataError, match=r"train-00000\.parquet: not a readable parquet file"):
+        data.read_rows(str(tmp_path), data.DataConfig(format="shared"))
+
+
+def test_a_path_that_cannot_be_opened_and_a_directory_without_data(model_dir, tmp_path, capsys):
+    shards = tmp_path / "shards"
+    (shards / "part.jsonl").mkdir(parents=True)  # listed as a data file, but a directory
+    code, err = train(model_dir, str(shards), tmp_path / "run", capsys)
+    assert code == 2 and "Traceback" not in err
+    assert f"{shards / 'part.jsonl'}: cannot be opened (IsADirectoryError: " in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not data")
+    code, err = train(model_dir, str(empty), tmp_path / "run", capsys)
+    assert code == 2 and "Traceback" not in err and f"no .jsonl or .parquet files in {empty}" in err
+
+
+def test_bad_jsonl_lines_are_counted_rows_and_a_binary_file_is_one_line(model_dir, tmp_path, capsys):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"".join([json.dumps(ROW).encode(), b"\n{not json\n", b"\xff\xfe\x00bytes\n"]))
+    report = data.DataReport()
+    assert [r["id"] for r in data.read_rows(str(path), report=report)] == ["a"]
+    assert report.row_errors == ["line 2: not a JSON object", "line 3: not a JSON object"]
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)  # four newlines: five lines of bytes that are not UTF-8
+    code, err = train(model_dir, str(binary), tmp_path / "run", capsys)
+    assert code == 2 and "Traceback" not in err and f"{binary}: none of its 5 rows is usable" in err
