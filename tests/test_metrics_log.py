@@ -1,0 +1,88 @@
+"""``metrics.jsonl`` with an offline Weights & Biases run beside it, read back from W&B's own ``.wandb`` file."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from lspo_jax.metrics_log import MetricsLog, read_metrics, wandb_options
+from lspo_jax.train_config import ConfigError, load_config
+
+RECORDS = [
+    {"kind": "eval", "step": 0, "benchmark": "math500", "accuracy": 0.25, "pass@1": 0.5},
+    {"kind": "train", "step": 1, "loss": 0.5, "entropy": float("nan"), "update_skipped": False},
+    {"kind": "train", "step": 2, "loss": 0.25},
+    {"kind": "train", "step": 1, "loss": 9.0},  # a resume re-logging step 1: in the JSON log, not in W&B
+]
+
+
+def wandb_history(path: Path) -> list[dict]:
+    """The history rows of a ``.wandb`` file: a ``:W&B`` header (7 bytes), then records framed as in LevelDB's
+    log (crc32c 4, length 2, type 1) holding ``wandb_internal_pb2.Record`` protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    rows, pos = [], 7
+    while pos + 7 <= len(data):
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        assert kind == 1, "a record split over 32 KiB blocks: this small reader does not join them"
+        record = wandb_internal_pb2.Record.FromString(data[pos + 7 : pos + 7 + length])
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item  # "train/loss" is stored as a nested key
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
+        pos += 7 + length
+    return rows
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # leave pytest's capture of stdout alone
+    return {"project": "lspo_jax_test", "mode": "offline", "config": {"steps": 2}}
+
+
+def test_offline_wandb_run_holds_the_logged_steps(tmp_path, offline_wandb):
+    import wandb
+
+    run_dir = tmp_path / "run"
+    for _ in range(2):  # the second pass is a resumed run: the same W&B id, the same JSON log
+        log = MetricsLog(str(run_dir), wandb=offline_wandb)
+        for record in RECORDS:
+            log.write(record)
+        log.close()
+        # finish() can return before W&B's service process has written the file; teardown waits for it.
+        wandb.teardown()
+    assert len(read_metrics(str(run_dir / "metrics.jsonl"))) == 2 * len(RECORDS)
+    run_id = (run_dir / "wandb_id").read_text()
+    # Both passes wrote under the stored id (within one second they share a directory).
+    assert {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")} == {run_id}
+    history = wandb_history(next((run_dir / "wandb").glob(f"offline-run-*/run-{run_id}.wandb")))
+    assert [row["_step"] for row in history] == [0, 1, 2]
+    assert history[0]["eval/math500/pass@1"] == 0.5 and history[0]["eval/math500/accuracy"] == 0.25
+    assert history[1]["train/loss"] == 0.5 and "train/entropy" not in history[1]  # NaN is null: not a number
+    assert history[2]["train/loss"] == 0.25 and all(row.get("train/loss") != 9.0 for row in history)
+
+
+def test_wandb_options_follow_the_log_section(monkeypatch):
+    assert wandb_options(load_config(None)) is None
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: `import wandb` raises ImportError
+    with pytest.raises(ConfigError, match=r"^log\.wandb: wandb is not installed"):
+        wandb_options(load_config(None, ["log.wandb=true"]))
+    with pytest.raises(ConfigError, match=r"log\.wandb_mode: must be online or offline"):
+        load_config(None, ["log.wandb_mode=cloud"])
+
+
+def test_wandb_options_carry_project_mode_and_config():
+    pytest.importorskip("wandb")
+    options = wandb_options(load_config(None, ["log.wandb=true", "log.wandb_mode=online", "steps=7"]))
+    assert options["project"] == "lspo_jax" and options["mode"] == "online"
+    assert options["config"]["steps"] == 7 and options["config"]["log"]["wandb"] is True
