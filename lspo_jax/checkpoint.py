@@ -4,15 +4,23 @@ The adapter is never written: it lives for one step and is discarded (the delive
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-write
 leaves the previous checkpoint intact; ``keep`` bounds how many are kept. Sharded arrays are written by
 the devices (and hosts) that hold them; every process of a multi-host run calls ``save`` and ``restore``.
+
+A checkpoint damaged afterwards (a truncated file, a disk error) is reported as ``CheckpointError`` naming
+its step; ``restore_readable`` then falls back to the newest step that restores.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint step that is missing or cannot be read; the message names the step and the directory."""
 
 
 class Checkpointer:
@@ -26,6 +34,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """Every complete step on disk, oldest first (a write cut short is not listed)."""
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         if "lora" in state:
             raise ValueError("refusing to checkpoint an adapter: LSPO's adapter is discarded every step")
@@ -38,14 +50,71 @@ class Checkpointer:
 
         Each leaf comes back in its target's layout, whatever mesh wrote it: a run saved with fsdp = 8 resumes
         on fsdp = 2 x tp = 4 given a target from ``sharding.abstract_params`` / ``opt_state_shardings``.
+        Raises ``CheckpointError`` when ``step`` (default: the latest) is absent or unreadable.
         """
-        step = self.latest_step() if step is None else step
+        steps = self.steps()
+        step = (steps[-1] if steps else None) if step is None else step
         if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint at step {step} in {self.directory}; its steps: {_listed(steps)}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-        restored = self._manager.restore(step, args=args)
+        try:
+            restored = self._manager.restore(step, args=args)
+        except Exception as err:  # orbax, tensorstore and json each raise their own kinds for a damaged file
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable: {_reason(err)}") from err
         return restored["state"], restored["meta"]
+
+    def restore_readable(
+        self, target: dict[str, Any], before: int | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        """The newest step (below ``before`` when given) that restores, and one line per newer step that did not.
+
+        Raises ``CheckpointError`` listing every failure when none restores.
+        """
+        failures = []
+        for step in reversed([s for s in self.steps() if before is None or s < before]):
+            try:
+                return (*self.restore(step, target), failures)
+            except CheckpointError as err:
+                failures.append(str(err))
+        raise CheckpointError("; ".join(failures) if failures else f"no checkpoint in {self.directory}")
+
+    def readable_steps(self, target: dict[str, Any]) -> list[int]:
+        """The steps that restore into ``target`` (each is read in full: for error messages, not a hot path)."""
+        readable = []
+        for step in self.steps():
+            try:
+                self.restore(step, target)
+                readable.append(step)
+            except CheckpointError:
+                pass
+        return readable
+
+    def set_aside(self, steps: list[int]) -> str:
+        """Move unreadable ``steps`` out of the way (to ``<directory>.unreadable/``), so that the run can write
+        those steps again; returns where they went. Called by one process of a run."""
+        aside = self.directory + ".unreadable"
+        os.makedirs(aside, exist_ok=True)
+        for step in steps:
+            source, dest = os.path.join(self.directory, str(step)), os.path.join(aside, str(step))
+            if os.path.exists(dest):
+                shutil.rmtree(dest)
+            shutil.move(source, dest)
+        self._manager.reload()
+        return aside
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _listed(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if steps else "none"
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of an error, short enough for a one-line message."""
+    lines = str(err).strip().splitlines()
+    text = lines[0].split(". See ")[0][:160] if lines else ""  # tensorstore appends pages of details
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__

@@ -7,24 +7,39 @@ import json
 import os
 import sys
 
+EXIT_CONFIG = 2  # a bad config, file, path or checkpoint: nothing ran
+EXIT_STOPPED = 75  # stopped by SIGTERM or Ctrl-C with a checkpoint written: `--resume` continues it (EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130  # Ctrl-C before the run had started: nothing to resume from it
+
+
+def _quiet_imports() -> None:
+    """transformers announces at import that PyTorch is absent (the JAX path never needs it), as advice:
+    advice is off unless the user set ``TRANSFORMERS_NO_ADVISORY_WARNINGS`` themselves; its warnings stay."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lspo-train", description="Train with LSPO (or DAPO: scaffold.enabled=false).")
-    p.add_argument("--config", help="YAML config (defaults apply to keys it does not name)")
+    p = argparse.ArgumentParser(
+        prog="lspo-train",
+        description="Train with LSPO (or DAPO: scaffold.enabled=false).",
+        epilog=f"Exit status: 0 finished; {EXIT_CONFIG} bad config, data, path or checkpoint (nothing ran); 3 stopped "
+        f"after non-finite updates in a row; {EXIT_STOPPED} stopped by SIGTERM or Ctrl-C with a checkpoint written "
+        f"(--resume continues it); {EXIT_INTERRUPTED} interrupted during start-up.",
+    )
+    p.add_argument("--config", help="YAML config (defaults apply to keys it does not name); a new run needs one")
     p.add_argument("--out", required=True, help="output directory: metrics, checkpoints, summary, plots")
     p.add_argument(
         "--resume",
         action="store_true",
         help="continue from the latest checkpoint in --out (with its config.yaml when --config is not given)",
     )
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. rollout.group_size=8")
     return p
 
 
 def _enable_compilation_cache() -> None:
     """Keep compiled XLA programs on disk: a second run of the same shapes starts in seconds, not minutes."""
-    import os
-
     import jax
 
     path = os.environ.get("LSPO_JAX_COMPILATION_CACHE", os.path.expanduser("~/.cache/lspo_jax/xla"))
@@ -33,25 +48,64 @@ def _enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-def train_main(argv: list[str] | None = None) -> int:
-    args = _train_parser().parse_args(argv)
-    _enable_compilation_cache()
-    from lspo_jax.data import DataError
-    from lspo_jax.run import RunStopped, train_run
+def has_checkpoint(out_dir: str) -> bool:
+    """Whether ``out_dir`` holds a finished checkpoint step (orbax names them by number), without orbax."""
+    directory = os.path.join(out_dir, "checkpoints")
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def _train_config(args):
+    """The run's config: ``--config`` (or, resuming without one, the run's own ``config.yaml``) and overrides."""
     from lspo_jax.train_config import ConfigError, load_config
 
-    config_path = args.config
     saved = os.path.join(args.out, "config.yaml")
+    if args.resume and not has_checkpoint(args.out):
+        raise FileNotFoundError(f"nothing to resume in {args.out}: it holds no checkpoint")
+    config_path = args.config
     if config_path is None and args.resume and os.path.exists(saved):
         config_path = saved  # the run's own settings, the overrides on top
-        print(f"lspo-train: resuming with {saved}", file=sys.stderr)
+        if not args.print_config:
+            print(f"lspo-train: resuming with {saved}", file=sys.stderr)
+    if config_path is None:
+        # The built-in defaults are the paper's shape (32 x 16 rollouts of 8192 tokens): no machine to run by
+        # accident. configs/ has the recipes.
+        raise ConfigError("--config: a new run needs a config file (configs/demo.yaml is the CPU demo, "
+                          "configs/lspo_deepmath_r1_distill_qwen_1p5b.yaml the paper's recipe)")  # fmt: skip
     # Process 0 wrote config.yaml, with its own mesh.process_id: each host takes its id from the environment.
     overrides = ["mesh.process_id=null", *args.overrides] if config_path == saved else args.overrides
+    return load_config(config_path, overrides)
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    args = _train_parser().parse_args(argv)
+    _quiet_imports()
     try:
-        config = load_config(config_path, overrides)
+        return _train(args)
+    except KeyboardInterrupt:  # before the run's own handlers are in place (they checkpoint and stop)
+        print("lspo-train: interrupted during start-up; nothing was trained", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _train(args) -> int:
+    from lspo_jax.checkpoint import CheckpointError
+    from lspo_jax.data import DataError
+    from lspo_jax.train_config import ConfigError, to_dict
+
+    try:
+        config = _train_config(args)
     except ConfigError as err:
         print(f"lspo-train: config error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except FileNotFoundError as err:
+        print(f"lspo-train: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    _enable_compilation_cache()
+    from lspo_jax.run import RunStopped, train_run
     from lspo_jax.sharding import initialize_distributed
 
     # Before any other JAX call: every process of a multi-host job must join before devices are listed.
@@ -61,17 +115,21 @@ def train_main(argv: list[str] | None = None) -> int:
     except RunStopped as err:
         print(f"lspo-train: stopped: {err}", file=sys.stderr)
         return 3
-    except (FileExistsError, FileNotFoundError, DataError) as err:
+    except (FileExistsError, FileNotFoundError, NotADirectoryError, DataError, CheckpointError) as err:
         print(f"lspo-train: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except ConfigError as err:
         print(f"lspo-train: config error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     print(format_summary(summary))
     import jax
 
     if jax.process_index() == 0:  # one writer of the run directory, as for its logs and config
         _plot(args.out)
+    if summary.get("stopped_early"):
+        print(f"lspo-train: stopped at step {summary['steps']} with a checkpoint; --resume continues it "
+              f"(exit status {EXIT_STOPPED})", file=sys.stderr)  # fmt: skip
+        return EXIT_STOPPED
     return 0
 
 
@@ -85,8 +143,9 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"steps {summary['steps']} in {summary['seconds']} s"
         + (" (stopped early)" if summary["stopped_early"] else ""),
-        f"cliff groups {summary['cliff_groups']}, surpassed {summary['surpassed_groups']} "
-        f"(surpass rate {pct(summary['surpass_rate'])})",
+        f"cliff groups {summary['cliff_groups']}, {summary['scaffold_attempted']} attempted by the scaffold "
+        f"({summary['scaffold_no_solution']} without a worked solution), surpassed {summary['surpassed_groups']} "
+        f"(surpass rate {pct(summary['surpass_rate'])} of those attempted)",
         f"per-rollout pass rate after the scaffold {pct(summary['rescue_pass_rate'])} "
         f"({summary['rerolls_passed']} of {summary['rerolls']} re-rollouts verified)",
     ]
@@ -130,7 +189,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="where benchmark names resolve (default: ../shared/data)")
     p.add_argument("--n", type=int, default=None, help="samples per problem (default: eval.n)")
     p.add_argument("--ks", default=None, help="comma-separated k (default: eval.ks; with --n, n and 1,4,8,16 <= n)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark")
+    p.add_argument("--limit", type=int, default=None, help="the first N problems of each file")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens")
     p.add_argument("--temperature", type=float, default=None, help="default: eval.temperature")
     p.add_argument(
@@ -173,6 +232,9 @@ def _eval_model(args):
 
     if export.is_run_dir(args.model):
         run, policy, params, step = export.restore_run(args.model, args.step, args.overrides)
+    elif args.step is not None:
+        raise FileNotFoundError(f"--step {args.step}: {args.model} is not a training run (no config.yaml and "
+                                "checkpoints/ in it)")  # fmt: skip
     else:
         run = load_config(args.config, [f"model.path={json.dumps(args.model)}", *args.overrides])
         policy, params = load_policy(run, os.path.join(os.path.expanduser("~"), ".cache", "lspo_jax"))
@@ -180,33 +242,57 @@ def _eval_model(args):
     return _eval_settings(run, args), policy, params, step
 
 
+def check_output_file(path: str) -> None:
+    """Refuse, before any work, an output file that could not be written at the end."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise FileExistsError(f"--out {path} is a directory; name a file to write the results to")
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"--out {path}: no directory {parent} to write it in")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise PermissionError(f"--out {path}: not writable")
+
+
 def eval_main(argv: list[str] | None = None) -> int:
     args = _eval_parser().parse_args(argv)
+    _quiet_imports()
+    try:
+        return _eval(args)
+    except KeyboardInterrupt:
+        print("lspo-eval: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _eval(args) -> int:
     _enable_compilation_cache()
     import time
 
     import jax
 
     from lspo_jax import evaluation
+    from lspo_jax.checkpoint import CheckpointError
     from lspo_jax.run import load_benchmarks, make_verifier
     from lspo_jax.train_config import ConfigError
 
     try:
+        if args.out:
+            check_output_file(args.out)
         run, policy, params, step = _eval_model(args)
         benchmarks = load_benchmarks(run, policy, run.eval.benchmarks)
-    except ConfigError as err:
-        print(f"lspo-eval: config error: {err}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as err:
-        print(f"lspo-eval: {err}", file=sys.stderr)
-        return 2
-    pool = make_verifier(run)
-    results, key = {}, jax.random.key(run.seed)
-    try:
         for name, (examples, report) in benchmarks.items():
             _warn_about_rows(name, report)
             if not examples:
-                continue
+                raise ValueError(f"{name}: no problem is left to evaluate (rows read: {report['rows']})")
+    except ConfigError as err:
+        print(f"lspo-eval: config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (CheckpointError, OSError, ValueError) as err:
+        print(f"lspo-eval: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    pool = make_verifier(run)
+    results, key = {}, jax.random.key(run.seed)
+    try:
+        for name, (examples, _) in benchmarks.items():
             start = time.perf_counter()
             correct = evaluation.correct_table(run, policy, params, examples, pool, evaluation.benchmark_key(key, name))
             results[name] = {
@@ -247,8 +333,18 @@ def export_main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="directory to write (config.json, model.safetensors, tokenizer files)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     args = p.parse_args(argv)
-    from lspo_jax.export import export_checkpoint
+    _quiet_imports()
+    try:
+        from lspo_jax.checkpoint import CheckpointError
+        from lspo_jax.export import export_checkpoint
+        from lspo_jax.train_config import ConfigError
 
-    path = export_checkpoint(args.run_dir, args.out, step=args.step)
+        path = export_checkpoint(args.run_dir, args.out, step=args.step)
+    except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError, NotADirectoryError) as err:
+        print(f"lspo-export: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("lspo-export: interrupted; nothing was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(json.dumps({"exported": os.path.abspath(path)}))  # absolute: the line is read by scripts run elsewhere
     return 0

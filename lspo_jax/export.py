@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import jax
 
 from lspo_jax import hf
-from lspo_jax.checkpoint import Checkpointer
+from lspo_jax.checkpoint import Checkpointer, CheckpointError
 from lspo_jax.model import Params
 from lspo_jax.run import abstract_checkpoint_state, load_policy, model_dir
 from lspo_jax.train import Policy
@@ -42,13 +42,28 @@ def restore_run(
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=run.checkpoint.keep)
     try:
         restored, meta = checkpointer.restore(step, target)
+    except CheckpointError as err:
+        if step is not None and step not in checkpointer.steps():
+            raise
+        others = [s for s in checkpointer.readable_steps(target) if s != (step or checkpointer.latest_step())]
+        hint = f"readable steps: {', '.join(map(str, others))} (pass --step)" if others else "no other step is readable"
+        raise CheckpointError(f"{err}; {hint}") from None
     finally:
         checkpointer.close()
     return run, policy, {"base": restored["base"]}, int(meta["step"])
 
 
+def check_run_dir(run_dir: str) -> None:
+    """Refuse, in one line, a path that is not a training run's output directory."""
+    if not is_run_dir(run_dir):
+        raise FileNotFoundError(f"{run_dir} is not a training run (no config.yaml and checkpoints/ in it)")
+
+
 def export_checkpoint(run_dir: str, out: str, step: int | None = None) -> str:
     """Write the base params of checkpoint ``step`` (default: the latest) of ``run_dir`` to ``out``; return ``out``."""
+    check_run_dir(run_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"{out} exists and is not a directory: lspo-export writes a Hugging Face directory")
     run, policy, params, _ = restore_run(run_dir, step)
     hf.save_pretrained(out, policy.config, params, tokenizer_from=model_dir(run, os.path.join(run_dir, "cache")))
     return out

@@ -87,6 +87,11 @@ def adamw_transform(config: AdamWConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
 
 
+def learning_rate(config: AdamWConfig, count: int) -> float:
+    """The rate of ``config``'s schedule at the update that follows ``count`` applied ones."""
+    return float(_warmup_schedule(config.lr, config.warmup_steps)(count))
+
+
 def _warmup_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
     if warmup_steps == 0:
         return optax.constant_schedule(lr)

@@ -19,13 +19,13 @@ import numpy as np
 import yaml
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
-from tqdm import tqdm
 
 from lspo_jax import data, evaluation, first_mistake, hf, l2rr, model, optim, rewards, reweight, sharding, toy
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
-from lspo_jax.metrics_log import MetricsLog, NullLog
+from lspo_jax.metrics_log import MetricsLog, NullLog, read_metrics, wandb_options
 from lspo_jax.model import Params
+from lspo_jax.progress import Progress
 from lspo_jax.train import Policy, StepAbandoned, StopFlag, TrainState, place_state, train_step
 from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
 
@@ -131,21 +131,25 @@ def make_engine(run: TrainConfig, policy: Policy, out_dir: str) -> Any:
     )  # fmt: skip
 
 
-def load_examples(run: TrainConfig, policy: Policy, spec: str, seed: int) -> tuple[list[data.Example], dict]:
+def load_examples(
+    run: TrainConfig, policy: Policy, spec: str, seed: int, max_rows: int | None = None
+) -> tuple[list[data.Example], dict]:
     """Tokenised examples of ``spec`` with invalid rows and unparseable gold answers excluded, and the report."""
-    examples, report = data.load_examples(spec, policy.tokenizer, run.data, seed=seed)
+    examples, report = data.load_examples(spec, policy.tokenizer, run.data, seed=seed, max_rows=max_rows)
     return examples, dataclasses.asdict(report)
 
 
 def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> dict[str, tuple[list, dict]]:
-    """Benchmark name -> (its first ``eval.limit`` examples, its load report); names resolve in ``eval.data_dir``."""
+    """Benchmark name -> (its examples, its load report); names resolve in ``eval.data_dir``. With ``eval.limit``
+    only the first that many problems of each file are read: those that loading drops among them are reported,
+    not replaced by later ones, so a limited run is a prefix of the benchmark."""
     out: dict[str, tuple[list, dict]] = {}
     for spec in specs:
         name = evaluation.benchmark_name(spec)
         if name in out:
             raise ConfigError(f"eval.benchmarks: two benchmarks are named {name!r}; rename one of the files")
-        examples, report = load_examples(run, policy, evaluation.benchmark_path(spec, run.eval.data_dir), run.seed)
-        out[name] = (examples[: run.eval.limit] if run.eval.limit else examples, report)
+        path = evaluation.benchmark_path(spec, run.eval.data_dir)
+        out[name] = load_examples(run, policy, path, run.seed, max_rows=run.eval.limit)
     return out
 
 
@@ -198,6 +202,8 @@ class Run:
         # Several hosts share out_dir: process 0 writes the files, all of them write checkpoint shards.
         self.writer = jax.process_index() == 0
         # Refusals first, before anything is loaded or written: the run's own config.yaml stays as it was.
+        # Checked before the model loads: a W&B run asked for without wandb installed fails here.
+        self.wandb = wandb_options(run) if self.writer else None
         self.checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=run.checkpoint.keep)
         latest = self.checkpointer.latest_step()
         if latest is not None and not resume:
@@ -206,6 +212,9 @@ class Run:
                 f"{out_dir} already holds a run (checkpoint at step {latest}): pass --resume to continue it, "
                 "or choose another --out"
             )
+        if latest is None and resume:
+            self.checkpointer.close()
+            raise FileNotFoundError(f"nothing to resume in {out_dir}: it holds no checkpoint")
         if latest is not None:
             check_resumable(run, out_dir, self.checkpointer)
         try:
@@ -219,6 +228,15 @@ class Run:
         out_dir = self.out_dir
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
         self.policy = dataclasses.replace(self.policy, mesh=run_mesh(run))
+        if run.rollout.engine == "vllm":  # before the data and the state load: the engine starts last
+            from lspo_jax import vllm_sampler
+
+            if self.writer:  # before vLLM is first imported: it logs from then on
+                vllm_sampler.route_logs(os.path.join(out_dir, "vllm.log"))
+            try:
+                vllm_sampler.check_model(self.policy.config)
+            except ValueError as err:
+                raise ConfigError(f"rollout.engine: {err}") from None
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
         if self.writer and (line := data.DataReport(**self.data_report).losses()):
             print(f"lspo-train: data.train {run.data.train}: {line}", file=sys.stderr)  # also in summary.json
@@ -240,6 +258,7 @@ class Run:
         self.tx = optim.make_optimizer(run.optim, run.scaffold.sft)
         params, opt_state = place_state(run, self.policy, params, self.tx.init(params))
         self.state = TrainState(step=0, params=params, opt_state=opt_state)
+        self.history: list[dict[str, Any]] = []  # every record of the run, those before a resume included
         if resume:
             self._restore()
         if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
@@ -248,7 +267,7 @@ class Run:
         if run.first_mistake.enabled:
             judge = judge or make_judge(run, self.policy, self.state.params)
             self.policy = dataclasses.replace(self.policy, judge=judge)
-        self.log = MetricsLog(out_dir) if self.writer else NullLog()
+        self.log = self._open_log() if self.writer else NullLog()
         if verifier is None:
             verifier = make_verifier(run)
         self.pool = verifier if jax.process_count() == 1 else AgreedVerifier(verifier)
@@ -259,6 +278,13 @@ class Run:
         """Benchmark name -> examples, and name -> load report; the toy task validates on its own held-out set."""
         specs = self.run.eval.benchmarks or (("toy:heldout",) if data.is_generated(self.run.data.train) else ())
         loaded = load_benchmarks(self.run, self.policy, specs)
+        for name, (examples, report) in loaded.items():
+            if not examples:
+                raise data.DataError(f"eval.benchmarks: {name} keeps no problem to validate on ({report['rows']} "
+                                     f"rows; {data.DataReport(**report).losses()})")  # fmt: skip
+            if self.writer and (line := data.DataReport(**report).losses()):
+                print(f"lspo-train: eval.benchmarks {name}: {len(examples)} problems validated; {line}",
+                      file=sys.stderr)  # fmt: skip
         return {name: ex for name, (ex, _) in loaded.items()}, {name: report for name, (_, report) in loaded.items()}
 
     # ---------------------------------------------------------------------------------- checkpoints
@@ -270,7 +296,26 @@ class Run:
         self.checkpointer.save(self.state.step, checkpoint_state(self.state.params, self.state.opt_state), meta)
 
     def _restore(self) -> None:
-        restored, meta = self.checkpointer.restore(None, checkpoint_state(self.state.params, self.state.opt_state))
+        """The newest readable checkpoint; newer unreadable ones are set aside (and said so), so the run writes
+        those steps again. The run's records are taken up to that step: what followed it is redone."""
+        target = checkpoint_state(self.state.params, self.state.opt_state)
+        restored, meta, failures = self.checkpointer.restore_readable(target)
+        step = int(meta["step"])
+        if step > self.run.steps:
+            raise ConfigError(
+                f"steps: {self.run.steps} is below the run's step {step} (its checkpoint); pass steps={step} or more"
+            )
+        if failures:
+            unreadable = [s for s in self.checkpointer.steps() if s > step]
+            if jax.process_count() > 1:  # every process has read before one moves the files
+                multihost_utils.sync_global_devices("lspo_jax: unreadable checkpoints found")
+            aside = self.checkpointer.set_aside(unreadable) if self.writer else self.checkpointer.directory
+            if self.writer:
+                for line in failures:
+                    print(f"lspo-train: {line}", file=sys.stderr)
+                print(f"lspo-train: resuming from step {step}, the newest readable checkpoint; the unreadable ones "
+                      f"are in {aside}", file=sys.stderr)  # fmt: skip
+        self.history = _records_until(os.path.join(self.out_dir, "metrics.jsonl"), step)
         params = {**self.state.params, "base": restored["base"]}
         self.state = TrainState(
             step=int(meta["step"]), params=params, opt_state=with_rl_state(self.state.opt_state, restored["rl_opt"]),
@@ -279,6 +324,18 @@ class Run:
         self.order.restore(meta["order"])
         if self.sampler is not None:
             self.sampler.load_state_dict(meta["sampler"])
+
+    def _open_log(self) -> MetricsLog:
+        """The run's metrics log, cut back to the restored step: a resumed run's records read as if it had
+        never stopped (steps logged after its checkpoint are not repeated)."""
+        path = os.path.join(self.out_dir, "metrics.jsonl")
+        if os.path.exists(path):
+            _rewrite(path, self.history)
+        return MetricsLog(self.out_dir, wandb=self.wandb, purge_step=self.state.step + 1 if self.state.step else None)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        self.log.write(record)
 
     # ----------------------------------------------------------------------------------------- loop
     def validate(self) -> dict[str, dict[str, float]] | None:
@@ -290,28 +347,38 @@ class Run:
             self.run, self.policy, self.state.params, self.held_out, self.pool, key
         )
         for name, result in results.items():
-            self.log.write({"kind": "eval", "step": self.state.step, "benchmark": name, **result})
+            self._write({"kind": "eval", "step": self.state.step, "benchmark": name, **result})
         return results
+
+    def _validate_once(self) -> None:
+        """Validate at this step unless its records exist (a resumed run validated it before it stopped)."""
+        if not any(r["kind"] == "eval" and r["step"] == self.state.step for r in self.history):
+            self.validate()
 
     def train(self) -> dict[str, Any]:
         run, start = self.run, time.perf_counter()
-        # A resumed run was validated at this step before it stopped (or will be at the end): only a fresh
-        # run records the "before" figures.
-        before = self.validate() if self.state.step == 0 else None
-        totals = {"cliff_groups": 0, "surpassed_groups": 0, "rerolls_passed": 0, "rerolls": 0, "rollouts": 0,
-                  "rollouts_spent": 0}  # fmt: skip
-        bar = tqdm(total=run.steps, initial=self.state.step, desc="lspo", unit="step", dynamic_ncols=True,
-                   disable=not self.writer)  # fmt: skip
+        if self.state.step == run.steps and self.writer:
+            print(f"lspo-train: {self.out_dir} is at step {run.steps} of steps={run.steps}: nothing to train "
+                  f"(pass steps=N above {run.steps} to go on)", file=sys.stderr)  # fmt: skip
+        progress = Progress(run.steps, self.state.step, enabled=self.writer)
         # The handlers stay until the end: a signal during the last save or validation is a stop, not a kill.
         with StopFlag() as stop:
-            stopped = self._steps(stop, totals, bar)
-            bar.close()
+            if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
+                self._validate_once()  # stop or a kill cut short
+            stopped = self._steps(stop, progress)
+            progress.close()
             if self.checkpointer.latest_step() != self.state.step:
                 self.save()
-            after = self.validate() if not stopped else None
-        return self._summary(before, after, totals, time.perf_counter() - start, stopped)
+            if not stopped:
+                self._validate_once()
+        return self._summary(time.perf_counter() - start, stopped)
 
-    def _steps(self, stop: StopFlag, totals: dict[str, int], bar: tqdm) -> bool:
+    def _due(self, step: int) -> bool:
+        """Whether validation is scheduled at ``step`` (before training, every ``eval.every``, at the end)."""
+        every = self.run.eval.every
+        return step in (0, self.run.steps) or bool(every and step % every == 0)
+
+    def _steps(self, stop: StopFlag, progress: Progress) -> bool:
         """Steps until ``run.steps``, checkpointing and validating on schedule; returns whether a stop ended them."""
         run = self.run
         while self.state.step < run.steps:
@@ -320,12 +387,9 @@ class Run:
             try:
                 metrics = self.one_step(stop)
             except StepAbandoned as err:
-                tqdm.write(f"lspo: {err}: step {self.state.step + 1} abandoned, its prompts not consumed")
+                progress.write(f"lspo: {err}: step {self.state.step + 1} abandoned, its prompts not consumed")
                 return True
-            _accumulate(totals, metrics, run.rollout.group_size)
-            bar.update(1)
-            bar.set_postfix(acc=f"{metrics['accuracy_mean']:.2f}", cliffs=metrics["cliff_groups"],
-                            rescued=metrics["surpassed_groups"])  # fmt: skip
+            progress.step(self.state.step, metrics)
             if self.state.nonfinite_in_row >= run.max_nonfinite_in_row:
                 self.save()
                 raise RunStopped(f"{self.state.nonfinite_in_row} non-finite updates in a row at step "
@@ -335,7 +399,7 @@ class Run:
                 self.save()
             if stopping:
                 return True  # no scheduled validation: a stopping job has a grace period to keep
-            if run.eval.every and self.state.step % run.eval.every == 0 and self.state.step < run.steps:
+            if self._due(self.state.step) and self.state.step < run.steps:  # the last one follows the loop
                 self.validate()
         return False
 
@@ -356,7 +420,7 @@ class Run:
             if sampler is not None:
                 self.sampler.load_state_dict(sampler)
             raise
-        self.log.write({"kind": "train", **metrics})
+        self._write({"kind": "train", **metrics})
         return metrics
 
     def _reweighted_step(self, key, stop: StopFlag | None) -> dict[str, Any]:
@@ -371,16 +435,24 @@ class Run:
             before_update=score, stop=stop,
         )  # fmt: skip
 
-    def _summary(self, before, after, totals, seconds, stopped) -> dict[str, Any]:
+    def _summary(self, seconds: float, stopped: bool) -> dict[str, Any]:
+        """The whole run's figures, from its records (those logged before a resume included)."""
+        train = [r for r in self.history if r["kind"] == "train"]
+        totals = {key: sum(int(r.get(key) or 0) for r in train) for key in SUMMED}
+        # Rollouts drawn, every L2RR draw round's included (the update batch holds ``rollouts`` of them).
+        totals["rollouts_spent"] = sum(int(r.get("sampler/rollouts_step", r["rollouts"])) for r in train)
+        attempted = totals["scaffold_attempted"]
         summary = {
             "steps": self.state.step,
             "stopped_early": stopped,
             "seconds": round(seconds, 1),
             **totals,
-            "surpass_rate": totals["surpassed_groups"] / totals["cliff_groups"] if totals["cliff_groups"] else None,
+            # The paper's definition: surpassed over the cliff groups the scaffold attempted (those with a
+            # worked solution); cliff groups without one are counted in scaffold_no_solution.
+            "surpass_rate": totals["surpassed_groups"] / attempted if attempted else None,
             "rescue_pass_rate": totals["rerolls_passed"] / totals["rerolls"] if totals["rerolls"] else None,
-            "held_out_before": before,
-            "held_out_after": after,
+            "held_out_before": self._held_out_at(0),
+            "held_out_after": None if stopped else self._held_out_at(self.state.step),
             "held_out_data": self.held_out_data,
             "nonfinite_updates": self.state.nonfinite_total,
             "data": self.data_report,
@@ -389,6 +461,15 @@ class Run:
             with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
         return summary
+
+    def _held_out_at(self, step: int) -> dict[str, dict] | None:
+        """Benchmark -> its validation figures at ``step``, from the run's records (None: not validated)."""
+        found = {
+            r["benchmark"]: {k: v for k, v in r.items() if k not in ("kind", "step", "benchmark")}
+            for r in self.history
+            if r["kind"] == "eval" and r["step"] == step
+        }
+        return found or None
 
     def close(self) -> None:
         if self.policy.engine is not None:
@@ -399,15 +480,21 @@ class Run:
         self.checkpointer.close()
 
 
-def _accumulate(totals: dict, metrics: dict, group_size: int) -> None:
-    totals["cliff_groups"] += metrics["cliff_groups"]
-    totals["rollouts"] += metrics["rollouts"]  # base rollouts in the update batch, re-rolls not included
-    totals["rollouts_spent"] += metrics.get("sampler/rollouts_step", metrics["rollouts"])  # every draw round's
-    totals["surpassed_groups"] += metrics["surpassed_groups"]
-    if metrics.get("rescue_pass_rate") is not None:
-        rerolls = (metrics["cliff_groups"] - metrics["scaffold_no_solution"]) * group_size
-        totals["rerolls"] += rerolls
-        totals["rerolls_passed"] += round(metrics["rescue_pass_rate"] * rerolls)
+# Train-record counts the summary adds up over the run.
+SUMMED = ("cliff_groups", "scaffold_attempted", "scaffold_no_solution", "surpassed_groups", "rerolls",
+          "rerolls_passed", "rollouts")  # fmt: skip
+
+
+def _records_until(path: str, step: int) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl`` up to ``step`` (what a checkpoint at ``step`` had seen)."""
+    return [r for r in read_metrics(path) if r["step"] <= step] if os.path.exists(path) else []
+
+
+def _rewrite(path: str, records: list[dict[str, Any]]) -> None:
+    """Replace ``metrics.jsonl`` by ``records`` at once (a kill mid-way leaves the old file whole)."""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
 
 
 def train_run(run: TrainConfig, out_dir: str, *, resume: bool = False) -> dict[str, Any]:

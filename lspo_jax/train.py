@@ -243,7 +243,8 @@ def run_scaffold(
     cliffs = scaffold.find_cliffs(rows["accuracy"], k, valid)
     has_solution = np.array([ex.solution_ids is not None for ex in batch_examples])
     usable = cliffs & has_solution
-    metrics = {"cliff_groups": int(cliffs.sum()), "scaffold_no_solution": int((cliffs & ~has_solution).sum())}
+    metrics = {"cliff_groups": int(cliffs.sum()), "scaffold_no_solution": int((cliffs & ~has_solution).sum()),
+               "scaffold_attempted": int(usable.sum()) if run.scaffold.enabled else 0}  # fmt: skip
     if not run.scaffold.enabled or not usable.any():
         return rows, np.zeros(len(rows["accuracy"]), bool), metrics
     cliff_examples = [batch_examples[g] for g in np.flatnonzero(usable)]
@@ -277,7 +278,9 @@ def run_scaffold(
         surpassed_groups=stats.num_surpassed,
         spliced_rows=stats.num_spliced,
         rescue_pass_rate=stats.reroll_pass_rate,
-        surpass_rate=stats.surpass_rate,
+        surpass_rate=stats.surpass_rate,  # over the cliff groups the scaffold attempted, as in the summary
+        rerolls=stats.num_rerolls,
+        rerolls_passed=stats.num_passing_rerolls,
     )
     return spliced, spliced_rows, metrics
 
@@ -343,6 +346,9 @@ def train_step(
         batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
         batch["advantages"] = advantages
         extra_metrics = before_update(batch) if before_update is not None else {}
+        # The rate this update is taken at: the schedule's count is the updates applied so far (a non-finite
+        # update is skipped whole, its optimizer state included).
+        lr = optim.learning_rate(run.optim, state.step - state.nonfinite_total)
         update_metrics = apply_rl_update(run, policy, state, batch)
     finite = bool(update_metrics.pop("finite"))
     state.nonfinite_in_row = 0 if finite else state.nonfinite_in_row + 1
@@ -354,7 +360,10 @@ def train_step(
         "surpassed_groups": 0,
         "spliced_rows": 0,
         "rescue_pass_rate": None,
+        "rerolls": 0,
+        "rerolls_passed": 0,
         **scaffold_metrics,
+        "lr": lr,
         "spliced_ratio_mean": spliced_ratio,
         "spliced_accuracy_mean": float(rows["accuracy"].mean()),
         "clip_frac_low": update_metrics.get("clip_frac_low"),

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_close_relative
 
 from lspo_jax import losses, model, optim
 from lspo_jax.config import ModelConfig
@@ -176,8 +177,10 @@ def test_warmup_schedule_first_steps():
     state = tx.init(params)
     for expected in (2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3):
         updates, state = tx.update(grads, state, params)
-        # rel 1e-4: float32 bias correction 1 - 0.999^t loses digits to cancellation (~3e-5 at t = 2).
-        assert float(updates[0]) == pytest.approx(-expected, rel=1e-4)
+        # rel 1e-3: the float32 bias correction 1 - 0.999^t ~ 1e-3 magnifies each ulp of 0.999^t (6e-8) about
+        # 500 times (~3e-5 at t = 2; 1e-5 measured), and pow's last ulps differ between CPU builds; a warm-up one
+        # step off moves the update by 25% or more.
+        assert float(updates[0]) == pytest.approx(-expected, rel=1e-3)
 
 
 def test_config_defaults_and_validation():
@@ -209,12 +212,14 @@ def _logprob_outputs(config, chunk_size, params, batch):
 def test_chunked_logprobs_equal_full_logits(chunk_size):
     logp, entropy, _, _, grads = _logprob_outputs(CONFIG, None, _params(), _batch())
     c_logp, c_entropy, c_seq_logp, no_logits, c_grads = _logprob_outputs(CONFIG, chunk_size, _params(), _batch())
-    np.testing.assert_allclose(c_logp, logp, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(c_seq_logp, logp, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(c_entropy, entropy, atol=1e-6, rtol=0)
+    # The head's matmul and log-softmax per chunk instead of whole: the same float32 ops in another order
+    # (~1e-7 of the norm measured); gradients add the backward pass (~5e-7), each leaf against its own norm.
+    assert_close_relative(c_logp, logp, 2e-5)
+    assert_close_relative(c_seq_logp, logp, 2e-5)
+    assert_close_relative(c_entropy, entropy, 2e-5)
     assert no_logits  # the chunked path never holds them whole
     for got, want in zip(jax.tree.leaves(c_grads), jax.tree.leaves(grads), strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+        assert_close_relative(got, want, 1e-4)
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
@@ -222,7 +227,7 @@ def test_remat_gives_the_same_gradient(remat):
     _, _, _, _, grads = _logprob_outputs(CONFIG, None, _params(), _batch())
     _, _, _, _, remat_grads = _logprob_outputs(dataclasses.replace(CONFIG, remat=remat), None, _params(), _batch())
     for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(grads), strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+        assert_close_relative(got, want, 1e-4)  # the forward recomputed, maybe fused otherwise: rounding only
     with pytest.raises(ValueError, match="remat"):
         dataclasses.replace(CONFIG, remat="some")
 
@@ -238,5 +243,14 @@ def test_teacher_forced_logprobs_in_micro_batches_and_chunks_equal_one_pass():
     split = rollout.teacher_forced_logprobs(
         CONFIG, _params(), rows, lora_scale=0.0, temperature=0.7, micro_batches=2, chunk_size=5
     )
-    np.testing.assert_allclose(split, plain, atol=1e-6, rtol=0)
+    assert_close_relative(split, plain, 2e-5)  # other batch and chunk shapes of the same float32 ops
     assert np.all(plain[rows["mask"] == 0] == 0) and np.all(plain[rows["mask"] > 0] < 0)
+
+
+def test_learning_rate_follows_the_warm_up():
+    from lspo_jax.optim import RLOptimConfig, learning_rate
+
+    config = RLOptimConfig(lr=1e-3, warmup_steps=4)
+    # lr * min(1, (count + 1) / warmup): 1e-3 * 1/4, 1e-3 * 4/4, then flat. The schedule computes in float32
+    # (one rounding: relative error below 6e-8).
+    assert [learning_rate(config, n) for n in (0, 3, 10)] == pytest.approx([2.5e-4, 1e-3, 1e-3], rel=1e-6)
