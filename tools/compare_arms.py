@@ -24,6 +24,7 @@ from datetime import date
 import jax
 
 from lspo_jax import tables
+from lspo_jax.cli import has_checkpoint
 from lspo_jax.metrics_log import read_metrics
 from lspo_jax.run import train_run
 from lspo_jax.train_config import apply_overrides, from_dict, load_config, to_dict
@@ -40,7 +41,7 @@ def run_arm(base_config, arm: str, seed: int, out_root: str) -> dict:
         with open(summary_path) as f:
             summary = json.load(f)
     else:
-        summary = train_run(config, out, resume=True)
+        summary = train_run(config, out, resume=has_checkpoint(out))  # an interrupted arm continues
     evals = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r.get("kind") == "eval"]
     return {"arm": arm, "seed": seed, "summary": summary, "evals": evals, "steps": config.steps}
 
