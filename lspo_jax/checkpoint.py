@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from lspo_jax.text import error_cause
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint step that is missing or cannot be read; the message names the step and the directory."""
@@ -63,7 +65,8 @@ class Checkpointer:
         try:
             restored = self._manager.restore(step, args=args)
         except Exception as err:  # orbax, tensorstore and json each raise their own kinds for a damaged file
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable: {_reason(err)}") from err
+            cause = error_cause(err)
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable: {cause}") from err
         return restored["state"], restored["meta"]
 
     def restore_readable(
@@ -111,10 +114,3 @@ class Checkpointer:
 
 def _listed(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
-
-
-def _reason(err: BaseException) -> str:
-    """The first line of an error, short enough for a one-line message."""
-    lines = str(err).strip().splitlines()
-    text = lines[0].split(". See ")[0][:160] if lines else ""  # tensorstore appends pages of details
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from lspo_jax import rewards, toy
+from lspo_jax.text import error_cause
 from lspo_jax.train_config import DataConfig
 
 REQUIRED = {"shared": ("id", "problem", "answer"), "deepmath": ("question", "final_answer")}
@@ -123,7 +124,7 @@ def read_rows(
     try:
         files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet")) if path.is_dir() else [path]
     except OSError as err:
-        raise DataError(f"{spec}: cannot list the directory ({_cause(err)})") from err
+        raise DataError(f"{spec}: cannot list the directory ({error_cause(err)})") from err
     if not files:
         raise FileNotFoundError(f"no .jsonl or .parquet files in {spec}")
     rows: list[dict[str, Any]] = []
@@ -147,12 +148,6 @@ def read_rows(
     return rows
 
 
-def _cause(err: BaseException) -> str:
-    """``Type: the first line of the message``, for a one-line error."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-
-
 def _parquet(file: Path, read: Callable[..., Any], **kwargs: Any) -> Any:
     """``read(file, **kwargs)``; a file pyarrow cannot open or read (cut short, not parquet) is a ``DataError``."""
     import pyarrow as pa
@@ -160,7 +155,7 @@ def _parquet(file: Path, read: Callable[..., Any], **kwargs: Any) -> Any:
     try:
         return read(file, **kwargs)
     except (pa.ArrowException, OSError) as err:  # ArrowInvalid for a missing footer, OSError for bad metadata
-        raise DataError(f"{file}: not a readable parquet file ({_cause(err)})") from err
+        raise DataError(f"{file}: not a readable parquet file ({error_cause(err)})") from err
 
 
 def _open(file: Path) -> BinaryIO:
@@ -168,7 +163,7 @@ def _open(file: Path) -> BinaryIO:
     try:
         return file.open("rb")
     except OSError as err:
-        raise DataError(f"{file}: cannot be opened ({_cause(err)})") from err
+        raise DataError(f"{file}: cannot be opened ({error_cause(err)})") from err
 
 
 def _detect_format(file: Path) -> str:

@@ -45,7 +45,8 @@ def restore_run(
     except CheckpointError as err:
         if step is not None and step not in checkpointer.steps():
             raise
-        others = [s for s in checkpointer.readable_steps(target) if s != (step or checkpointer.latest_step())]
+        failed = checkpointer.latest_step() if step is None else step
+        others = [s for s in checkpointer.readable_steps(target) if s != failed]
         hint = f"readable steps: {', '.join(map(str, others))} (pass --step)" if others else "no other step is readable"
         raise CheckpointError(f"{err}; {hint}") from None
     finally:

@@ -128,3 +128,15 @@ def _jsonable(value: Any) -> Any:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def records_until(path: str, step: int) -> list[dict[str, Any]]:
+    """The records of ``path`` up to ``step``, what a checkpoint at ``step`` had seen ([] without a file)."""
+    return [r for r in read_metrics(path) if r["step"] <= step] if os.path.exists(path) else []
+
+
+def rewrite(path: str, records: list[dict[str, Any]]) -> None:
+    """Replace the file by ``records`` at once: a kill mid-way leaves the old file whole."""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(path + ".tmp", path)

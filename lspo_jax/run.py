@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from lspo_jax import data, evaluation, first_mistake, hf, l2rr, model, optim, rewards, reweight, sharding, toy
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
-from lspo_jax.metrics_log import MetricsLog, NullLog, read_metrics, wandb_options
+from lspo_jax.metrics_log import MetricsLog, NullLog, records_until, rewrite, wandb_options
 from lspo_jax.model import Params
 from lspo_jax.progress import Progress
 from lspo_jax.train import Policy, StepAbandoned, StopFlag, TrainState, place_state, train_step
@@ -315,7 +315,7 @@ class Run:
                     print(f"lspo-train: {line}", file=sys.stderr)
                 print(f"lspo-train: resuming from step {step}, the newest readable checkpoint; the unreadable ones "
                       f"are in {aside}", file=sys.stderr)  # fmt: skip
-        self.history = _records_until(os.path.join(self.out_dir, "metrics.jsonl"), step)
+        self.history = records_until(os.path.join(self.out_dir, "metrics.jsonl"), step)
         params = {**self.state.params, "base": restored["base"]}
         self.state = TrainState(
             step=int(meta["step"]), params=params, opt_state=with_rl_state(self.state.opt_state, restored["rl_opt"]),
@@ -330,7 +330,7 @@ class Run:
         never stopped (steps logged after its checkpoint are not repeated)."""
         path = os.path.join(self.out_dir, "metrics.jsonl")
         if os.path.exists(path):
-            _rewrite(path, self.history)
+            rewrite(path, self.history)
         return MetricsLog(self.out_dir, wandb=self.wandb, purge_step=self.state.step + 1 if self.state.step else None)
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -483,18 +483,6 @@ class Run:
 # Train-record counts the summary adds up over the run.
 SUMMED = ("cliff_groups", "scaffold_attempted", "scaffold_no_solution", "surpassed_groups", "rerolls",
           "rerolls_passed", "rollouts")  # fmt: skip
-
-
-def _records_until(path: str, step: int) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl`` up to ``step`` (what a checkpoint at ``step`` had seen)."""
-    return [r for r in read_metrics(path) if r["step"] <= step] if os.path.exists(path) else []
-
-
-def _rewrite(path: str, records: list[dict[str, Any]]) -> None:
-    """Replace ``metrics.jsonl`` by ``records`` at once (a kill mid-way leaves the old file whole)."""
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    os.replace(path + ".tmp", path)
 
 
 def train_run(run: TrainConfig, out_dir: str, *, resume: bool = False) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import zlib
 
@@ -31,6 +32,7 @@ from lspo_jax.run import Run, RunStopped, checkpoint_state
 from lspo_jax.train_config import ConfigError, load_config
 
 K = 2  # rollouts per prompt in every run of this module
+LONG_PROBLEM = "+".join("123456789") + "="  # 18 characters and BOS: over this module's 16 prompt slots
 # What a user passes to lspo-train for a new run: the paper's recipe, its paths overridden.
 PAPER_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
 
@@ -359,9 +361,8 @@ def test_export_loads_in_transformers(trained_run, model_dir, tmp_path, monkeypa
 # -------------------------------------------------------------------------------- bad input, non-finite
 @pytest.mark.parametrize("policy", ["skip", "truncate"])
 def test_bad_rows_are_counted_not_fatal(tmp_path, make_config, train_rows, policy):
-    long_problem = "+".join("123456789") + "="  # 18 characters and BOS: over the 16 prompt slots
     rows = [
-        {"id": "long", "problem": long_problem, "answer": "45", "solution": "\\boxed{45}"},
+        {"id": "long", "problem": LONG_PROBLEM, "answer": "45", "solution": "\\boxed{45}"},
         {"id": "no-solution", "problem": train_rows[0]["problem"], "answer": train_rows[0]["answer"]},
         *train_rows[1:4],
     ]
@@ -429,7 +430,8 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, make_config, 
         resumed.close()
 
 
-def test_sigterm_checkpoints_and_stops_cleanly(tmp_path, make_config, easy_rule, monkeypatch):
+def test_sigterm_checkpoints_and_exits_with_the_resumable_status(tmp_path, make_config, easy_rule, monkeypatch,
+                                                                  capsys):  # fmt: skip
     real_step = train.train_step
 
     def step_then_sigterm(*args, **kwargs):  # a scheduler's SIGTERM arriving during step 1
@@ -438,9 +440,16 @@ def test_sigterm_checkpoints_and_stops_cleanly(tmp_path, make_config, easy_rule,
         return metrics
 
     monkeypatch.setattr(run_module, "train_step", step_then_sigterm)
-    job = run_steps(make_config(steps=5, checkpoint__every=10), str(tmp_path), easy_rule)
-    assert job.summary["stopped_early"] and job.summary["steps"] == 1
-    assert job.checkpointer.latest_step() == 1  # written although checkpoint.every is 10
+    config = write_config(tmp_path / "c.yaml", make_config(steps=5, checkpoint__every=10))
+    with cli_verifier(monkeypatch, easy_rule):
+        assert cli.train_main(["--config", config, "--out", str(tmp_path / "r")]) == cli.EXIT_STOPPED == 75
+    assert "stopped at step 1 with a checkpoint; --resume continues it" in capsys.readouterr().err
+    with open(tmp_path / "r" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["stopped_early"] and summary["steps"] == 1
+    checkpointer = Checkpointer(str(tmp_path / "r" / "checkpoints"))
+    assert checkpointer.latest_step() == 1  # written although checkpoint.every is 10
+    checkpointer.close()
 
 
 def test_sigterm_mid_step_abandons_it_and_resumes_where_it_left(tmp_path, make_config, easy_rule, monkeypatch):
@@ -584,8 +593,7 @@ def test_an_unusable_data_file_is_one_line_and_leaves_no_run(model_dir, tmp_path
 
 
 def test_an_l2rr_target_without_a_usable_example_is_one_line(model_dir, train_file, tmp_path, capsys):
-    long_problem = "+".join("123456789") + "="  # 18 characters and BOS: over the 16 prompt slots
-    row = {"id": "t", "problem": long_problem, "answer": "45", "solution": "\\boxed{45}"}
+    row = {"id": "t", "problem": LONG_PROBLEM, "answer": "45", "solution": "\\boxed{45}"}
     target = write_jsonl(tmp_path / "target.jsonl", [row, {**row, "id": "u"}])
     argv = ["--config", PAPER_CONFIG, "--out", str(tmp_path / "run"), f"model.path={model_dir}",
             f"data.train={train_file}", "eval.benchmarks=[]",
@@ -814,9 +822,12 @@ def one_line(capsys, prog: str) -> str:
     return err
 
 
-def copy_run(run_dir: str, dest) -> str:
-    import shutil
+def too_long_rows(n: int) -> list[dict]:
+    """``n`` benchmark rows ``p0, p1, ...`` whose prompt is over this module's prompt slots."""
+    return [{"id": f"p{i}", "problem": LONG_PROBLEM, "answer": "45", "solution": "\\boxed{45}"} for i in range(n)]
 
+
+def copy_run(run_dir: str, dest) -> str:
     return str(shutil.copytree(run_dir, dest))
 
 
@@ -923,17 +934,13 @@ def test_eval_refuses_an_unwritable_out_and_an_empty_benchmark_before_any_work(t
     assert "is a directory" in one_line(capsys, "lspo-eval")
     assert cli.eval_main([*base, "--out", str(tmp_path / "no" / "such" / "r.json")]) == 2
     assert "no directory" in one_line(capsys, "lspo-eval")
-    long_problem = "+".join("123456789") + "="  # 18 characters and BOS: over the run's 16 prompt slots
-    rows = [{"id": f"p{i}", "problem": long_problem, "answer": "45", "solution": "\\boxed{45}"} for i in range(2)]
-    too_long = write_jsonl(tmp_path / "long.jsonl", rows)
+    too_long = write_jsonl(tmp_path / "long.jsonl", too_long_rows(2))
     assert cli.eval_main([*base, "--benchmarks", too_long]) == 2
     assert "long: no problem is left to evaluate (rows read: 1)" in one_line(capsys, "lspo-eval")  # --limit 1
 
 
 def test_training_refuses_a_benchmark_that_keeps_no_problem(make_config, tmp_path, capsys, monkeypatch, easy_rule):
-    long_problem = "+".join("123456789") + "="
-    rows = [{"id": f"p{i}", "problem": long_problem, "answer": "45", "solution": "\\boxed{45}"} for i in range(2)]
-    config = make_config(eval__benchmarks=[write_jsonl(tmp_path / "long.jsonl", rows)])
+    config = make_config(eval__benchmarks=[write_jsonl(tmp_path / "long.jsonl", too_long_rows(2))])
     with cli_verifier(monkeypatch, easy_rule):
         assert (
             cli.train_main(["--config", write_config(tmp_path / "c.yaml", config), "--out", str(tmp_path / "r")]) == 2
@@ -978,8 +985,6 @@ def test_ctrl_c_during_start_up_is_one_line(trained_run, tmp_path, capsys, monke
 def test_a_run_killed_after_a_checkpoint_resumes_as_if_it_never_stopped(trained_run, tmp_path, easy_rule):
     # What a SIGKILL during step 4 leaves: the checkpoint of step 2, records of steps 1-3, no summary.
     run_dir = copy_run(trained_run["dir"], tmp_path / "run")
-    import shutil
-
     shutil.rmtree(os.path.join(run_dir, "checkpoints", "4"))
     os.remove(os.path.join(run_dir, "summary.json"))
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -1016,22 +1021,6 @@ def test_resuming_a_finished_run_adds_nothing_and_fewer_steps_are_refused(traine
         assert json.load(f)["held_out_after"] == trained_run["job"].summary["held_out_after"]
 
 
-def test_sigterm_exits_with_the_resumable_status(make_config, tmp_path, capsys, monkeypatch, easy_rule):
-    real_step = train.train_step
-
-    def step_then_sigterm(*args, **kwargs):  # a scheduler's SIGTERM arriving during step 1
-        metrics = real_step(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return metrics
-
-    monkeypatch.setattr(run_module, "train_step", step_then_sigterm)
-    config = write_config(tmp_path / "c.yaml", make_config(steps=5, checkpoint__every=10))
-    with cli_verifier(monkeypatch, easy_rule):
-        assert cli.train_main(["--config", config, "--out", str(tmp_path / "r")]) == cli.EXIT_STOPPED == 75
-    assert "stopped at step 1 with a checkpoint; --resume continues it" in capsys.readouterr().err
-    assert Checkpointer(str(tmp_path / "r" / "checkpoints")).latest_step() == 1
-
-
 def test_eval_limit_takes_the_first_rows_of_the_file_and_says_what_it_dropped(trained_run, tmp_path, capsys,
                                                                               monkeypatch):  # fmt: skip
     seen = []
@@ -1041,8 +1030,7 @@ def test_eval_limit_takes_the_first_rows_of_the_file_and_says_what_it_dropped(tr
         return np.zeros((len(examples), run.eval.n), bool)
 
     monkeypatch.setattr(evaluation, "correct_table", no_sampling)
-    long_problem = "+".join("123456789") + "="  # over the run's 16 prompt slots: dropped at load
-    rows = [{"id": "p0", "problem": long_problem, "answer": "45", "solution": "\\boxed{45}"}]
+    rows = too_long_rows(1)  # dropped at load
     rows += [{"id": f"p{i}", "problem": f"{i}+{i}=", "answer": str(2 * i), "solution": "\\boxed{0}"} for i in (1, 2, 3)]
     bench = write_jsonl(tmp_path / "bench.jsonl", rows)
     argv = ["--model", trained_run["dir"], "--benchmarks", bench, "--limit", "2", "--workers", "0"]
