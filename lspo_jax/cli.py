@@ -149,6 +149,10 @@ def format_summary(summary: dict) -> str:
         f"per-rollout pass rate after the scaffold {pct(summary['rescue_pass_rate'])} "
         f"({summary['rerolls_passed']} of {summary['rerolls']} re-rollouts verified)",
     ]
+    spread = summary.get("surpass_rate_per_step")
+    if spread:
+        lines.append(f"per-step surpass rate over {spread['steps']} cliff-bearing steps: {pct(spread['at_0'])} of them "
+                     f"at 0, {pct(spread['at_1'])} at 1 (paper: 31% and 21%)")  # fmt: skip
     before, after = summary.get("held_out_before") or {}, summary.get("held_out_after") or {}
     for name in dict.fromkeys([*before, *after]):
         b, a = before.get(name) or {}, after.get(name) or {}

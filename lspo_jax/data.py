@@ -112,9 +112,10 @@ def read_rows(
     config = config or DataConfig()
     report = report if report is not None else DataReport()
     generated = {
-        "toy:addition": lambda: toy.addition_rows(2000, (2, 4), seed=seed, prefix="train"),
+        "toy:addition": lambda: toy.training_rows(seed=seed),
         "toy:heldout": lambda: toy.heldout_rows(seed=seed),
         "toy:target": lambda: toy.target_rows(seed=seed),
+        **{f"toy:heldout_{name}": lambda name=name: toy.class_heldout_rows(name) for name in toy.CLASSES},
     }
     if spec in generated:
         return generated[spec]()[:max_rows]

@@ -275,8 +275,8 @@ class Run:
             self.policy = dataclasses.replace(self.policy, engine=make_engine(run, self.policy, out_dir))
 
     def _held_out(self) -> tuple[dict[str, list[data.Example]], dict[str, dict]]:
-        """Benchmark name -> examples, and name -> load report; the toy task validates on its own held-out set."""
-        specs = self.run.eval.benchmarks or (("toy:heldout",) if data.is_generated(self.run.data.train) else ())
+        """Benchmark name -> examples, and name -> load report; the toy task validates on its held-out classes."""
+        specs = self.run.eval.benchmarks or (toy.HELDOUT_SPECS if data.is_generated(self.run.data.train) else ())
         loaded = load_benchmarks(self.run, self.policy, specs)
         for name, (examples, report) in loaded.items():
             if not examples:
@@ -451,6 +451,7 @@ class Run:
             # worked solution); cliff groups without one are counted in scaffold_no_solution.
             "surpass_rate": totals["surpassed_groups"] / attempted if attempted else None,
             "rescue_pass_rate": totals["rerolls_passed"] / totals["rerolls"] if totals["rerolls"] else None,
+            "surpass_rate_per_step": surpass_distribution(train),
             "held_out_before": self._held_out_at(0),
             "held_out_after": None if stopped else self._held_out_at(self.state.step),
             "held_out_data": self.held_out_data,
@@ -478,6 +479,16 @@ class Run:
         self.pool.close()
         self.log.close()
         self.checkpointer.close()
+
+
+def surpass_distribution(train: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How the per-step surpass rate spreads over the steps whose scaffold attempted a cliff: their number and
+    the shares at exactly 0 and 1 (the paper's figure: 31% of them at 0.0, 21% at 1.0); None without any."""
+    rates = [r["surpass_rate"] for r in train if r.get("scaffold_attempted") and r.get("surpass_rate") is not None]
+    if not rates:
+        return None
+    return {"steps": len(rates), "at_0": sum(x == 0 for x in rates) / len(rates),
+            "at_1": sum(x == 1 for x in rates) / len(rates)}  # fmt: skip
 
 
 # Train-record counts the summary adds up over the run.

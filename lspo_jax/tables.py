@@ -265,3 +265,70 @@ def plot(table: PeakTable, path: str) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# ------------------------------------------------------------------------------------------- traces
+def metric_keys(records: Iterable[dict[str, Any]]) -> list[str]:
+    """The held-out metrics the records hold: pass@k by each estimator, then the per-sample ``accuracy``."""
+    keys = dict.fromkeys(k for r in records for k in r if k.startswith("pass@") or k == "accuracy")
+    return sorted(keys, key=lambda k: (k == "accuracy", k.endswith(ESTIMATORS["unbiased"]), len(k), k))
+
+
+def start_peak_last(runs: Sequence[RunTrace], horizon: int | None) -> dict[str, Any]:
+    """``{"horizon": H, "arms": {arm: {seed: {benchmark: {metric: {"start", "peak", "last"}}}}}}``: per run the
+    first, largest and last value of every held-out metric over its validation steps <= ``horizon``."""
+    arms: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        within = [r for r in run.evals if horizon is None or r["step"] <= horizon]
+        per_benchmark: dict[str, Any] = {}
+        for b in dict.fromkeys(map(benchmark_of, within)):
+            records = sorted((r for r in within if benchmark_of(r) == b), key=lambda r: r["step"])
+            per_benchmark[b] = {
+                key: {"start": values[0], "peak": max(values), "last": values[-1]}
+                for key in metric_keys(records)
+                if (values := [r[key] for r in records if r.get(key) is not None])
+            }
+        arms.setdefault(run.arm, {})[str(run.seed)] = per_benchmark
+    return {"horizon": horizon, "arms": arms}
+
+
+def curves(runs: Sequence[RunTrace], benchmark: str, key: str, horizon: int | None = None) -> dict[str, Any]:
+    """Per arm: ``(steps, mean, min, max)`` of ``key`` over the arm's seeds at the validation steps every seed
+    of the arm reached (up to ``horizon``)."""
+    out = {}
+    for arm in dict.fromkeys(run.arm for run in runs):
+        traces = []
+        for run in (r for r in runs if r.arm == arm):
+            points = {r["step"]: r[key] for r in run.evals if benchmark_of(r) == benchmark and r.get(key) is not None}
+            traces.append({s: v for s, v in points.items() if horizon is None or s <= horizon})
+        steps = sorted(set.intersection(*(set(t) for t in traces))) if traces else []
+        if steps:
+            values = np.array([[t[s] for s in steps] for t in traces])
+            out[arm] = (steps, values.mean(0), values.min(0), values.max(0), len(traces))
+    return out
+
+
+def plot_curves(runs: Sequence[RunTrace], path: str, key: str = "pass@1", horizon: int | None = None) -> str:
+    """One panel per benchmark (the demo: one per difficulty class): each arm's held-out ``key`` against the
+    step, the line its mean over seeds and the band its [min, max]."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benchmarks = list(dict.fromkeys(benchmark_of(r) for run in runs for r in run.evals))
+    fig, axes = plt.subplots(1, len(benchmarks), figsize=(4.5 * len(benchmarks), 3.6),
+                             constrained_layout=True, squeeze=False)  # fmt: skip
+    for ax, b in zip(axes[0], benchmarks, strict=True):
+        for arm, (steps, mean, low, high, n) in curves(runs, b, key, horizon).items():
+            line = ax.plot(steps, 100 * mean, marker="o", markersize=3, label=f"{arm} (mean of {n} seeds)")[0]
+            ax.fill_between(steps, 100 * low, 100 * high, color=line.get_color(), alpha=0.2)
+        ax.set_title(b)
+        ax.set_ylim(-2, 102)  # one scale for every panel: a class stuck at 0 reads as 0, not as a flat middle
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"held-out {key} (%)")
+        ax.legend(fontsize="small")
+    fig.suptitle(f"Held-out {key} per benchmark: mean over seeds, band = [min, max]", fontsize=9)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import string
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -190,6 +191,36 @@ def test_instruction_placement_and_plain_template():
     examples, _ = data.load_examples("toy:heldout", tokenizer, config)
     row = toy.heldout_rows()[0]
     assert examples[0].prompt_ids == (toy.BOS_ID, *tokenizer.encode(row["problem"], add_special_tokens=False))
+
+
+def test_the_sloppy_teacher_drops_carries_and_boxes_what_it_wrote():
+    rng = np.random.default_rng(0)
+    assert toy.addition_solution(58, 67) == "8+7=15;5+6+1=12;\\boxed{125}"
+    # 8+7 carries 1 into the tens; a teacher who always forgets writes 5+6=11 and boxes 115, not 125.
+    assert toy.addition_solution(58, 67, 1.0, rng) == "8+7=15;5+6=11;\\boxed{115}"
+    # 999+1: every column carries; dropping all of them leaves 9+1=10, 9+0=9, 9+0=9 -> 990.
+    assert toy.addition_solution(999, 1, 1.0, rng) == "9+1=10;9+0=9;9+0=9;\\boxed{990}"
+    sloppy = [toy.addition_solution(58, 67, 0.4, rng) for _ in range(2000)]
+    assert 0.35 < sloppy.count("8+7=15;5+6=11;\\boxed{115}") / 2000 < 0.45  # 0.4 +- 4.6 std of a binomial
+
+
+def test_the_demo_task_has_fixed_held_out_classes_kept_out_of_training():
+    held = {name: toy.class_heldout_rows(name) for name in toy.CLASSES}
+    for name, rows in held.items():
+        digits = toy.CLASSES[name]
+        assert len(rows) == toy.HELDOUT_PER_CLASS and len({r["problem"] for r in rows}) == len(rows)
+        assert all(len(x) == digits for r in rows for x in r["problem"][:-1].split("+"))
+        assert all(int(r["answer"]) == eval(r["problem"][:-1]) for r in rows)  # noqa: S307 (our own a+b text)
+    # The same problems for every run seed (paired seeds are scored on one set), none of them trained on.
+    for seed in (0, 42):
+        rows = data.read_rows("toy:addition", seed=seed)
+        assert not {r["problem"] for r in rows} & {r["problem"] for name in held for r in held[name]}
+        digits = [len(r["problem"].split("+")[0]) for r in rows]
+        assert {d: digits.count(d) for d in (2, 3, 4)} == {2: 1000, 3: 1000, 4: 1000}
+        assert data.read_rows("toy:heldout_3digit", seed=seed) == held["3digit"]
+    assert data.read_rows("toy:addition", seed=0) != data.read_rows("toy:addition", seed=1)
+    assert [evaluation.benchmark_name(s) for s in toy.HELDOUT_SPECS] == [
+        "toy_heldout_2digit", "toy_heldout_3digit", "toy_heldout_4digit_cliff"]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ benchmark golds

@@ -47,7 +47,8 @@ def launch(out: str, port: int, process_id: int, *, resume: bool = False) -> sub
         cmd += ["--resume", *join]
     else:
         overrides = [f"steps={STEPS}", "eval.every=0", "eval.limit=4", "checkpoint.every=10",
-                     "rollout.prompts_per_step=4", "rollout.group_size=4", "scaffold.sft_steps=4"]  # fmt: skip
+                     "rollout.prompts_per_step=4", "rollout.group_size=4", "scaffold.sft_steps=4",
+                     "scaffold.min_cliff_bucket=4"]  # fmt: skip
         cmd += ["--config", os.path.join(ROOT, "configs", "demo.yaml"), *overrides, *join]
     log = open(f"{out}.{'resume' if resume else 'run'}.{process_id}.log", "w")  # closed by finish()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -147,3 +147,54 @@ def test_compare_arms_cuts_at_the_configs_steps():
     table, line = module.peak_table(results, [1], None)
     assert table.horizon == 20 and line == "Horizon: validation steps <= 20, the runs' configured steps."
     assert table.summary("math500", 1, "lspo") == (0.60, 0.60, 0.60)  # not step 30's 0.90
+
+
+def test_start_peak_last_and_curves_by_hand(run_args, tmp_path):
+    runs = [compare_runs().parse_run(a) for a in run_args]
+    out = tables.start_peak_last(runs, horizon=20)
+    assert out["horizon"] == 20 and set(out["arms"]) == {"lspo", "dapo"}
+    # lspo seed 42, math500 up to step 20: pass@1 0.50, 0.60, 0.55 -> start 0.50, peak 0.60, last 0.55 (step 30's
+    # 0.90 is past the horizon); the unbiased values are half the first-k ones.
+    math500 = out["arms"]["lspo"]["42"]["math500"]
+    assert math500["pass@1"] == {"start": 0.50, "peak": 0.60, "last": 0.55}
+    assert math500["pass@4_unbiased"] == pytest.approx({"start": 0.35, "peak": 0.40, "last": 0.40})
+    assert list(math500) == ["pass@1", "pass@4", "pass@1_unbiased", "pass@4_unbiased"]
+    # aime24 of lspo 42 starts at step 10 (its first record): 0.10, then 0.20.
+    assert out["arms"]["lspo"]["42"]["aime24"]["pass@1"] == {"start": 0.10, "peak": 0.20, "last": 0.20}
+    assert "aime24" not in out["arms"]["lspo"]["43"]
+    # Curves: dapo pass@1 at steps 0, 10, 20 over seeds 42 and 43 = (0.50, 0.40), (0.51, 0.45), (0.53, 0.44).
+    steps, mean, low, high, n = tables.curves(runs, "math500", "pass@1", horizon=20)["dapo"]
+    assert steps == [0, 10, 20] and n == 2
+    assert mean == pytest.approx([0.45, 0.48, 0.485]) and list(low) == [0.40, 0.45, 0.44]
+    assert list(high) == [0.50, 0.51, 0.53]
+    # aime24: only steps every seed reached (lspo 43 has none, so lspo has no aime24 curve).
+    assert "lspo" not in tables.curves(runs, "aime24", "pass@1")
+    png = tables.plot_curves(runs, str(tmp_path / "curves.png"), horizon=20)
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_arms_stops_with_a_stopped_arm_and_resumes_it(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("compare_arms", TOOL.with_name("compare_arms.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from lspo_jax.train_config import load_config
+
+    calls = []
+
+    def train_run(config, out, resume):  # what a SIGTERM'd run returns: its summary, stopped early
+        calls.append((config.seed, config.scaffold.enabled, resume))
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "metrics.jsonl").write_text("")
+        summary = {"steps": 3, "stopped_early": len(calls) == 1}
+        (Path(out) / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(module, "train_run", train_run)
+    base = load_config(str(TOOL.parents[1] / "configs" / "demo.yaml"))
+    with pytest.raises(SystemExit) as stop:
+        module.run_arm(base, "lspo", 42, str(tmp_path))
+    assert stop.value.code == 75  # the comparison goes no further than a stopped arm
+    # Run again: the stopped arm's summary is not reused as if finished; the arm is trained on.
+    assert module.run_arm(base, "lspo", 42, str(tmp_path))["summary"]["stopped_early"] is False
+    assert module.run_arm(base, "lspo", 42, str(tmp_path))["summary"]["steps"] == 3  # finished: reused
+    assert calls == [(42, True, False), (42, True, False)]

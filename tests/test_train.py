@@ -302,6 +302,19 @@ def test_validation_before_and_after(trained_run):
     assert "held-out train (2 problems): accuracy before 25.0%" in format_summary(summary)
 
 
+def test_the_per_step_surpass_rate_distribution_by_hand():
+    # Steps 1 and 4 attempted no cliff and are left out; of the 4 that did, one at 0.0 and two at 1.0.
+    pairs = [(0, None), (2, 0.0), (1, 1.0), (0, None), (4, 0.5), (3, 1.0)]
+    train_records = [{"scaffold_attempted": n, "surpass_rate": rate} for n, rate in pairs]
+    spread = run_module.surpass_distribution(train_records)
+    assert spread == {"steps": 4, "at_0": 0.25, "at_1": 0.5}
+    assert run_module.surpass_distribution(train_records[:1]) is None
+    summary = {"steps": 6, "seconds": 1.0, "stopped_early": False, "cliff_groups": 10, "scaffold_attempted": 10,
+               "scaffold_no_solution": 0, "surpassed_groups": 5, "surpass_rate": 0.5, "rescue_pass_rate": 0.1,
+               "rerolls_passed": 8, "rerolls": 80, "surpass_rate_per_step": spread}  # fmt: skip
+    assert "per-step surpass rate over 4 cliff-bearing steps: 25.0% of them at 0, 50.0% at 1" in format_summary(summary)
+
+
 def test_checkpoints_hold_no_adapter(trained_run):
     directory = os.path.join(trained_run["dir"], "checkpoints")
     assert sorted(int(name) for name in os.listdir(directory) if name.isdigit()) == [2, 4]

@@ -25,9 +25,9 @@ def test_defaults_are_the_papers_recipe():
 def test_demo_config_loads():
     config = load_config(DEMO)
     assert config.model.path == "toy" and config.data.train == "toy:addition"
-    assert (config.rollout.prompts_per_step, config.rollout.group_size, config.scaffold.sft_steps) == (8, 8, 12)
+    assert (config.rollout.prompts_per_step, config.rollout.group_size, config.scaffold.sft_steps) == (16, 8, 8)
     assert config.eval.ks == (1, 4) and config.model.lora.rank == 16
-    assert config.optim.lr == 3e-5 and isinstance(config.model.lora.alpha, float)
+    assert config.optim.lr == 1e-4 and isinstance(config.model.lora.alpha, float)
 
 
 @pytest.mark.parametrize(
@@ -78,7 +78,7 @@ def test_dotted_overrides_apply_over_the_file():
         ["rollout.group_size=4", "eval.ks=[1, 2]", "loss.clip_c=3", "model.lora.rank=8", "scaffold.enabled=false",
          "data.train=/data/deepmath.jsonl", "optim.lr=1"],
     )  # fmt: skip
-    assert config.rollout.group_size == 4 and config.rollout.prompts_per_step == 8  # the file's value stays
+    assert config.rollout.group_size == 4 and config.rollout.prompts_per_step == 16  # the file's value stays
     assert config.eval.ks == (1, 2) and config.model.lora.rank == 8 and config.model.lora.alpha == 64.0
     assert config.loss.clip_c == 3.0 and isinstance(config.loss.clip_c, float)  # YAML's int accepted for float
     assert config.optim.lr == 1.0 and isinstance(config.optim.lr, float)

@@ -229,7 +229,8 @@ def main(workdir: str) -> dict:
 
 
 DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
-TRAIN_OVERRIDES = ["steps=2", "rollout.engine=vllm", "eval.limit=4", "eval.n=1", "eval.ks=[1]", "reward.workers=0"]
+TRAIN_OVERRIDES = ["steps=2", "rollout.engine=vllm", "eval.limit=4", "eval.n=1", "eval.ks=[1]", "reward.workers=0",
+                   "rollout.prompts_per_step=8", "scaffold.min_cliff_bucket=8"]  # fmt: skip
 
 
 def train(workdir: str) -> dict:

@@ -8,7 +8,12 @@ the matched horizon), then the mean and range over seeds per arm, and the differ
 (cliff groups, surpass rate, per-rollout pass rate of the re-rollouts) are reported beside it.
 
     .venv/bin/python tools/compare_arms.py --config configs/demo.yaml --seeds 42 43 44 --out runs/arms \\
-        [--results benchmarks/RESULTS.md] [dotted.key=value ...]
+        [--results benchmarks/RESULTS.md] [--json runs/arms/arms.json] [--plot runs/arms/arms.png] \\
+        [dotted.key=value ...]
+
+``--json OUT`` writes ``{"horizon": H, "arms": {ARM: {SEED: {BENCHMARK: {METRIC: {"start", "peak", "last"}}}}}}``
+for every held-out benchmark and metric (the demo's cliff class is the benchmark whose name holds ``cliff``);
+``--plot OUT`` draws held-out pass@1 against the step per benchmark, each arm's mean over seeds and its range.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import jax
 from lspo_jax import tables
 from lspo_jax.cli import has_checkpoint
 from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import train_run
+from lspo_jax.run import surpass_distribution, train_run
 from lspo_jax.train_config import apply_overrides, from_dict, load_config, to_dict
 
 ARMS = {"lspo": True, "dapo": False}
@@ -37,19 +42,30 @@ def run_arm(base_config, arm: str, seed: int, out_root: str) -> dict:
     config = from_dict(type(base_config), data)
     out = os.path.join(out_root, f"{arm}_seed{seed}")
     summary_path = os.path.join(out, "summary.json")
+    summary = None
     if os.path.exists(summary_path):  # finished earlier: reuse, so an interrupted comparison resumes
         with open(summary_path) as f:
             summary = json.load(f)
-    else:
+    if summary is None or summary["stopped_early"]:
         summary = train_run(config, out, resume=has_checkpoint(out))  # an interrupted arm continues
-    evals = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r.get("kind") == "eval"]
-    return {"arm": arm, "seed": seed, "summary": summary, "evals": evals, "steps": config.steps}
+    if summary["stopped_early"]:  # SIGTERM or Ctrl-C: its checkpoint is written; go no further
+        print(f"compare_arms: {arm} seed {seed} stopped at step {summary['steps']}; run again to resume",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(75)
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    evals = [r for r in records if r.get("kind") == "eval"]
+    train = [r for r in records if r.get("kind", "train") == "train"]
+    return {"arm": arm, "seed": seed, "summary": summary, "evals": evals, "train": train, "steps": config.steps}
+
+
+def traces(results: list[dict]) -> list[tables.RunTrace]:
+    return [tables.RunTrace(r["arm"], r["seed"], tuple(r["evals"]), steps=r.get("steps")) for r in results]
 
 
 def peak_table(results: list[dict], ks: list[int], horizon: int | None) -> tuple[tables.PeakTable, str]:
     """Peak held-out pass@k per (run, benchmark, k), per arm and seed (``lspo_jax.tables``, DAPO the baseline),
     up to ``horizon`` (None: the runs' ``steps``), and the line that says which horizon it was."""
-    runs = [tables.RunTrace(r["arm"], r["seed"], tuple(r["evals"]), steps=r.get("steps")) for r in results]
+    runs = traces(results)
     horizon, horizon_line = tables.resolve_horizon(runs, horizon)
     return tables.peak_table(runs, ks=ks, horizon=horizon, baseline="dapo"), horizon_line
 
@@ -67,6 +83,17 @@ def scaffold_figures(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def surpass_spread(results: list[dict]) -> str:
+    """The per-step surpass rate's distribution over all LSPO runs' cliff-bearing steps, beside the paper's."""
+    spread = surpass_distribution([r for res in results if res["arm"] == "lspo" for r in res["train"]])
+    if spread is None:
+        return "No LSPO step attempted a cliff."
+    return (
+        f"Per-step surpass rate over {spread['steps']} cliff-bearing LSPO steps: {100 * spread['at_0']:.1f}% "
+        f"at 0.0, {100 * spread['at_1']:.1f}% at 1.0 (paper: 31% at 0.0, 21% at 1.0)."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="LSPO vs DAPO with paired seeds.")
     p.add_argument("--config", default="configs/demo.yaml")
@@ -74,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/arms")
     p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this count (default: steps)")
     p.add_argument("--results", default=None, help="append the tables to this Markdown file")
+    p.add_argument("--json", default=None, help="write start, peak and last of every held-out metric per run here")
+    p.add_argument("--plot", default=None, help="draw held-out pass@1 per benchmark, both arms, into this PNG")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     base = load_config(args.config, args.overrides)
@@ -91,10 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         tables.markdown(table),
         "Per seed:",
         tables.markdown_per_seed(table),
-        "The scaffold's mechanism figures (LSPO arm, whole run):",
+        "The scaffold's mechanism figures (LSPO arm, whole run; paper: 43% surpassed, 5.8% per-rollout pass rate):",
         scaffold_figures(results),
+        surpass_spread(results),
     ])  # fmt: skip
     print(text)
+    runs, horizon = traces(results), table.horizon
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(tables.start_peak_last(runs, horizon), f, indent=1)
+        print(f"compare_arms: wrote {args.json}")
+    if args.plot:
+        print(f"compare_arms: wrote {tables.plot_curves(runs, args.plot, horizon=horizon)}")
     if args.results:
         with open(args.results, "a") as f:
             f.write("\n" + text + "\n")
