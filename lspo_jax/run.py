@@ -139,6 +139,11 @@ def load_examples(
     return examples, dataclasses.asdict(report)
 
 
+def validation_specs(run: TrainConfig) -> tuple[str, ...]:
+    """What a run validates on: ``eval.benchmarks``, else the demo's held-out classes for a generated task."""
+    return run.eval.benchmarks or (toy.HELDOUT_SPECS if data.is_generated(run.data.train) else ())
+
+
 def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> dict[str, tuple[list, dict]]:
     """Benchmark name -> (its examples, its load report); names resolve in ``eval.data_dir``. With ``eval.limit``
     only the first that many problems of each file are read: those that loading drops among them are reported,
@@ -276,8 +281,7 @@ class Run:
 
     def _held_out(self) -> tuple[dict[str, list[data.Example]], dict[str, dict]]:
         """Benchmark name -> examples, and name -> load report; the toy task validates on its held-out classes."""
-        specs = self.run.eval.benchmarks or (toy.HELDOUT_SPECS if data.is_generated(self.run.data.train) else ())
-        loaded = load_benchmarks(self.run, self.policy, specs)
+        loaded = load_benchmarks(self.run, self.policy, validation_specs(self.run))
         for name, (examples, report) in loaded.items():
             if not examples:
                 raise data.DataError(f"eval.benchmarks: {name} keeps no problem to validate on ({report['rows']} "

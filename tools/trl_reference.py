@@ -23,15 +23,15 @@ import sys
 
 import numpy as np
 
-from lspo_jax import data, evaluation, hf, rewards, tables, toy
+from lspo_jax import data, evaluation, hf, rewards, tables
 from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import model_dir
-from lspo_jax.train_config import load_config, to_dict
+from lspo_jax.run import model_dir, validation_specs
+from lspo_jax.train_config import ConfigError, load_config, to_dict
 
 
 def held_out(run, tokenizer) -> dict[str, list]:
     """The run's held-out benchmarks as rows (the demo's classes when the config names none)."""
-    specs = run.eval.benchmarks or (toy.HELDOUT_SPECS if data.is_generated(run.data.train) else ())
+    specs = validation_specs(run)
     paths = {evaluation.benchmark_name(s): evaluation.benchmark_path(s, run.eval.data_dir) for s in specs}
     return {name: data.read_rows(path, seed=run.seed, max_rows=run.eval.limit) for name, path in paths.items()}
 
@@ -160,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("trl_reference: TRL is not installed; pip install -e '.[reference]'", file=sys.stderr)
         return 2
-    run = load_config(args.config, [*args.overrides, "scaffold.enabled=false"])
+    try:
+        run = load_config(args.config, [*args.overrides, "scaffold.enabled=false"])
+    except (ConfigError, OSError) as err:
+        print(f"trl_reference: config error: {err}", file=sys.stderr)
+        return 2
     if not args.no_train:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "config.json"), "w") as f:
