@@ -15,8 +15,9 @@ sampler  ``sampler.generate_arrays`` and transformers ``generate()`` (torch, bf1
          for P prompt and N new tokens, HBM = ``--hbm-tb-s`` (4.8 TB/s, the H200 data sheet; 4.23 TB/s was
          measured read+write). ``floor_fraction = floor_s / (call time - prompt pass time)``, 1 = the bound.
          HF has no separate prompt pass, so its fraction divides by the whole call (a slight underestimate).
-train    ``train.rl_update``, i.e. ``optim.rl_step`` with the project's AdamW (``optim.make_optimizer``),
-         float32 master weights, bf16 compute, params and optimizer state donated, on 8 x 2048 tokens, for each
+train    the learner's RL program (``distributed.sharded_rl_step``: ``optim.rl_step`` with the project's AdamW,
+         ``optim.make_optimizer``), float32 master weights, bf16 compute, params and optimizer state donated, on
+         8 x 2048 tokens, for each
          attention kernel of ``--attention`` (``cudnn``: the fused flash kernel; ``einsum``: the written-out
          path; on a backend without cuDNN ``cudnn`` runs as ``xla``). A fused kernel is first checked against
          einsum (log-probs and gradient, 2 layers at the model's widths, left- and right-padded rows) and is
@@ -97,11 +98,13 @@ import jax.numpy as jnp
 import numpy as np
 import trace_summary  # benchmarks/trace_summary.py, beside this script
 
-from lspo_jax import optim, sampler, train
+from lspo_jax import distributed, logprobs, optim, sampler, sharding, train
 from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.data import Example
 from lspo_jax.kv_cache import cache_nbytes
+from lspo_jax.learner import Learner, Policy
 from lspo_jax.model import count_params, init_params
+from lspo_jax.prompts import Draw
 from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig, TrainConfig
 
 SECTIONS = ("sampler", "train", "lspo")
@@ -574,10 +577,14 @@ def synthetic_rl_batch(config: ModelConfig, rows: int, seq: int, seed: int) -> d
 
 def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig) -> tuple[dict, Any]:
     shapes = ctx.shapes
-    params = init_committed(config, ctx.args.seed)
-    opt_state = committed(jax.jit(optim.make_optimizer().init)(params))
+    mesh, tx = sharding.local_mesh(), optim.make_optimizer()
+    params = sharding.shard_params(init_committed(config, ctx.args.seed), sharding.param_shardings(config, mesh))
+    opt_state = jax.jit(tx.init, out_shardings=sharding.opt_state_shardings(config, mesh, tx))(params)
     batch = synthetic_rl_batch(config, shapes.train_rows, shapes.train_seq, ctx.args.seed)
-    step = functools.partial(train.rl_update, config, rl=optim.RLOptimConfig(), loss=loss, temperature=1.0)
+    step = distributed.sharded_rl_step(
+        config, mesh, eps_low=loss.eps_low, eps_high=loss.eps_high, clip_c=loss.clip_c,
+        num_micro_batches=loss.micro_batches, chunk_size=loss.chunk_size, skip_nonfinite=True,
+    )  # fmt: skip
     start = time.perf_counter()
     params, opt_state, metrics = jax.block_until_ready(step(params, opt_state, batch))
     first_s = time.perf_counter() - start
@@ -738,7 +745,7 @@ def attention_check(config: ModelConfig, seed: int) -> dict:
     scored = np.pad(mask[:, 1:] & mask[:, :-1], ((0, 0), (1, 0)))  # token t predicted from a real t - 1
 
     def logp_sum(cfg: ModelConfig, base):
-        logp = jnp.where(scored, optim.sequence_logprobs(cfg, {"base": base}, tokens, mask)[0], 0.0)
+        logp = jnp.where(scored, logprobs.sequence_logprobs(cfg, {"base": base}, tokens, mask)[0], 0.0)
         return jnp.sum(logp), logp
 
     grad = jax.jit(jax.grad(logp_sum, argnums=1, has_aux=True), static_argnums=0)
@@ -782,7 +789,7 @@ class HalfCliffVerifier:
 
 
 def lspo_setup(ctx: Context):
-    """The run config, policy, state, examples and verifier of the LSPO section."""
+    """The learner (with its fake verifier) and the examples of the LSPO section."""
     shapes, args = ctx.shapes, ctx.args
     config = model_config(shapes, "float32", (args.remat or ["dots"])[0], args.lspo_attention)
     run = TrainConfig(
@@ -804,18 +811,17 @@ def lspo_setup(ctx: Context):
         )
         for i in range(shapes.lspo_prompts)
     ]
-    verifier = HalfCliffVerifier({ex.answer for ex in examples[::2]}, shapes.lspo_group)
-    policy = train.Policy(config=config, tokenizer=IdTokenizer(), eos_ids=())
-    params = init_committed(config, args.seed)
-    opt_state = committed(jax.jit(optim.make_optimizer(run.optim, run.scaffold.sft).init)(params))
-    return run, policy, train.TrainState(step=0, params=params, opt_state=opt_state), examples, verifier
+    policy = Policy(config=config, tokenizer=IdTokenizer(), eos_ids=())
+    learner = Learner(run, policy, {"base": init_committed(config, args.seed)["base"]})
+    learner.verifier = HalfCliffVerifier({ex.answer for ex in examples[::2]}, shapes.lspo_group)
+    return learner, examples
 
 
-def timed_step(run: TrainConfig, policy, state, verifier, examples, seed: int) -> tuple[float, dict]:
-    key = jax.random.fold_in(jax.random.key(seed), state.step)
+def timed_step(learner: Learner, examples, seed: int) -> tuple[float, dict]:
+    draw = Draw(examples, jax.random.fold_in(jax.random.key(seed), learner.state.step))
     start = time.perf_counter()
-    metrics = train.train_step(run, policy, state, verifier, examples, key)
-    return time.perf_counter() - start, metrics
+    metrics = train.train_step(learner, draw).metrics
+    return time.perf_counter() - start, {**metrics, **train.step_rates(metrics)}
 
 
 def scaffold_share(lspo: dict, dapo: dict | None) -> tuple[float, str]:
@@ -835,11 +841,11 @@ def section_lspo(ctx: Context) -> None:
     scaffold_keys = ("cliff_groups", "surpassed_groups", "spliced_rows", "rescue_pass_rate", "sft_loss")
     lspo = None
     with rec.part("lspo"):
-        run, policy, state, examples, verifier = lspo_setup(ctx)
-        first_s, _ = timed_step(run, policy, state, verifier, examples, args.seed)  # compiles every program
+        learner, examples = lspo_setup(ctx)
+        first_s, _ = timed_step(learner, examples, args.seed)  # compiles every program
         rec.set(lspo_first_step_s=first_s)
         with ctx.profile("lspo"):
-            step_s, metrics = timed_step(run, policy, state, verifier, examples, args.seed)
+            step_s, metrics = timed_step(learner, examples, args.seed)
         lspo = {"step_s": step_s, **{k: metrics[k] for k in phase_keys}, **{k: metrics.get(k) for k in scaffold_keys}}
         lspo.update(process_peak_gb=jax_peak_gb(), rows=shapes.lspo_prompts * shapes.lspo_group)
         share, method = scaffold_share(lspo, None)
@@ -852,8 +858,9 @@ def section_lspo(ctx: Context) -> None:
         rec.skip("dapo_step", skip)
         return
     with rec.part("dapo_step"):
-        dapo_run = dataclasses.replace(run, scaffold=dataclasses.replace(run.scaffold, enabled=False))
-        step_s, metrics = timed_step(dapo_run, policy, state, verifier, examples, args.seed)
+        run = learner.run  # the DAPO arm runs the same compiled programs: the scaffold is a branch of the step
+        learner.run = dataclasses.replace(run, scaffold=dataclasses.replace(run.scaffold, enabled=False))
+        step_s, metrics = timed_step(learner, examples, args.seed)
         dapo = {"step_s": step_s, **{k: metrics[k] for k in phase_keys}}
         share, method = scaffold_share(lspo, dapo)
         rec.set(dapo=dapo, scaffold_share_method=method)

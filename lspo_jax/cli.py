@@ -275,6 +275,7 @@ def _eval(args) -> int:
 
     from lspo_jax import evaluation
     from lspo_jax.checkpoint import CheckpointError
+    from lspo_jax.learner import Generator
     from lspo_jax.run import load_benchmarks, make_verifier
     from lspo_jax.train_config import ConfigError
 
@@ -293,12 +294,13 @@ def _eval(args) -> int:
     except (CheckpointError, OSError, ValueError) as err:
         print(f"lspo-eval: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    pool = make_verifier(run)
+    pool, generator = make_verifier(run), Generator(policy)
     results, key = {}, jax.random.key(run.seed)
     try:
         for name, (examples, _) in benchmarks.items():
             start = time.perf_counter()
-            correct = evaluation.correct_table(run, policy, params, examples, pool, evaluation.benchmark_key(key, name))
+            bench_key = evaluation.benchmark_key(key, name)
+            correct = evaluation.correct_table(run, generator, params, examples, pool, bench_key)
             results[name] = {
                 **evaluation.pass_at_k_metrics(correct, run.eval.ks),
                 "seconds": round(time.perf_counter() - start, 1),

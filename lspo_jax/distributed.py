@@ -1,16 +1,19 @@
-"""The update steps and the log-prob pass jitted for a device mesh, with layouts from ``sharding``.
+"""The compiled programs of a run: the update steps and the log-prob pass, jitted for a device mesh.
 
-Each builder returns a function with the signature of its single-device counterpart, minus the config:
+Every program runs on a mesh: a run on one device uses ``sharding.local_mesh()`` (1 x 1 x 1), so there is one
+program per pass whatever the device count. Each builder returns a function of arrays only (the config bound),
+built once per argument set (cached: a second run in the same process reuses the compiled programs):
 
     rl  = sharded_rl_step(config, mesh, rl=..., num_micro_batches=...)   # (params, opt_state, batch)
+          (``skip_nonfinite=True``: ``optim.keep_if_finite``, as the training loop runs it)
     sft = sharded_sft_step(config, mesh, sft=...)                         # (params, opt_state, batch)
     lp  = sharded_logprobs(config, mesh, lora_scale=0.0, temperature=T)    # (params, tokens, attention_mask)
 
 Params and optimizer state are split as ``sharding.param_shardings`` / ``opt_state_shardings`` say (FSDP over
 ``fsdp``, tensor parallel over ``tp``) and donated, so a step updates them in place; batch rows are split over
 ``data`` and ``fsdp`` (the row count must divide by their product). Arrays already on the mesh in these
-layouts pass through untouched; host arrays are placed on the way in. The numbers equal the single-device
-step's up to the order of floating-point sums.
+layouts pass through untouched; host arrays are placed on the way in. On several devices the numbers equal
+one device's up to the order of floating-point sums.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from lspo_jax import optim, sharding
+from lspo_jax import logprobs, optim, sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import Params
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
@@ -42,7 +45,7 @@ def step_shardings(
 
 
 def in_mesh(mesh: Mesh, fn: Callable) -> Callable:
-    """``fn`` traced with ``mesh`` as the context mesh, so the model's ``sharding.constrain`` calls apply."""
+    """``fn`` traced with ``mesh`` as the context mesh, so the model's ``axes.constrain`` calls apply."""
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
@@ -63,6 +66,7 @@ def jit_step(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, 
     )
 
 
+@functools.cache
 def sharded_rl_step(
     config: ModelConfig,
     mesh: Mesh,
@@ -75,11 +79,13 @@ def sharded_rl_step(
     temperature: float = 1.0,
     num_micro_batches: int = 1,
     chunk_size: int | None = None,
+    skip_nonfinite: bool = False,
 ) -> Callable:
     """``optim.rl_step`` on ``mesh``: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
     ``rl`` and ``sft`` must be the configs of the optimizer (``optim.make_optimizer(rl, sft)``) whose state
-    is passed in: they fix the state's structure, hence its layout.
+    is passed in: they fix the state's structure, hence its layout. ``skip_nonfinite`` wraps the step in
+    ``optim.keep_if_finite``.
     """
     step = functools.partial(
         optim.rl_step,
@@ -92,9 +98,12 @@ def sharded_rl_step(
         num_micro_batches=num_micro_batches,
         chunk_size=chunk_size,
     )
+    if skip_nonfinite:
+        step = optim.keep_if_finite(step)
     return jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
 
 
+@functools.cache
 def sharded_sft_step(
     config: ModelConfig,
     mesh: Mesh,
@@ -111,6 +120,7 @@ def sharded_sft_step(
     return jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
 
 
+@functools.cache
 def sharded_logprobs(
     config: ModelConfig,
     mesh: Mesh,
@@ -120,24 +130,24 @@ def sharded_logprobs(
     chunk_size: int | None = None,
     num_micro_batches: int = 1,
 ) -> Callable:
-    """``optim.sequence_logprobs`` on ``mesh``: ``(params, tokens, attention_mask) -> logp [B, T]``.
+    """``logprobs.sequence_logprobs`` on ``mesh``: ``(params, tokens, attention_mask) -> logp [B, T]``.
 
     ``num_micro_batches`` runs the rows in that many groups, one after another (as the RL step does), so a
     whole rollout batch of long rows does not hold every row's activations at once. A Python ``lora_scale``
-    of 0 runs the base alone (the adapter subtree is not even passed in), as the single-device pass does.
+    of 0 runs the base alone (the adapter subtree is not even passed in).
     """
     keys = ("base",) if lora_scale == 0 else ("base", "lora")
     params_sh = sharding.param_shardings(config, mesh)
     batch_sh = sharding.batch_sharding(mesh)
 
-    def logprobs(params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        return optim.grouped_logprobs(
+    def logprob_pass(params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        return logprobs.grouped_logprobs(
             config, params, tokens, attention_mask, lora_scale=lora_scale, temperature=temperature,
             chunk_size=chunk_size, num_micro_batches=num_micro_batches,
         )  # fmt: skip
 
     jitted = jax.jit(
-        in_mesh(mesh, logprobs),
+        in_mesh(mesh, logprob_pass),
         in_shardings=({k: params_sh[k] for k in keys}, batch_sh, batch_sh),
         out_shardings=batch_sh,
     )

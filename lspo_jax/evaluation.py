@@ -2,9 +2,10 @@
 
 One code path serves validation inside a training run (``Run.validate``, every ``eval.every`` steps) and
 ``lspo-eval`` on a saved model: ``evaluate_benchmarks`` samples ``eval.n`` responses per problem from the
-base policy with the JAX sampler, scores them with the run's verifier and reduces the [problems, n] table
-of passes to pass@k. Benchmarks are scored one by one, so a result (and a ``metrics.jsonl`` record) is per
-benchmark. The paper reports the first-k-slice estimator; the unbiased one is logged beside it.
+base policy (a ``learner.Generator``: the JAX sampler, or the run's vLLM engine), scores them with the run's
+verifier and reduces the [problems, n] table of passes to pass@k. Benchmarks are scored one by one, so a
+result (and a ``metrics.jsonl`` record) is per benchmark. The paper reports the first-k-slice estimator; the
+unbiased one is logged beside it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from typing import Any
 
 import jax
 import numpy as np
-
-from lspo_jax.sampler import generate_arrays
 
 # The project's shared data, beside the repository: ``../shared/data`` from its root.
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -80,27 +79,21 @@ def benchmark_name(value: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def sample_responses(run, policy, params, prompts: Sequence[Sequence[int]], key) -> list[str]:
+def sample_responses(run, generator, params, prompts: Sequence[Sequence[int]], key) -> list[str]:
     """``eval.n`` responses per prompt (n consecutive texts per prompt) from the base policy, decoded for the
-    verifier (special tokens dropped); top-p and top-k are the run's rollout settings. A run's vLLM engine
-    samples them when its context holds the longest prompt plus ``eval.max_new_tokens``; else the JAX sampler."""
+    verifier (special tokens dropped); top-p and top-k are the run's rollout settings. ``generator``: a
+    ``learner.Generator`` (a run's vLLM engine samples when its context holds the longest prompt plus
+    ``eval.max_new_tokens``; else the JAX sampler)."""
     cfg = run.eval
-    options = dict(
-        key=key, n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=run.rollout.top_p,
-        top_k=run.rollout.top_k, eos_token_ids=policy.eos_ids, lora_scale=0.0,
-    )  # fmt: skip
-    engine = policy.engine
-    if engine is not None and max(map(len, prompts)) + cfg.max_new_tokens <= engine.max_model_len:
-        sample = engine.generate_arrays(params, prompts, **options)
-    else:
-        sample = generate_arrays(policy.config, params, prompts, mesh=policy.mesh, **options)
+    decoding = generator.decoding(cfg.max_new_tokens, cfg.temperature, run.rollout.top_p, run.rollout.top_k)
+    sample = generator.generate(params, prompts, decoding, key=key, n=cfg.n, lora_scale=0.0)
     return [
-        policy.tokenizer.decode(tokens[:length], skip_special_tokens=True)
+        generator.tokenizer.decode(tokens[:length], skip_special_tokens=True)
         for tokens, length in zip(sample.tokens, sample.lengths.tolist(), strict=True)
     ]
 
 
-def correct_table(run, policy, params, examples: Sequence[Any], pool, key) -> np.ndarray:
+def correct_table(run, generator, params, examples: Sequence[Any], pool, key) -> np.ndarray:
     """[problems, eval.n] booleans: which samples of each problem pass, in sampling order.
 
     Problems are sampled ``rollout.prompts_per_step`` at a time, each chunk with its own key.
@@ -109,15 +102,16 @@ def correct_table(run, policy, params, examples: Sequence[Any], pool, key) -> np
     rows = []
     for start in range(0, len(examples), chunk_size):
         chunk = examples[start : start + chunk_size]
-        texts = sample_responses(run, policy, params, [ex.prompt_ids for ex in chunk], jax.random.fold_in(key, start))
+        prompts = [ex.prompt_ids for ex in chunk]
+        texts = sample_responses(run, generator, params, prompts, jax.random.fold_in(key, start))
         accuracy = np.asarray(pool.score(texts, [ex.answer for ex in chunk for _ in range(n)]))
         rows.append(accuracy.reshape(len(chunk), n) > 0)
     return np.concatenate(rows) if rows else np.zeros((0, n), bool)
 
 
-def evaluate(run, policy, params, examples: Sequence[Any], pool, key) -> dict[str, float]:
+def evaluate(run, generator, params, examples: Sequence[Any], pool, key) -> dict[str, float]:
     """pass@k (first-k slice and unbiased) over ``eval.n`` samples per problem, for each k of ``eval.ks``."""
-    return pass_at_k_metrics(correct_table(run, policy, params, examples, pool, key), run.eval.ks)
+    return pass_at_k_metrics(correct_table(run, generator, params, examples, pool, key), run.eval.ks)
 
 
 def benchmark_key(key, name: str):
@@ -125,10 +119,10 @@ def benchmark_key(key, name: str):
     return jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
 
 
-def evaluate_benchmarks(run, policy, params, benchmarks: Mapping[str, Sequence[Any]], pool, key) -> dict[str, dict]:
+def evaluate_benchmarks(run, generator, params, benchmarks: Mapping[str, Sequence[Any]], pool, key) -> dict[str, dict]:
     """``evaluate`` on each benchmark with at least one problem: name -> its metrics."""
     return {
-        name: evaluate(run, policy, params, examples, pool, benchmark_key(key, name))
+        name: evaluate(run, generator, params, examples, pool, benchmark_key(key, name))
         for name, examples in benchmarks.items()
         if examples
     }

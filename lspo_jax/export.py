@@ -15,9 +15,9 @@ import jax
 
 from lspo_jax import hf
 from lspo_jax.checkpoint import Checkpointer, CheckpointError
+from lspo_jax.learner import Policy
 from lspo_jax.model import Params
 from lspo_jax.run import abstract_checkpoint_state, load_policy, model_dir
-from lspo_jax.train import Policy
 from lspo_jax.train_config import TrainConfig, load_config
 
 

@@ -51,7 +51,6 @@ JAX sampler or by an engine with ``generate_arrays`` (``VLLMSampler``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,53 +58,11 @@ from typing import Any
 import numpy as np
 
 from lspo_jax.text import matching_braces
+from lspo_jax.train_config import FirstMistakeConfig
 
 CORRECT, MISTAKE, UNPARSEABLE, OUT_OF_RANGE = "correct", "mistake", "unparseable", "out_of_range"
-REFERENCES = ("teacher", "ground_truth")
 Generate = Callable[[list[str]], list[str]]
 Span = tuple[int, int]  # [start, end) character offsets of one sentence
-
-
-# ------------------------------------------------------------------------------------------------ config
-@dataclasses.dataclass(frozen=True)
-class FirstMistakeConfig:
-    """First-mistake advantages (see the module docstring); ``enabled: false`` leaves GRPO advantages alone.
-
-    ``judge_path``: a Hugging Face directory of the teacher; None judges with the policy itself (the run
-    also takes ``toy:judge``, the demo task's scripted teacher).
-    ``reference``: ``teacher`` (the teacher's verified solution) or ``ground_truth`` (the dataset's).
-    ``lam``: the weight of ``|A_i|`` on a failed rollout's valid prefix. ``max_new_tokens``, ``temperature``
-    (0: greedy) and ``seed``: the teacher's sampling, in both stages. ``max_sentences``: sentences numbered
-    per rollout. ``judge_correct``: also judge passing rollouts (for the agreement metric only).
-    ``max_batch``: prompts per sampler call inside one batched ``generate``. ``sentence_breaks``: characters
-    that also end a sentence (``split_sentences``), for tasks whose steps are not written as sentences.
-    """
-
-    enabled: bool = False
-    judge_path: str | None = None
-    reference: str = "teacher"
-    lam: float = 0.0
-    max_new_tokens: int = 2048
-    temperature: float = 0.0
-    seed: int = 0
-    max_sentences: int = 256
-    judge_correct: bool = False
-    max_batch: int = 64
-    sentence_breaks: str = ""
-
-    def __post_init__(self) -> None:
-        _require(self.judge_path is None or bool(self.judge_path.strip()), "judge_path", "must be a path or null")
-        _require(self.reference in REFERENCES, "reference", f"must be one of {REFERENCES}")
-        _require(math.isfinite(self.lam) and self.lam >= 0, "lam", "must be a finite number >= 0")
-        _require(self.max_new_tokens > 0, "max_new_tokens", "must be positive")
-        _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
-        _require(self.max_sentences > 0, "max_sentences", "must be positive")
-        _require(self.max_batch > 0, "max_batch", "must be positive")
-
-
-def _require(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}: {message}")
 
 
 # -------------------------------------------------------------------------------------- token advantages
@@ -127,7 +84,7 @@ def token_advantages(
         pitfall: ``[N]`` int, the index p within the row's response where the invalid suffix starts; p <= 0
             (e.g. -1, no pitfall) puts A_i on every token, p past the response makes it all prefix.
         response_mask: ``[N, L]``, 1 on response tokens. The response's token j is the row's j-th masked
-            column, so any layout works, e.g. ``rollout.pack_samples``'s P prompt slots then the response.
+            column, so any layout works, e.g. ``packing.pack_samples``'s P prompt slots then the response.
         group_size: K.
         judged: ``[G]`` bool, groups to reshape and recentre. Groups that are not, and groups whose rollouts
             all pass or all fail, get A_i broadcast over their response tokens, unchanged.

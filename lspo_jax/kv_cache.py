@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lspo_jax import sharding
+from lspo_jax import axes
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import CACHE_AXES, Params
 
@@ -40,7 +40,7 @@ def grow_cache(cache: Params, length: int) -> Params:
 
 def constrain(cache: Params) -> Params:
     """Pin the cache's layout under a mesh: rows over the data axes, KV heads over ``tp`` (``sharding``)."""
-    return jax.tree.map(lambda x: sharding.constrain(x, CACHE_AXES), cache)
+    return jax.tree.map(lambda x: axes.constrain(x, CACHE_AXES), cache)
 
 
 def cache_nbytes(config: ModelConfig, batch: int, length: int, dtype: str | None = None) -> int:

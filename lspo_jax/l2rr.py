@@ -84,81 +84,11 @@ import jax.numpy as jnp
 import numpy as np
 
 # ``data`` imports the run config, which holds ``L2RRConfig``: import it where it is used.
-from lspo_jax import losses, optim, rollout
+from lspo_jax import logprobs, losses, optim, packing
 from lspo_jax.config import ModelConfig
+from lspo_jax.train_config import PROMPT_LOSS_NORMS, TARGET_LOSSES, L2RRConfig
 
 Params = Any
-NORMALISATIONS = ("std", "max_abs", "none")
-TARGET_LOSSES = ("nll_token_mean", "nll_example_mean")
-PROMPT_LOSS_NORMS = ("prompt", "batch")
-
-
-# ------------------------------------------------------------------------------------------------ config
-@dataclasses.dataclass(frozen=True)
-class L2RRConfig:
-    """L2RR's settings (see the module docstring for the method); ``enabled: false`` samples uniformly.
-
-    ``a``: EG step scale, ``eta = a / sqrt(horizon)`` (``horizon`` None: ``a / sqrt(t)`` at the t-th update).
-    ``rho_min``: the smallest budget fraction. ``g_min``: the fewest rollouts a drawn prompt gets (>= 2: one
-    rollout has no variance). ``p_e``: the waste decay. ``waste_weight``: the penalty's weight beside the
-    target signal. ``normalise``, ``target_loss``, ``prompt_loss_norm``: as in the module docstring.
-    ``alloc_power``: the exponent of ``w`` in the allocation (3/2). ``explore``: the uniform share of the
-    draw distribution. ``max_draw_rounds``: draw rounds per step. ``score_micro_batches`` and
-    ``target_micro_batches``: chunks of prompts (rows) for the jvp and the target gradient. ``top_k``: the
-    top-weighted prompts reported by ``metrics``. ``target``: the held-out target set (a data file or a
-    benchmark name, as in ``eval.benchmarks``; ``toy:target`` for the demo task), its first
-    ``target_limit`` examples with worked solutions.
-    """
-
-    enabled: bool = False
-    target: str | None = None
-    target_limit: int | None = 64
-    a: float = 1.0
-    horizon: int | None = None
-    rho_min: float = 0.25
-    g_min: int = 2
-    p_e: float = 0.5
-    waste_weight: float = 1.0
-    normalise: str = "std"
-    target_loss: str = "nll_token_mean"
-    prompt_loss_norm: str = "prompt"
-    alloc_power: float = 1.5
-    explore: float = 0.0
-    max_draw_rounds: int = 4
-    score_micro_batches: int = 1
-    target_micro_batches: int = 1
-    top_k: int = 5
-
-    def __post_init__(self) -> None:
-        checks = {
-            "a": (self.a > 0, "must be positive"),
-            "horizon": (self.horizon is None or _positive_int(self.horizon), "must be None or a positive int"),
-            "rho_min": (0 < self.rho_min <= 1, "must be in (0, 1]"),
-            "g_min": (isinstance(self.g_min, int) and self.g_min >= 2, "must be an int >= 2"),
-            "p_e": (0 <= self.p_e <= 1, "must be in [0, 1]"),
-            "waste_weight": (self.waste_weight >= 0, "must be >= 0"),
-            "normalise": (self.normalise in NORMALISATIONS, f"must be one of {NORMALISATIONS}"),
-            "target_loss": (self.target_loss in TARGET_LOSSES, f"must be one of {TARGET_LOSSES}"),
-            "prompt_loss_norm": (self.prompt_loss_norm in PROMPT_LOSS_NORMS, f"must be one of {PROMPT_LOSS_NORMS}"),
-            "alloc_power": (self.alloc_power >= 0, "must be >= 0"),
-            "explore": (0 <= self.explore < 1, "must be in [0, 1)"),
-            "max_draw_rounds": (_positive_int(self.max_draw_rounds), "must be a positive int"),
-            "score_micro_batches": (_positive_int(self.score_micro_batches), "must be a positive int"),
-            "target_micro_batches": (_positive_int(self.target_micro_batches), "must be a positive int"),
-            "top_k": (isinstance(self.top_k, int) and self.top_k >= 0, "must be an int >= 0"),
-            "target_limit": (self.target_limit is None or _positive_int(self.target_limit), "must be None or > 0"),
-        }
-        for field, (ok, why) in checks.items():
-            if not ok:
-                raise ValueError(f"L2RRConfig.{field} {why}, got {getattr(self, field)!r}")
-
-    def step_size(self, updates_done: int) -> float:
-        """``eta = a / sqrt(T)``: T the horizon, or the number of this update (1, 2, ...) without one."""
-        return self.a / math.sqrt(self.horizon if self.horizon is not None else updates_done + 1)
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 # -------------------------------------------------------------------------------------- the arithmetic
@@ -606,7 +536,7 @@ class PolicyLosses:
 
     def _group_losses(self, base: Params, groups: Mapping[str, jax.Array], total: jax.Array | None) -> jax.Array:
         p, k, t = groups["tokens"].shape
-        logp, _ = optim.sequence_logprobs(
+        logp, _ = logprobs.sequence_logprobs(
             self.config,
             {optim.BASE: base},
             groups["tokens"].reshape(p * k, t),
@@ -654,14 +584,14 @@ def target_gradient(
 ) -> Params:
     """``g_tgt``: the gradient w.r.t. the base params (adapter off) of ``sum_r weight_r * NLL_r``.
 
-    ``rows``: ``rollout.pack_sft`` rows (``tokens``, ``attention_mask``, ``mask`` on the solution tokens) and
+    ``rows``: ``packing.pack_sft`` rows (``tokens``, ``attention_mask``, ``mask`` on the solution tokens) and
     ``weight`` ``[R]`` from ``target_row_weights``. Every target loss kind is this one program: the kind lives
     in the weights, which are data. Temperature 1: the target is the data distribution.
     """
 
     def loss_fn(base: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
         args = (config, {optim.BASE: base}, micro["tokens"], micro["attention_mask"])
-        logp, _ = optim.sequence_logprobs(*args, chunk_size=chunk_size)
+        logp, _ = logprobs.sequence_logprobs(*args, chunk_size=chunk_size)
         # Weights are global, so the micro-batches' weighted sums add up to the whole loss.
         nll_R = -jnp.sum(jnp.where(micro["mask"] > 0, logp, 0.0), axis=1)
         return jnp.sum(micro["weight"] * nll_R), {}
@@ -696,7 +626,7 @@ class TargetSide:
         weighted = {name: np.asarray(rows[name]) for name in ("tokens", "attention_mask", "mask")}
         weighted["weight"] = target_row_weights(weighted["mask"], kind)
         # Rows of zeros (no tokens, so no loss) fill the last micro-batch.
-        padded = rollout.pad_rows(weighted, -(-len(weighted["mask"]) // num_micro_batches) * num_micro_batches)
+        padded = packing.pad_rows(weighted, -(-len(weighted["mask"]) // num_micro_batches) * num_micro_batches)
         self._rows = {name: jnp.asarray(value) for name, value in padded.items()}
         self._options = {"num_micro_batches": num_micro_batches, "chunk_size": chunk_size}
 
@@ -709,17 +639,17 @@ class TargetSide:
         solution_slots: int,
         **options: Any,
     ) -> TargetSide:
-        """Target rows from ``data.Example``s with worked solutions (``rollout.pack_sft``); the others are left out.
+        """Target rows from ``data.Example``s with worked solutions (``packing.pack_sft``); the others are left out.
 
         ``prompt_slots`` and ``solution_slots`` are the most a row may take; rows are as long as the examples need
-        (``rollout.sft_slots``), since every step's target gradient runs over them.
+        (``packing.sft_slots``), since every step's target gradient runs over them.
         """
         solved = [ex for ex in examples if ex.solution_ids is not None]
         if not solved:
             raise ValueError("no target example has a worked solution")
         prompts, solutions = [ex.prompt_ids for ex in solved], [ex.solution_ids for ex in solved]
-        slots = rollout.sft_slots(prompts, solutions, prompt_slots, solution_slots)
-        rows = rollout.pack_sft(prompts, solutions, *slots)
+        slots = packing.sft_slots(prompts, solutions, prompt_slots, solution_slots)
+        rows = packing.pack_sft(prompts, solutions, *slots)
         return cls(config, rows, **options)
 
     def directional_derivatives(

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lspo_jax import sharding
+from lspo_jax.axes import constrain, logical_spec
 from lspo_jax.config import ModelConfig
 
 Params = dict[str, Any]
@@ -246,16 +246,16 @@ def fused_attend(
     through ``jax.nn.dot_product_attention``: ``xla`` or ``cudnn`` (a fused flash kernel that never holds the
     ``[B, H, T, S]`` scores and skips the blocks above the diagonal). Queries past a row's length get 0.
     """
-    lengths_B = sharding.constrain(lengths_B, ("batch",))  # each shard of rows must read its own lengths
+    lengths_B = constrain(lengths_B, ("batch",))  # each shard of rows must read its own lengths
     mesh = jax.sharding.get_abstract_mesh()
     heads = ("batch", None, "heads", None)
-    split = lambda x, axes: None if mesh.empty else sharding.logical_spec(x.shape, axes, mesh)[2]
+    split = lambda x, names: None if mesh.empty else logical_spec(x.shape, names, mesh)[2]
     q_split = split(q_BTHE, heads)
     if q_split is not None and q_split != split(k_BTKE, ("batch", None, "kv_heads", None)):
         # cuDNN's partitioner needs q, k and v split alike. When tp splits the query heads but not the KV
         # heads (12 and 2 on tp = 4), each query head gets its own copy of its KV head (h reads h // G).
         groups = q_BTHE.shape[2] // k_BTKE.shape[2]
-        k_BTKE, v_BTKE = (sharding.constrain(jnp.repeat(x, groups, axis=2), heads) for x in (k_BTKE, v_BTKE))
+        k_BTKE, v_BTKE = (constrain(jnp.repeat(x, groups, axis=2), heads) for x in (k_BTKE, v_BTKE))
     return jax.nn.dot_product_attention(
         q_BTHE,
         k_BTKE,
@@ -304,9 +304,9 @@ def block(
         q_BTHE = _linear(h_BTD, layer["q"], lora.get("q"), lora_c) + layer["q_bias"].astype(dt)
         k_BTKE = _linear(h_BTD, layer["k"], lora.get("k"), lora_c) + layer["k_bias"].astype(dt)
         v_BTKE = _linear(h_BTD, layer["v"], lora.get("v"), lora_c) + layer["v_bias"].astype(dt)
-        q_BTHE = sharding.constrain(q_BTHE, ("batch", None, "heads", None))
-        k_BTKE = sharding.constrain(k_BTKE, ("batch", None, "kv_heads", None))
-        v_BTKE = sharding.constrain(v_BTKE, ("batch", None, "kv_heads", None))
+        q_BTHE = constrain(q_BTHE, ("batch", None, "heads", None))
+        k_BTKE = constrain(k_BTKE, ("batch", None, "kv_heads", None))
+        v_BTKE = constrain(v_BTKE, ("batch", None, "kv_heads", None))
         q_BTHE = rotary(q_BTHE, positions_BT, config.rope_theta)
         k_BTKE = rotary(k_BTKE, positions_BT, config.rope_theta)
         if seq_lengths_B is not None:
@@ -321,13 +321,13 @@ def block(
         h_BTD = rms_norm(x_BTD, layer["mlp_norm"], config.rms_norm_eps)
         gate_BTF = _linear(h_BTD, layer["gate"], lora.get("gate"), lora_c)
         up_BTF = _linear(h_BTD, layer["up"], lora.get("up"), lora_c)
-        gate_BTF = sharding.constrain(gate_BTF, ("batch", None, "mlp"))
-        up_BTF = sharding.constrain(up_BTF, ("batch", None, "mlp"))
+        gate_BTF = constrain(gate_BTF, ("batch", None, "mlp"))
+        up_BTF = constrain(up_BTF, ("batch", None, "mlp"))
         x_BTD = x_BTD + _linear(jax.nn.silu(gate_BTF) * up_BTF, layer["down"], lora.get("down"), lora_c)
     return x_BTD, kv_cache
 
 
-# Logical axes of the residual stream [B, T, D]; None is replicated (see ``sharding.constrain``).
+# Logical axes of the residual stream [B, T, D]; None is replicated (see ``axes.constrain``).
 _RESIDUAL_AXES = ("batch", None, None)
 # "dots" saves matmuls without batch dimensions: the projections, whose outputs are cheap to keep, and not
 # the [B, K, G, T, S] attention scores, which are the largest activations of long sequences.
@@ -346,7 +346,7 @@ def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array) -> jax.Arra
     """Token embeddings ``E[tokens]`` in the compute dtype."""
     with jax.named_scope("embed"):
         x_BTD = jnp.take(params["base"]["embed"], tokens_BT, axis=0).astype(config.compute_dtype)
-        return sharding.constrain(x_BTD, _RESIDUAL_AXES)
+        return constrain(x_BTD, _RESIDUAL_AXES)
 
 
 def decoder(
@@ -374,7 +374,7 @@ def decoder(
         layer, layer_lora = xs
         # The residual stream is split by rows only (embed whole), so each layer gathers its FSDP-split
         # weights instead of the partitioner gathering activations: the weights are the smaller of the two.
-        x_BTD = sharding.constrain(x_BTD, _RESIDUAL_AXES)
+        x_BTD = constrain(x_BTD, _RESIDUAL_AXES)
         kw = dict(lora=layer_lora, lora_c=lora_c, seq_lengths_B=seq_lengths_B)
         return block(config, layer, x_BTD, positions_BT, mask_BTS, **kw)[0]
 
@@ -405,10 +405,10 @@ def _cached_layers(config, layers, lora, lora_c, x_BTD, positions_BT, mask_BTS, 
         layers, lora = unstack_layers(config, layers, lora)
     new_cache = []
     for i, layer in enumerate(layers):
-        x_BTD = sharding.constrain(x_BTD, _RESIDUAL_AXES)
+        x_BTD = constrain(x_BTD, _RESIDUAL_AXES)
         kw = dict(lora=lora[i] if lora else None, lora_c=lora_c, kv_cache=kv_cache[i], cache_index=cache_index)
         x_BTD, layer_cache = block(config, layer, x_BTD, positions_BT, mask_BTS, **kw)
-        new_cache.append(jax.tree.map(lambda c: sharding.constrain(c, CACHE_AXES), layer_cache))
+        new_cache.append(jax.tree.map(lambda c: constrain(c, CACHE_AXES), layer_cache))
     return x_BTD, tuple(new_cache)
 
 
@@ -483,7 +483,7 @@ def lm_logits(config: ModelConfig, params: Params, h_BTD: jax.Array) -> jax.Arra
             w_DV = base["lm_head"].astype(h_BTD.dtype)
             logits = jnp.einsum("...d,dv->...v", h_BTD, w_DV, preferred_element_type=jnp.float32)
         rows = ("batch", *(None,) * (logits.ndim - 2)) if logits.ndim > 1 else ()
-        return sharding.constrain(logits, (*rows, "vocab"))
+        return constrain(logits, (*rows, "vocab"))
 
 
 def forward(

@@ -15,14 +15,15 @@ subtree and its optimizer state stay bit-identical.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from lspo_jax import losses, model
+from lspo_jax import logprobs, losses, model
 from lspo_jax.config import ModelConfig
 
 Params = dict[str, Any]
@@ -149,91 +150,6 @@ def update_subtree(
 
 
 # ------------------------------------------------------------------------------------------- steps
-def sequence_logprobs(
-    config: ModelConfig,
-    params: Params,
-    tokens: jax.Array,
-    attention_mask: jax.Array,
-    *,
-    lora_scale: float = 0.0,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Per-token log-probs aligned with ``tokens``, and the logits they came from.
-
-    ``logp[:, t] = log softmax(logits[:, t - 1] / temperature)[tokens[:, t]]`` for ``t >= 1`` and
-    ``logp[:, 0] = 0`` (nothing predicts the first token), so a loss mask in token coordinates (True on the
-    generated tokens) applies directly; position 0 must be masked out. Returns ``(logp [B, T], logits)``.
-    With ``chunk_size`` the LM head runs that many positions at a time (``losses.chunked_token_logprobs``)
-    and the logits, never held whole, are returned as None.
-    """
-    if chunk_size is not None:
-        logp, _ = _chunked_logprobs(config, params, tokens, attention_mask, lora_scale, temperature, chunk_size)
-        return logp, None
-    logits = model.forward(config, params, tokens, attention_mask, lora_scale=lora_scale)
-    logp = losses.token_logprobs(logits[:, :-1], tokens[:, 1:], temperature)
-    return jnp.pad(logp, ((0, 0), (1, 0))), logits
-
-
-def grouped_logprobs(
-    config: ModelConfig,
-    params: Params,
-    tokens: jax.Array,
-    attention_mask: jax.Array,
-    *,
-    lora_scale: float = 0.0,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    num_micro_batches: int = 1,
-) -> jax.Array:
-    """``sequence_logprobs``' ``logp`` with the rows in ``num_micro_batches`` strided groups run one after another
-    (``lax.map``, as the RL step's micro-batches), so a long batch never holds every row's activations."""
-
-    def one(rows):
-        kwargs = dict(lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size)
-        return sequence_logprobs(config, params, *rows, **kwargs)[0]
-
-    if num_micro_batches == 1:
-        return one((tokens, attention_mask))
-    split = lambda x: losses.split_rows(x, num_micro_batches)
-    return losses.merge_rows(jax.lax.map(one, (split(tokens), split(attention_mask))))
-
-
-def _chunked_logprobs(config, params, tokens, attention_mask, lora_scale, temperature, chunk_size, entropy=False):
-    h_BTD = model.hidden_states(config, params, tokens, attention_mask, lora_scale=lora_scale)
-    logp, ent = losses.chunked_token_logprobs(
-        h_BTD[:, :-1],
-        lambda h: model.lm_logits(config, params, h),
-        tokens[:, 1:],
-        chunk_size=chunk_size,
-        temperature=temperature,
-        with_entropy=entropy,
-    )
-    shift = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
-    return shift(logp), None if ent is None else shift(ent)
-
-
-def logprobs_and_entropy(
-    config: ModelConfig,
-    params: Params,
-    tokens: jax.Array,
-    attention_mask: jax.Array,
-    *,
-    lora_scale: float = 0.0,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """``sequence_logprobs`` and the entropy of each predicting distribution (``losses.token_entropy``,
-    a metric without gradient), ``[B, T]`` each, aligned alike (position 0 holds 0); chunked as there."""
-    if chunk_size is not None:
-        return _chunked_logprobs(config, params, tokens, attention_mask, lora_scale, temperature, chunk_size, True)
-    logp, logits = sequence_logprobs(
-        config, params, tokens, attention_mask, lora_scale=lora_scale, temperature=temperature
-    )
-    entropy = losses.token_entropy(jax.lax.stop_gradient(logits[:, :-1]), temperature)
-    return logp, jnp.pad(entropy, ((0, 0), (1, 0)))
-
-
 def rl_step(
     config: ModelConfig,
     params: Params,
@@ -251,14 +167,14 @@ def rl_step(
     """One RL update of the base: ``policy_loss`` token-mean over the whole batch, adapter off.
 
     ``batch``: ``tokens``, ``attention_mask``, ``mask`` (response tokens) and ``old_logp``, all ``[B, T]`` and
-    aligned as in ``sequence_logprobs``, and ``advantages`` ``[B]`` or ``[B, T]``. The forward pass gets only
+    aligned as in ``logprobs.sequence_logprobs``, and ``advantages`` ``[B]`` or ``[B, T]``. The forward pass gets only
     ``params["base"]`` with ``lora_scale = 0``, so the adapter is neither computed nor differentiated.
-    ``chunk_size`` runs the LM head in sequence chunks (see ``sequence_logprobs``).
+    ``chunk_size`` runs the LM head in sequence chunks (see ``logprobs.sequence_logprobs``).
     Jittable with ``config`` and the keyword arguments static.
     """
 
     def loss_fn(base: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
-        logp, entropy = logprobs_and_entropy(
+        logp, entropy = logprobs.logprobs_and_entropy(
             config,
             {BASE: base},
             micro["tokens"],
@@ -280,6 +196,23 @@ def rl_step(
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
 
 
+def keep_if_finite(step: Callable) -> Callable:
+    """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` that returns params and optimizer state
+    as they came in when the loss or the gradient norm is non-finite, and says which in ``metrics["finite"]``:
+    one bad batch skips its update whole (the optimizer's count included) instead of poisoning the weights."""
+
+    @functools.wraps(step)
+    def guarded(params: Params, opt_state: Any, batch: Mapping[str, jax.Array]):
+        new_params, new_state, metrics = step(params, opt_state, batch)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        keep = lambda new, old: jnp.where(finite, new, old)
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_state, opt_state)
+        return params, opt_state, {**metrics, "finite": finite}
+
+    return guarded
+
+
 def sft_step(
     config: ModelConfig,
     params: Params,
@@ -293,14 +226,14 @@ def sft_step(
     """One SFT update of the adapter: token-mean cross-entropy with the adapter on (``lora_scale = 1``).
 
     ``batch``: ``tokens``, ``attention_mask`` and ``mask`` (solution tokens; prompt and padding False),
-    ``[B, T]``, aligned as in ``sequence_logprobs``. Only ``params["lora"]`` is differentiated and updated;
+    ``[B, T]``, aligned as in ``logprobs.sequence_logprobs``. Only ``params["lora"]`` is differentiated and updated;
     the base enters the forward as a constant. Temperature 1: the adapter fits the data distribution.
     ``chunk_size`` as in ``rl_step``.
     """
 
     def loss_fn(lora: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
         full = {BASE: params[BASE], LORA: lora}
-        logp, _ = sequence_logprobs(
+        logp, _ = logprobs.sequence_logprobs(
             config, full, micro["tokens"], micro["attention_mask"], lora_scale=1.0, chunk_size=chunk_size
         )
         loss = losses.sft_loss(logp, micro["mask"], num_tokens=num_tokens)

@@ -6,7 +6,7 @@ purpose: cliffs are defined on accuracy, while advantages are computed from the 
 ``math_reward`` runs math-verify in the calling process with math-verify's own timeouts disabled (they use
 ``signal.alarm``, which only works on the main thread). A pathological answer such as
 ``\\boxed{9^{9^{9^{9}}}}`` against a number then keeps it busy for over a minute. For training, score batches with
-``VerifierPool`` (in ``lspo_jax.verify_pool``, also importable from here), which runs the same
+``verify_pool.VerifierPool``, which runs the same
 ``score_response`` in worker processes and kills a worker that overruns its per-item timeout.
 
 math-verify is imported at the first parse, not with this module: the trainer, the sampler and the benchmarks
@@ -303,12 +303,3 @@ def shaped_rewards(accuracy: Any, lengths: Any, *, max_len: int, buffer: int, fa
     if accuracy.shape != penalty.shape:
         raise ValueError(f"accuracy shape {accuracy.shape} != lengths shape {penalty.shape}")
     return ShapedRewards(accuracy=accuracy, reward=accuracy + penalty)
-
-
-def __getattr__(name: str) -> Any:
-    # The pool imports this module, so it is re-exported lazily to avoid an import cycle.
-    if name in ("VerifierPool", "VerifierStats"):
-        from lspo_jax import verify_pool
-
-        return getattr(verify_pool, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,13 +20,15 @@ import yaml
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from lspo_jax import data, evaluation, first_mistake, hf, l2rr, model, optim, rewards, reweight, sharding, toy
+from lspo_jax import data, evaluation, first_mistake, hf, model, optim, reweight, sharding, toy, toy_model, verify_pool
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
+from lspo_jax.learner import Learner, Policy, TrainState
 from lspo_jax.metrics_log import MetricsLog, NullLog, records_until, rewrite, wandb_options
 from lspo_jax.model import Params
 from lspo_jax.progress import Progress
-from lspo_jax.train import Policy, StepAbandoned, StopFlag, TrainState, place_state, train_step
+from lspo_jax.prompts import ShuffledPrompts
+from lspo_jax.train import Phases, StepAbandoned, StopFlag, step_rates, train_step
 from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
 
 
@@ -36,7 +38,7 @@ class RunStopped(RuntimeError):
 
 def model_dir(run: TrainConfig, cache_dir: str) -> str:
     """The Hugging Face directory of the policy: ``model.path``, or the demo's own model (``toy``), made here."""
-    return toy.model_dir(os.path.join(cache_dir, "toy_model")) if run.model.path == "toy" else run.model.path
+    return toy_model.model_dir(os.path.join(cache_dir, "toy_model")) if run.model.path == "toy" else run.model.path
 
 
 def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
@@ -76,21 +78,21 @@ def check_resumable(run: TrainConfig, out_dir: str, checkpointer: Checkpointer) 
         )
 
 
-def run_mesh(run: TrainConfig) -> Mesh | None:
-    """The run's device mesh (``mesh`` section), or None for the single-device programs.
+def run_mesh(run: TrainConfig) -> Mesh:
+    """The run's device mesh (``mesh`` section); disabled, the first device as a 1 x 1 x 1 mesh.
 
-    ``mesh.enabled: null`` uses a mesh only when JAX sees more than one device.
+    ``mesh.enabled: null`` spans every device when JAX sees more than one.
     """
     enabled = run.mesh.enabled if run.mesh.enabled is not None else jax.device_count() > 1
     if not enabled:
-        return None
+        return sharding.local_mesh()
     return sharding.make_mesh(sharding.MeshConfig(data=run.mesh.data, fsdp=run.mesh.fsdp, tp=run.mesh.tp))
 
 
-def make_verifier(run: TrainConfig) -> rewards.VerifierPool:
+def make_verifier(run: TrainConfig) -> verify_pool.VerifierPool:
     """The math-verify worker pool of ``run.reward`` (workers, per-item timeout, ``</think>`` grading)."""
     reward = run.reward
-    return rewards.VerifierPool(
+    return verify_pool.VerifierPool(
         workers=reward.workers, timeout=reward.timeout_s, require_think_close=reward.require_think_close
     )
 
@@ -232,7 +234,6 @@ class Run:
         """Model, data and state (restored when resuming), then config.yaml; then judge, verifier and engine."""
         out_dir = self.out_dir
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
-        self.policy = dataclasses.replace(self.policy, mesh=run_mesh(run))
         if run.rollout.engine == "vllm":  # before the data and the state load: the engine starts last
             from lspo_jax import vllm_sampler
 
@@ -247,22 +248,11 @@ class Run:
             print(f"lspo-train: data.train {run.data.train}: {line}", file=sys.stderr)  # also in summary.json
         self.examples = self.examples[: run.data.limit]  # the first `limit` usable prompts (all when null)
         self.held_out, self.held_out_data = self._held_out()
-        self.order = data.PromptOrder(len(self.examples), seed=run.seed, shuffle=run.data.shuffle)
-        self.sampler = self.target = None
-        if run.l2rr.enabled:  # a learned draw over the prompts instead of the shuffled order
-            if len(self.examples) < run.rollout.prompts_per_step:
-                raise data.DataError(f"l2rr draws rollout.prompts_per_step = {run.rollout.prompts_per_step} distinct "
-                                     f"prompts a step, but data.train {run.data.train} has {len(self.examples)} "
-                                     "usable ones")  # fmt: skip
-            self.sampler = l2rr.make_sampler(len(self.examples), run.rollout.group_size, run.l2rr, seed=run.seed)
-            self.target = reweight.load_target(run, self.policy, load_examples)
-        key = jax.random.key(run.seed)
-        # Committed to the device (or split over the mesh) like the arrays a restore returns: jit keys its cache
+        self.prompts, target = self._prompt_source()
+        # Params and optimizer state are committed to the mesh like the arrays a restore returns: jit keys its cache
         # on placement, so a run resumed in the same process (tests, notebooks) reuses the compiled programs.
-        params = {"base": base["base"], "lora": model.init_lora(self.policy.config, key)}
-        self.tx = optim.make_optimizer(run.optim, run.scaffold.sft)
-        params, opt_state = place_state(run, self.policy, params, self.tx.init(params))
-        self.state = TrainState(step=0, params=params, opt_state=opt_state)
+        self.learner = Learner(run, self.policy, base, mesh=run_mesh(run))
+        self.learner.target = target
         self.history: list[dict[str, Any]] = []  # every record of the run, those before a resume included
         if resume:
             self._restore()
@@ -270,14 +260,33 @@ class Run:
             with open(os.path.join(out_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(run), f, sort_keys=False)
         if run.first_mistake.enabled:
-            judge = judge or make_judge(run, self.policy, self.state.params)
-            self.policy = dataclasses.replace(self.policy, judge=judge)
+            self.learner.judge = judge or make_judge(run, self.policy, self.state.params)
         self.log = self._open_log() if self.writer else NullLog()
-        if verifier is None:
-            verifier = make_verifier(run)
-        self.pool = verifier if jax.process_count() == 1 else AgreedVerifier(verifier)
+        verifier = make_verifier(run) if verifier is None else verifier
+        self.learner.verifier = verifier if jax.process_count() == 1 else AgreedVerifier(verifier)
         if run.rollout.engine == "vllm":  # last: nothing after it can fail and leave the engine running
-            self.policy = dataclasses.replace(self.policy, engine=make_engine(run, self.policy, out_dir))
+            self.learner.vllm = make_engine(run, self.policy, out_dir)
+
+    def _prompt_source(self) -> tuple[Any, Any]:
+        """The run's prompt source (``prompts``) and, with ``l2rr.enabled``, the L2RR target's scorer."""
+        run = self.run
+        if not self.examples:
+            raise data.DataError("no training prompts left after loading; see the data report")
+        if not run.l2rr.enabled:
+            shuffled = ShuffledPrompts(self.examples, run.rollout.prompts_per_step, seed=run.seed,
+                                       shuffle=run.data.shuffle)  # fmt: skip
+            return shuffled, None
+        source = reweight.L2RRPrompts(run, self.examples)  # a learned draw over the prompts
+        load = lambda path: load_examples(run, self.policy, path, run.seed)
+        return source, reweight.load_target(run, self.policy.config, load)
+
+    @property
+    def state(self) -> TrainState:
+        return self.learner.state
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        self.learner.state = state
 
     def _held_out(self) -> tuple[dict[str, list[data.Example]], dict[str, dict]]:
         """Benchmark name -> examples, and name -> load report; the toy task validates on its held-out classes."""
@@ -293,8 +302,7 @@ class Run:
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        meta = {"step": self.state.step, "order": self.order.state(), "seed": self.run.seed,
-                "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+        meta = {"step": self.state.step, **self.prompts.checkpoint(), "seed": self.run.seed,
                 "nonfinite_total": self.state.nonfinite_total,
                 "nonfinite_in_row": self.state.nonfinite_in_row}  # fmt: skip
         self.checkpointer.save(self.state.step, checkpoint_state(self.state.params, self.state.opt_state), meta)
@@ -325,9 +333,7 @@ class Run:
             step=int(meta["step"]), params=params, opt_state=with_rl_state(self.state.opt_state, restored["rl_opt"]),
             nonfinite_total=int(meta.get("nonfinite_total", 0)), nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
         )  # fmt: skip
-        self.order.restore(meta["order"])
-        if self.sampler is not None:
-            self.sampler.load_state_dict(meta["sampler"])
+        self.prompts.restore(meta)
 
     def _open_log(self) -> MetricsLog:
         """The run's metrics log, cut back to the restored step: a resumed run's records read as if it had
@@ -348,7 +354,7 @@ class Run:
             return None
         key = jax.random.fold_in(jax.random.key(self.run.seed + 1), self.state.step)
         results = evaluation.evaluate_benchmarks(
-            self.run, self.policy, self.state.params, self.held_out, self.pool, key
+            self.run, self.learner.generator, self.state.params, self.held_out, self.learner.verifier, key
         )
         for name, result in results.items():
             self._write({"kind": "eval", "step": self.state.step, "benchmark": name, **result})
@@ -408,36 +414,20 @@ class Run:
         return False
 
     def one_step(self, stop: StopFlag | None = None) -> dict[str, Any]:
-        """One training step, logged. A step abandoned by ``stop`` leaves the prompt order as it found it, so
-        a resume from the next checkpoint draws the same prompts."""
+        """One training step, logged: the prompt source's draw, the step, the source's observation of it. A step
+        abandoned by ``stop`` leaves the source as it found it, so a resume from the next checkpoint draws the
+        same prompts."""
         key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step)
-        order = self.order.state()
-        sampler = self.sampler.state_dict() if self.sampler is not None else None  # fresh JSON-able values
+        snapshot, phases = self.prompts.state_dict(), Phases(stop)
         try:
-            if self.sampler is None:
-                batch = [self.examples[i] for i in self.order.take(self.run.rollout.prompts_per_step)]
-                metrics = train_step(self.run, self.policy, self.state, self.pool, batch, key, stop=stop)
-            else:
-                metrics = self._reweighted_step(key, stop)
+            draw = self.prompts.next_batch(self.learner, key, phases)
+            result = train_step(self.learner, draw, phases)
         except StepAbandoned:
-            self.order.restore(order)
-            if sampler is not None:
-                self.sampler.load_state_dict(sampler)
+            self.prompts.load_state_dict(snapshot)
             raise
+        metrics = {**result.metrics, **step_rates(result.metrics), **self.prompts.observe(draw, result.prompt_scores)}
         self._write({"kind": "train", **metrics})
         return metrics
-
-    def _reweighted_step(self, key, stop: StopFlag | None) -> dict[str, Any]:
-        """A step whose prompts and rollout counts come from the L2RR sampler (``reweight``)."""
-        draw_key, step_key = jax.random.split(key)
-        got = reweight.collect(
-            self.run, self.policy, self.state, self.pool, self.examples, self.sampler, draw_key, stop=stop
-        )
-        score = reweight.scorer(self.run, self.policy, self.state, self.target, self.sampler, got)
-        return train_step(
-            self.run, self.policy, self.state, self.pool, got.examples, step_key, sampled=got.sampled,
-            before_update=score, stop=stop,
-        )  # fmt: skip
 
     def _summary(self, seconds: float, stopped: bool) -> dict[str, Any]:
         """The whole run's figures, from its records (those logged before a resume included)."""
@@ -477,10 +467,7 @@ class Run:
         return found or None
 
     def close(self) -> None:
-        if self.policy.engine is not None:
-            self.policy.engine.close()
-            self.policy = dataclasses.replace(self.policy, engine=None)
-        self.pool.close()
+        self.learner.close()
         self.log.close()
         self.checkpointer.close()
 

@@ -19,8 +19,9 @@ How a call runs:
   the step, that removes about a third of the decode's memory traffic. Between segments the cache is
   copied into a larger one (once per window).
 
-On a device mesh (``generate(..., mesh=mesh)``) the same programs run under ``jax.set_mesh``: weights split
-over ``tp`` only, rows and the KV cache over the data axes; XLA inserts the collectives.
+The programs always run under a device mesh (``generate(..., mesh=mesh)``; by default the first device as a
+1 x 1 x 1 mesh) with ``jax.set_mesh``: weights split over ``tp`` only, rows and the KV cache over the data
+axes; XLA inserts the collectives.
 
 Every shape is bucketed (powers of two), so a run compiles a bounded number of programs:
 per (batch bucket, prompt bucket, new-token bucket, sampling options, adapter on/off) one prefill and one
@@ -34,7 +35,6 @@ temperature given too (so greedy with T = 1 reports the model's plain log-probs)
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -57,6 +57,7 @@ from lspo_jax.model import (
     lm_logits,
     unstack_layers,
 )
+from lspo_jax.packing import left_pad, pow2_bucket
 
 PAD_ID = 0  # what a finished row emits; its log-prob is 0 and it is cut from every returned record
 MIN_PROMPT_BUCKET = 16
@@ -112,6 +113,21 @@ class SamplingOptions:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How to sample, as one value: what every engine's call takes besides the params, prompts, key, the number
+    of samples per prompt and the adapter's scale (``generate_arrays(..., **decoding.kwargs())``)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    def kwargs(self) -> dict[str, Any]:
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
 class _State(NamedTuple):
@@ -329,30 +345,15 @@ def _layer_shardings(shardings: Params, num_layers: int) -> tuple[Params, ...]:
 
 
 # ----------------------------------------------------------------------------------------- host side
-def _pow2_at_least(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())
-
-
 def window_ends(max_new_tokens: int, cache_window: int) -> list[int]:
     """Generated lengths at which the cache grows: ``w, 2w, 4w, ...`` up to the first >= max_new_tokens.
 
     ``w`` is ``cache_window``, or less for short generations (the smallest power of two that fits).
     """
-    ends = [min(cache_window, _pow2_at_least(max_new_tokens))]
+    ends = [min(cache_window, pow2_bucket(max_new_tokens))]
     while ends[-1] < max_new_tokens:
         ends.append(2 * ends[-1])
     return ends
-
-
-def _left_pad(prompts: Sequence[Sequence[int]], batch: int, length: int) -> tuple[np.ndarray, ...]:
-    tokens_BP = np.full((batch, length), PAD_ID, np.int32)
-    mask_BP = np.zeros((batch, length), np.int32)
-    for row, prompt in enumerate(prompts):
-        if len(prompt):
-            tokens_BP[row, length - len(prompt) :] = prompt
-            mask_BP[row, length - len(prompt) :] = 1
-    live_B = np.arange(batch) < len(prompts)
-    return tokens_BP, mask_BP, live_B
 
 
 def _sampling_params(config: ModelConfig, params: Params, lora_scale: Any) -> tuple[Params, jax.Array]:
@@ -369,12 +370,11 @@ def _sampling_params(config: ModelConfig, params: Params, lora_scale: Any) -> tu
     return tree, jnp.asarray(lora_scale if adapter_on else 0.0, jnp.float32)
 
 
-def _decode_weights(config: ModelConfig, tree: Params, mesh: jax.sharding.Mesh | None) -> Params:
+def _decode_weights(config: ModelConfig, tree: Params, mesh: jax.sharding.Mesh) -> Params:
     """The weights as the programs read them: in the compute dtype (an fp32 master copy is cast once, so a
-    decode step reads half the bytes) and split per layer. On a mesh the cast comes first, so the weights
+    decode step reads half the bytes) and split per layer. The cast comes before the placement, so the weights
     gathered over ``fsdp`` are the narrow ones."""
-    if mesh is not None:
-        tree = _place_on_mesh(config, _cast(tree, jnp.dtype(config.compute_dtype).name), mesh)
+    tree = _place_on_mesh(config, _cast(tree, jnp.dtype(config.compute_dtype).name), mesh)
     return _unstack(config, tree)
 
 
@@ -392,14 +392,12 @@ def _check_args(prompts, max_new_tokens, temperature, top_p, top_k, n, cache_win
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def _place_on_mesh(config: ModelConfig, tree: Params, mesh: jax.sharding.Mesh | None) -> Params:
+def _place_on_mesh(config: ModelConfig, tree: Params, mesh: jax.sharding.Mesh) -> Params:
     """The sampling params in the decode layout: split over ``tp`` only, whole on every data-parallel replica.
 
     Gathering FSDP-split weights at every generated token would move the whole model per step; holding
     them (in the compute dtype) on each replica costs less than the KV cache of a long rollout.
     """
-    if mesh is None:
-        return tree
     return sharding.shard_params(tree, sharding.param_shardings(config, mesh, gather_fsdp=True))
 
 
@@ -418,11 +416,11 @@ class _Call(NamedTuple):
     ends: list[int]
     n: int
     max_new_tokens: int
-    mesh: jax.sharding.Mesh | None = None
+    mesh: jax.sharding.Mesh
 
     def in_mesh(self):
-        """The context the programs trace and run in: under a mesh, the model's layout constraints apply."""
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+        """The context the programs trace and run in: the model's layout constraints apply under it."""
+        return jax.set_mesh(self.mesh)
 
     def prefill(self, key: jax.Array) -> _State:
         args = (self.tokens_BP, self.mask_BP, self.live_B, key, self.temperature, self.scale, self.eos_E)
@@ -465,10 +463,11 @@ def _plan(
     mesh: jax.sharding.Mesh | None = None,
 ) -> _Call:
     _check_args(prompts, max_new_tokens, temperature, top_p, top_k, n, cache_window)
+    mesh = sharding.mesh_or_local(mesh)
     tree, scale = _sampling_params(config, params, lora_scale)
     tree = _decode_weights(config, tree, mesh)
-    batch = _pow2_at_least(len(prompts))
-    prompt_slots = _pow2_at_least(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+    batch = pow2_bucket(len(prompts))
+    prompt_slots = pow2_bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
     return _Call(
         config,
         tree,
@@ -476,7 +475,8 @@ def _plan(
         jnp.asarray(temperature, jnp.float32),
         _eos_array(eos_token_ids),
         SamplingOptions(int(top_k), float(top_p), bool(greedy)),
-        *_left_pad(prompts, batch, prompt_slots),
+        *left_pad(prompts, prompt_slots, rows=batch),
+        np.arange(batch) < len(prompts),
         window_ends(max_new_tokens, cache_window),
         n,
         max_new_tokens,
@@ -515,15 +515,15 @@ def lower_decode(
     )
     # The program the sampler runs takes per-layer weights (``_decode_weights``).
     params = jax.eval_shape(functools.partial(_unstack, config), params)
-    if mesh is not None:
-        place = lambda tree, shardings: jax.tree.map(lambda a, s: a.update(sharding=s), tree, shardings)
-        stacked = sharding.param_shardings(config, mesh, gather_fsdp=True)["base"]
-        per_layer = {**stacked, "layers": _layer_shardings(stacked["layers"], config.num_layers)}
-        params = place(params, {"base": per_layer})
-        state = place(state, _state_shardings(config, mesh, state))
+    mesh = sharding.mesh_or_local(mesh)
+    place = lambda tree, shardings: jax.tree.map(lambda a, s: a.update(sharding=s), tree, shardings)
+    stacked = sharding.param_shardings(config, mesh, gather_fsdp=True)["base"]
+    per_layer = {**stacked, "layers": _layer_shardings(stacked["layers"], config.num_layers)}
+    params = place(params, {"base": per_layer})
+    state = place(state, _state_shardings(config, mesh, state))
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     args = (jax.eval_shape(jax.random.key, 0), scalar, scalar, _eos_array(()), jax.ShapeDtypeStruct((), jnp.int32))
-    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):
         return _decode_segment.lower(config, params, state, *args, options=options)
 
 

@@ -3,7 +3,7 @@
 The mesh has three axes: ``data`` (pure data parallelism: whole replicas), ``fsdp`` (data parallelism
 whose replicas also split the weights and optimizer state, ZeRO-3 style) and ``tp`` (tensor parallelism:
 heads, MLP hidden units and vocabulary split across devices). The model names its dimensions logically
-(``model.logical_axes``: layers, vocab, embed, heads, ...); ``LOGICAL_RULES`` below is the only place
+(``model.logical_axes``: layers, vocab, embed, heads, ...); ``axes.LOGICAL_RULES`` is the only place
 that says which mesh axes a logical axis is split over. Everything else (parameter, optimizer-state,
 batch and KV-cache layouts) derives from the rules, so it cannot drift apart.
 
@@ -15,6 +15,7 @@ same program on one global mesh after ``initialize_distributed``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -26,23 +27,9 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-# model imports this module too (for ``constrain``): both refer to each other's attributes only at call
-# time, so either may be imported first.
 from lspo_jax import model
+from lspo_jax.axes import LOGICAL_RULES, MESH_AXES, logical_spec
 from lspo_jax.config import ModelConfig
-
-MESH_AXES = ("data", "fsdp", "tp")
-
-# Logical axis -> mesh axes it is split over. Logical axes not listed (layers, head_dim, lora_rank, the
-# sequence) are replicated. "batch" names the rows of every batch, activation and KV cache.
-LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("embed", ("fsdp",)),
-    ("vocab", ("tp",)),
-    ("heads", ("tp",)),
-    ("kv_heads", ("tp",)),
-    ("mlp", ("tp",)),
-)
 
 
 # ---------------------------------------------------------------------------------------------- mesh
@@ -88,45 +75,19 @@ def make_mesh(mesh_config: MeshConfig = MeshConfig(), devices: Sequence[jax.Devi
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-# -------------------------------------------------------------------------------------- logical rules
-def logical_spec(
-    shape: Sequence[int],
-    axes: Sequence[str | None],
-    mesh: Mesh | jax.sharding.AbstractMesh,
-    rules: Sequence[tuple[str, tuple[str, ...]]] = LOGICAL_RULES,
-) -> PartitionSpec:
-    """The ``PartitionSpec`` of an array of ``shape`` whose dimensions are named ``axes``.
-
-    A rule is dropped for a dimension whose size does not divide by its mesh axes (e.g. 2 KV heads on
-    tp = 4: replicated there), so every layout is legal whatever the model and mesh sizes. Mesh axes of
-    size 1 are left out, and a mesh axis is used at most once per array.
-    """
-    if len(shape) != len(axes):
-        raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(axes)} differ in rank")
-    table = dict(rules)
-    used: set[str] = set()
-    spec = []
-    for size, name in zip(shape, axes, strict=True):
-        mesh_axes = tuple(a for a in table.get(name, ()) if mesh.shape[a] > 1 and a not in used)
-        if not mesh_axes or size % math.prod(mesh.shape[a] for a in mesh_axes):
-            spec.append(None)
-            continue
-        used.update(mesh_axes)
-        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
-    return PartitionSpec(*spec)
+def local_mesh() -> Mesh:
+    """The first device as a 1 x 1 x 1 mesh: one program per pass whether a run has one device or many."""
+    return _local_mesh(jax.devices()[0])
 
 
-def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """Pin an activation's layout to its logical ``axes`` (None: replicated) under the current mesh.
+@functools.cache
+def _local_mesh(device: jax.Device) -> Mesh:
+    return make_mesh(MeshConfig(1, 1, 1), [device])
 
-    The model calls this at a few points (the residual stream, projections, logits) so that the
-    partitioner splits activations by rows and gathers weights, rather than the reverse. Outside a mesh
-    context (``jax.set_mesh`` / ``jax.sharding.use_abstract_mesh``) it returns ``x`` unchanged.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, logical_spec(x.shape, axes, mesh))
+
+def mesh_or_local(mesh: Mesh | None) -> Mesh:
+    """``mesh``, or ``local_mesh()`` when None (the functional APIs' default)."""
+    return local_mesh() if mesh is None else mesh
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -8,6 +8,7 @@ DAPO baseline is the same config with ``scaffold.enabled: false``, not a separat
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -16,8 +17,6 @@ from typing import Any
 import yaml
 
 from lspo_jax.config import ATTENTION_IMPLS, REMAT_POLICIES, LoraConfig
-from lspo_jax.first_mistake import FirstMistakeConfig
-from lspo_jax.l2rr import L2RRConfig
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
 
 
@@ -269,6 +268,125 @@ class LogConfig:
     def __post_init__(self) -> None:
         _require(self.wandb_mode in ("online", "offline"), "log.wandb_mode", "must be online or offline")
         _require(bool(self.wandb_project), "log.wandb_project", "must not be empty")
+
+
+# ----------------------------------------------------------------------------- the options' configs
+# Here rather than in first_mistake.py and l2rr.py: those modules use the data and model layers, which read this
+# module, so a config class of theirs here keeps the imports one way.
+REFERENCES = ("teacher", "ground_truth")
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstMistakeConfig:
+    """First-mistake advantages (see the module docstring); ``enabled: false`` leaves GRPO advantages alone.
+
+    ``judge_path``: a Hugging Face directory of the teacher; None judges with the policy itself (the run
+    also takes ``toy:judge``, the demo task's scripted teacher).
+    ``reference``: ``teacher`` (the teacher's verified solution) or ``ground_truth`` (the dataset's).
+    ``lam``: the weight of ``|A_i|`` on a failed rollout's valid prefix. ``max_new_tokens``, ``temperature``
+    (0: greedy) and ``seed``: the teacher's sampling, in both stages. ``max_sentences``: sentences numbered
+    per rollout. ``judge_correct``: also judge passing rollouts (for the agreement metric only).
+    ``max_batch``: prompts per sampler call inside one batched ``generate``. ``sentence_breaks``: characters
+    that also end a sentence (``split_sentences``), for tasks whose steps are not written as sentences.
+    """
+
+    enabled: bool = False
+    judge_path: str | None = None
+    reference: str = "teacher"
+    lam: float = 0.0
+    max_new_tokens: int = 2048
+    temperature: float = 0.0
+    seed: int = 0
+    max_sentences: int = 256
+    judge_correct: bool = False
+    max_batch: int = 64
+    sentence_breaks: str = ""
+
+    def __post_init__(self) -> None:
+        _require_field(self.judge_path is None or bool(self.judge_path.strip()), "judge_path", "must be a path or null")
+        _require_field(self.reference in REFERENCES, "reference", f"must be one of {REFERENCES}")
+        _require_field(math.isfinite(self.lam) and self.lam >= 0, "lam", "must be a finite number >= 0")
+        _require_field(self.max_new_tokens > 0, "max_new_tokens", "must be positive")
+        _require_field(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _require_field(self.max_sentences > 0, "max_sentences", "must be positive")
+        _require_field(self.max_batch > 0, "max_batch", "must be positive")
+
+
+def _require_field(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {message}")
+
+
+NORMALISATIONS = ("std", "max_abs", "none")
+TARGET_LOSSES = ("nll_token_mean", "nll_example_mean")
+PROMPT_LOSS_NORMS = ("prompt", "batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class L2RRConfig:
+    """L2RR's settings (see the module docstring for the method); ``enabled: false`` samples uniformly.
+
+    ``a``: EG step scale, ``eta = a / sqrt(horizon)`` (``horizon`` None: ``a / sqrt(t)`` at the t-th update).
+    ``rho_min``: the smallest budget fraction. ``g_min``: the fewest rollouts a drawn prompt gets (>= 2: one
+    rollout has no variance). ``p_e``: the waste decay. ``waste_weight``: the penalty's weight beside the
+    target signal. ``normalise``, ``target_loss``, ``prompt_loss_norm``: as in the module docstring.
+    ``alloc_power``: the exponent of ``w`` in the allocation (3/2). ``explore``: the uniform share of the
+    draw distribution. ``max_draw_rounds``: draw rounds per step. ``score_micro_batches`` and
+    ``target_micro_batches``: chunks of prompts (rows) for the jvp and the target gradient. ``top_k``: the
+    top-weighted prompts reported by ``metrics``. ``target``: the held-out target set (a data file or a
+    benchmark name, as in ``eval.benchmarks``; ``toy:target`` for the demo task), its first
+    ``target_limit`` examples with worked solutions.
+    """
+
+    enabled: bool = False
+    target: str | None = None
+    target_limit: int | None = 64
+    a: float = 1.0
+    horizon: int | None = None
+    rho_min: float = 0.25
+    g_min: int = 2
+    p_e: float = 0.5
+    waste_weight: float = 1.0
+    normalise: str = "std"
+    target_loss: str = "nll_token_mean"
+    prompt_loss_norm: str = "prompt"
+    alloc_power: float = 1.5
+    explore: float = 0.0
+    max_draw_rounds: int = 4
+    score_micro_batches: int = 1
+    target_micro_batches: int = 1
+    top_k: int = 5
+
+    def __post_init__(self) -> None:
+        checks = {
+            "a": (self.a > 0, "must be positive"),
+            "horizon": (self.horizon is None or _positive_int(self.horizon), "must be None or a positive int"),
+            "rho_min": (0 < self.rho_min <= 1, "must be in (0, 1]"),
+            "g_min": (isinstance(self.g_min, int) and self.g_min >= 2, "must be an int >= 2"),
+            "p_e": (0 <= self.p_e <= 1, "must be in [0, 1]"),
+            "waste_weight": (self.waste_weight >= 0, "must be >= 0"),
+            "normalise": (self.normalise in NORMALISATIONS, f"must be one of {NORMALISATIONS}"),
+            "target_loss": (self.target_loss in TARGET_LOSSES, f"must be one of {TARGET_LOSSES}"),
+            "prompt_loss_norm": (self.prompt_loss_norm in PROMPT_LOSS_NORMS, f"must be one of {PROMPT_LOSS_NORMS}"),
+            "alloc_power": (self.alloc_power >= 0, "must be >= 0"),
+            "explore": (0 <= self.explore < 1, "must be in [0, 1)"),
+            "max_draw_rounds": (_positive_int(self.max_draw_rounds), "must be a positive int"),
+            "score_micro_batches": (_positive_int(self.score_micro_batches), "must be a positive int"),
+            "target_micro_batches": (_positive_int(self.target_micro_batches), "must be a positive int"),
+            "top_k": (isinstance(self.top_k, int) and self.top_k >= 0, "must be an int >= 0"),
+            "target_limit": (self.target_limit is None or _positive_int(self.target_limit), "must be None or > 0"),
+        }
+        for field, (ok, why) in checks.items():
+            if not ok:
+                raise ValueError(f"L2RRConfig.{field} {why}, got {getattr(self, field)!r}")
+
+    def step_size(self, updates_done: int) -> float:
+        """``eta = a / sqrt(T)``: T the horizon, or the number of this update (1, 2, ...) without one."""
+        return self.a / math.sqrt(self.horizon if self.horizon is not None else updates_done + 1)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclasses.dataclass(frozen=True)

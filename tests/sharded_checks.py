@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from lspo_jax import distributed, losses, model, optim, sampler, sharding
+from lspo_jax import distributed, logprobs, losses, model, optim, sampler, sharding, toy_model
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
 
@@ -76,7 +76,7 @@ def _loss_and_grads(base, batch, config=CONFIG):
     """RL loss (chunked head, 2 micro-batches would not change a gradient: plain here) and its base gradient."""
 
     def loss(b):
-        logp, logits = optim.sequence_logprobs(config, {"base": b}, batch["tokens"], batch["attention_mask"])
+        logp, logits = logprobs.sequence_logprobs(config, {"base": b}, batch["tokens"], batch["attention_mask"])
         return losses.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"])[0], logits
 
     (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(base)
@@ -121,7 +121,7 @@ def check_builders(params, batch, mesh) -> dict:
     tx = optim.make_optimizer(RL)
     rl_kwargs = dict(rl=RL, num_micro_batches=2, chunk_size=5)
     ref_rl = jax.jit(functools.partial(optim.rl_step, CONFIG, **rl_kwargs))(params, tx.init(params), batch)
-    ref_logp, _ = jax.jit(optim.sequence_logprobs, static_argnums=0)(
+    ref_logp, _ = jax.jit(logprobs.sequence_logprobs, static_argnums=0)(
         CONFIG, params, batch["tokens"], batch["attention_mask"]
     )
     params_sh, state_sh, _ = distributed.step_shardings(CONFIG, mesh, tx)
@@ -132,8 +132,8 @@ def check_builders(params, batch, mesh) -> dict:
         return sharded, init(sharded)
 
     rl = distributed.sharded_rl_step(CONFIG, mesh, **rl_kwargs)(*fresh(), batch)
-    logprobs = distributed.sharded_logprobs(CONFIG, mesh, num_micro_batches=2)
-    logp = logprobs(fresh()[0], batch["tokens"], batch["attention_mask"])
+    logprob_pass = distributed.sharded_logprobs(CONFIG, mesh, num_micro_batches=2)
+    logp = logprob_pass(fresh()[0], batch["tokens"], batch["attention_mask"])
     return {
         "rl_step_params": _tree_diff(rl[0], ref_rl[0]),
         "rl_step_metrics": _tree_diff(rl[2], ref_rl[2]),
@@ -251,7 +251,8 @@ def _train_config(workdir: str, **mesh):
     with open(train_file, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     values = {
-        "model.path": toy.ensure_model(os.path.join(workdir, "toy"), steps=0), "model.lora": {"rank": 4, "alpha": 16.0},
+        "model.path": toy_model.ensure_model(os.path.join(workdir, "toy"), steps=0),
+        "model.lora": {"rank": 4, "alpha": 16.0},
         "data.train": train_file, "data.instruction_position": "none", "data.max_prompt_tokens": 16,
         "data.max_solution_tokens": 48, "data.shuffle": False, "rollout.prompts_per_step": 4, "rollout.group_size": 2,
         "rollout.max_new_tokens": 12, "reward.overlong_buffer": 4, "reward.workers": 0, "optim.lr": 1e-3,

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lspo_jax import data, evaluation, rollout, toy
+from lspo_jax import data, evaluation, packing, toy
 from lspo_jax.rewards import math_reward
 from lspo_jax.train_config import DataConfig
 
@@ -106,17 +106,17 @@ def test_load_examples_sft_targets_length_policy_and_golds(tmp_path):
     x = tokenizer.convert_tokens_to_ids("x")
     assert report.solution_truncated == 1 and examples[1].solution_ids == (x,) * 64
     # Prompt tokens are masked in the SFT rows, the target tokens (EOS included) are not.
-    sft = rollout.pack_sft([examples[0].prompt_ids], [examples[0].solution_ids], 16, 64)
+    sft = packing.pack_sft([examples[0].prompt_ids], [examples[0].solution_ids], 16, 64)
     assert sft["mask"][0, :16].sum() == 0 and sft["mask"][0, 16:].sum() == len(examples[0].solution_ids)
 
 
 def test_sft_rows_as_long_as_the_cliffs_need():
     # Longest prompt 5 + longest solution 40 = 45 tokens -> a row of 64 (the smallest): 5 prompt + 59 solution slots.
     prompts, solutions = [[7] * 3, [7] * 5], [[8] * 10, [8] * 40]
-    assert rollout.sft_slots(prompts, solutions, 1024, 8192) == (5, 59)
+    assert packing.sft_slots(prompts, solutions, 1024, 8192) == (5, 59)
     # 5 + 90 = 95 -> 128 slots, but the configured maxima allow 16 + 100 = 116: 5 + 111.
-    assert rollout.sft_slots(prompts, [[8] * 10, [8] * 90], 16, 100) == (5, 111)
-    rows = rollout.pack_sft(prompts, solutions, *rollout.sft_slots(prompts, solutions, 1024, 8192))
+    assert packing.sft_slots(prompts, [[8] * 10, [8] * 90], 16, 100) == (5, 111)
+    rows = packing.pack_sft(prompts, solutions, *packing.sft_slots(prompts, solutions, 1024, 8192))
     assert rows["tokens"].shape == (2, 64) and rows["mask"].sum(axis=1).tolist() == [10, 40]
     # Row 0: 2 pad slots, its 3 prompt tokens, 10 solution tokens, then padding; one run of real tokens.
     assert rows["attention_mask"][0].tolist() == [0, 0] + [1] * 13 + [0] * 49
@@ -280,7 +280,7 @@ def test_a_truncated_solution_gets_no_eos():
     assert report.solution_truncated == 2
     assert [ex.solution_ids for ex in examples] == [(*ids("1234567"), toy.EOS_ID), ids("12345678"), ids("9" * 8)]
     # The loss mask covers exactly the target's tokens, with or without its EOS.
-    sft = rollout.pack_sft([ex.prompt_ids for ex in examples], [ex.solution_ids for ex in examples], 8, 16)
+    sft = packing.pack_sft([ex.prompt_ids for ex in examples], [ex.solution_ids for ex in examples], 8, 16)
     assert sft["mask"][:, :8].sum() == 0 and sft["mask"][:, 8:].sum(axis=1).tolist() == [8, 8, 8]
     # The old behaviour, a cut target that ends in EOS, is a config key.
     examples, _ = data.encode_rows(rows, tokenizer, DataConfig(max_solution_tokens=8, eos_after_truncated=True),

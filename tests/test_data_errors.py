@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lspo_jax import cli, data, toy
+from lspo_jax import cli, data, toy_model
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 ROW = {"id": "a", "problem": "1+1=", "answer": "2", "solution": "1+1=2"}
@@ -19,7 +19,7 @@ ROW = {"id": "a", "problem": "1+1=", "answer": "2", "solution": "1+1=2"}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return toy.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
+    return toy_model.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
 
 
 def cut_parquet(path: Path) -> str:

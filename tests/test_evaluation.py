@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from lspo_jax import cli, evaluation, hf, toy
+from lspo_jax import cli, evaluation, hf, toy_model
 from lspo_jax.evaluation import pass_at_k
 from lspo_jax.rewards import math_reward
 
@@ -76,7 +76,7 @@ def test_benchmark_names_and_paths(tmp_path):
 # ---------------------------------------------------------------------------------------------- lspo-eval
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return toy.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
+    return toy_model.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lspo_jax import toy
+from lspo_jax import toy, toy_model
 from lspo_jax.first_mistake import (
     CORRECT,
     MISTAKE,
@@ -350,7 +350,7 @@ def test_sampler_generate_goes_through_an_engine():
             return SampleBatch(tokens, np.zeros(tokens.shape, np.float32), np.full(rows, 9), np.ones(rows, bool), 1, 9)
 
     tokenizer = toy.char_tokenizer()
-    policy = SimpleNamespace(config=toy.model_config(), tokenizer=tokenizer, eos_ids=(2,))
+    policy = SimpleNamespace(config=toy_model.model_config(), tokenizer=tokenizer, eos_ids=(2,))
     with pytest.raises(ValueError, match="policy judges itself"):
         make_judge(FirstMistakeConfig())
     config = FirstMistakeConfig(max_new_tokens=9, max_batch=2)

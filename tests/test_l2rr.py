@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import assert_close_relative
 
-from lspo_jax import data, l2rr, losses, optim, rollout
+from lspo_jax import data, l2rr, logprobs, losses, packing
 from lspo_jax.config import ModelConfig
 
 CONFIG = ModelConfig.preset("tiny")
@@ -216,16 +216,16 @@ def _target_rows():
     rng = np.random.default_rng(2)
     prompts = [rng.integers(4, 90, size=n).tolist() for n in (3, 4)]
     solutions = [rng.integers(4, 90, size=n).tolist() for n in (6, 4)]
-    return rollout.pack_sft(prompts, solutions, PROMPT, T - PROMPT)
+    return packing.pack_sft(prompts, solutions, PROMPT, T - PROMPT)
 
 
 def _target_loss(base, rows):
-    logp, _ = optim.sequence_logprobs(CONFIG, {"base": base}, rows["tokens"], rows["attention_mask"])
+    logp, _ = logprobs.sequence_logprobs(CONFIG, {"base": base}, rows["tokens"], rows["attention_mask"])
     return losses.sft_loss(logp, rows["mask"])
 
 
 def _example_mean_loss(base, rows):
-    logp, _ = optim.sequence_logprobs(CONFIG, {"base": base}, rows["tokens"], rows["attention_mask"])
+    logp, _ = logprobs.sequence_logprobs(CONFIG, {"base": base}, rows["tokens"], rows["attention_mask"])
     return jnp.mean(jax.vmap(losses.sft_loss)(logp, rows["mask"]))
 
 
@@ -309,7 +309,7 @@ def test_target_row_weights_by_hand():
 def _loss_views(base, batch):
     prompt_norm = l2rr.PolicyLosses(CONFIG, K)(base, batch)
     batch_norm = l2rr.PolicyLosses(CONFIG, K, normalise="batch")(base, batch)
-    logp, _ = optim.sequence_logprobs(CONFIG, {"base": base}, batch["tokens"], batch["attention_mask"])
+    logp, _ = logprobs.sequence_logprobs(CONFIG, {"base": base}, batch["tokens"], batch["attention_mask"])
     names = ("old_logp", "advantages", "mask")
     whole = losses.policy_loss(logp, *(batch[n] for n in names))[0]
     alone = [losses.policy_loss(logp[i * K : (i + 1) * K], *(batch[n][i * K : (i + 1) * K] for n in names))[0]

@@ -10,7 +10,7 @@ import optax
 import pytest
 from conftest import assert_close_relative
 
-from lspo_jax import losses, model, optim
+from lspo_jax import logprobs, losses, model, optim
 from lspo_jax.config import ModelConfig
 
 CONFIG = ModelConfig.preset("tiny")
@@ -123,7 +123,7 @@ def _rl_grads(params, lora_scale):
     def loss(base, lora):
         full = {"base": base} if lora is None else {"base": base, "lora": lora}
         scale = 0.0 if lora is None else lora_scale
-        logp, _ = optim.sequence_logprobs(CONFIG, full, batch["tokens"], batch["attention_mask"], lora_scale=scale)
+        logp, _ = logprobs.sequence_logprobs(CONFIG, full, batch["tokens"], batch["attention_mask"], lora_scale=scale)
         return losses.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"])[0]
 
     return jax.grad(loss)(params["base"], None), jax.grad(loss)(params["base"], params["lora"])
@@ -200,9 +200,9 @@ def _logprob_outputs(config, chunk_size, params, batch):
 
     def loss(base):
         args = (config, {"base": base}, batch["tokens"], batch["attention_mask"])
-        logp, entropy = optim.logprobs_and_entropy(*args, temperature=0.7, chunk_size=chunk_size)
+        logp, entropy = logprobs.logprobs_and_entropy(*args, temperature=0.7, chunk_size=chunk_size)
         value = losses.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"])[0]
-        return value, (logp, entropy, optim.sequence_logprobs(*args, temperature=0.7, chunk_size=chunk_size))
+        return value, (logp, entropy, logprobs.sequence_logprobs(*args, temperature=0.7, chunk_size=chunk_size))
 
     (_, (logp, entropy, (seq_logp, logits))), grads = jax.value_and_grad(loss, has_aux=True)(params["base"])
     return logp, entropy, seq_logp, logits is None, grads
@@ -233,16 +233,20 @@ def test_remat_gives_the_same_gradient(remat):
 
 
 def test_teacher_forced_logprobs_in_micro_batches_and_chunks_equal_one_pass():
-    """The trainer's log-prob pass over 3 rows, in 2 micro-batches (rows padded to 4) with a 5-token head
+    """The learner's log-prob pass over 3 rows, in 2 micro-batches (rows padded to 4) with a 5-token head
     chunk, equals the plain pass; positions off the response mask are 0."""
-    from lspo_jax import rollout
+    from lspo_jax.learner import Learner, Policy
+    from lspo_jax.train_config import LossConfig, RolloutConfig, TrainConfig
 
     batch = _batch()
     rows = {k: np.asarray(batch[k])[:3] for k in ("tokens", "attention_mask", "mask")}
-    plain = rollout.teacher_forced_logprobs(CONFIG, _params(), rows, lora_scale=0.0, temperature=0.7)
-    split = rollout.teacher_forced_logprobs(
-        CONFIG, _params(), rows, lora_scale=0.0, temperature=0.7, micro_batches=2, chunk_size=5
-    )
+    rollout = RolloutConfig(temperature=0.7)
+
+    def learner(loss: LossConfig) -> Learner:
+        return Learner(TrainConfig(rollout=rollout, loss=loss), Policy(CONFIG, None, ()), _params())
+
+    plain = learner(LossConfig()).logprobs(rows, lora_scale=0.0)
+    split = learner(LossConfig(micro_batches=2, chunk_size=5)).logprobs(rows, lora_scale=0.0)
     assert_close_relative(split, plain, 2e-5)  # other batch and chunk shapes of the same float32 ops
     assert np.all(plain[rows["mask"] == 0] == 0) and np.all(plain[rows["mask"] > 0] < 0)
 

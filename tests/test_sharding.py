@@ -14,6 +14,7 @@ import sys
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
+from lspo_jax import axes as mesh_axes
 from lspo_jax import model, sharding
 from lspo_jax.config import ModelConfig
 
@@ -98,22 +99,22 @@ def test_mesh_config_resolves_and_validates():
 
 
 def test_rules_drop_axes_that_do_not_divide():
-    mesh = AbstractMesh((1, 2, 4), sharding.MESH_AXES)
+    mesh = AbstractMesh((1, 2, 4), mesh_axes.MESH_AXES)
     config = ModelConfig.preset("tiny")  # 4 heads, 2 KV heads, embed 64
     axes = model.logical_axes(config)["base"]["layers"]
     shapes = model.abstract_params(config)["base"]["layers"]
-    spec = lambda name: sharding.logical_spec(shapes[name].shape, axes[name], mesh)
+    spec = lambda name: mesh_axes.logical_spec(shapes[name].shape, axes[name], mesh)
     assert spec("q") == PartitionSpec(None, "fsdp", "tp", None)
     assert spec("k") == PartitionSpec(None, "fsdp", None, None)  # 2 KV heads on tp = 4: replicated
     assert spec("down") == PartitionSpec(None, "tp", "fsdp")
     # Rows over data and fsdp together; a mesh axis of size 1 is left out; a row count that does not divide
     # is replicated rather than an error.
-    assert sharding.logical_spec((8, 16), ("batch", None), mesh) == PartitionSpec("fsdp", None)
-    assert sharding.logical_spec((3, 16), ("batch", None), mesh) == PartitionSpec(None, None)
-    both = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
-    assert sharding.logical_spec((8,), ("batch",), both) == PartitionSpec(("data", "fsdp"))
+    assert mesh_axes.logical_spec((8, 16), ("batch", None), mesh) == PartitionSpec("fsdp", None)
+    assert mesh_axes.logical_spec((3, 16), ("batch", None), mesh) == PartitionSpec(None, None)
+    both = AbstractMesh((2, 2, 2), mesh_axes.MESH_AXES)
+    assert mesh_axes.logical_spec((8,), ("batch",), both) == PartitionSpec(("data", "fsdp"))
     # A mesh axis is used once per array: batch takes fsdp first, so embed stays whole.
-    assert sharding.logical_spec((8, 64), ("batch", "embed"), both) == PartitionSpec(("data", "fsdp"), None)
+    assert mesh_axes.logical_spec((8, 64), ("batch", "embed"), both) == PartitionSpec(("data", "fsdp"), None)
 
 
 def test_host_batch_slice_tiles_the_batch():

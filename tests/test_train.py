@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lspo_jax import cli, evaluation, losses, model, optim, reweight, rollout, toy, train
+from lspo_jax import cli, evaluation, logprobs, losses, model, toy, toy_model, train
 from lspo_jax import run as run_module
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.cli import format_summary
 from lspo_jax.export import export_checkpoint
+from lspo_jax.learner import Generator, Learner, TrainState
 from lspo_jax.metrics_log import read_metrics
 from lspo_jax.run import Run, RunStopped, checkpoint_state
 from lspo_jax.train_config import ConfigError, load_config
@@ -68,23 +69,30 @@ class FakeVerifier:
         self.closed = True
 
 
-@contextlib.contextmanager
-def flag_adapter(verifier):
-    """Tell ``verifier`` whether the rollouts it scores next were sampled with the adapter on."""
-    real, real_eval = train.sample_rows, evaluation.sample_responses
+def wrap(obj, name, before=None, after=None, log=None):
+    """Replace ``obj.name``, a method of this one object (a learner, a prompt source), by one that calls
+    ``before(*args, **kwargs)`` first and ``after(result)`` then, appending their merged dicts to ``log``."""
+    real = getattr(obj, name)
 
-    def sample_rows(run, policy, params, prompts, key, *, lora_scale):
+    def wrapped(*args, **kwargs):
+        record = before(*args, **kwargs) if before else None
+        result = real(*args, **kwargs)
+        record = {**(record or {}), **((after(result) if after else None) or {})}
+        if log is not None:
+            log.append(record)
+        return result
+
+    setattr(obj, name, wrapped)
+
+
+def flag_adapter(job, verifier):
+    """Tell ``verifier`` whether the rollouts it scores next were sampled with the adapter on: every sampling
+    call of the run (rollouts, re-rolls, validation) goes through its learner's generator."""
+
+    def flag(*args, lora_scale=0.0, **kwargs):
         verifier.adapter_on = lora_scale == 1.0
-        return real(run, policy, params, prompts, key, lora_scale=lora_scale)
 
-    def sample_responses(run, policy, params, prompts, key):  # validation samples the base policy
-        verifier.adapter_on = False
-        return real_eval(run, policy, params, prompts, key)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train, "sample_rows", sample_rows)
-        patch.setattr(evaluation, "sample_responses", sample_responses)
-        yield verifier
+    wrap(job.learner.generator, "generate", before=flag)
 
 
 def write_jsonl(path, rows) -> str:
@@ -95,7 +103,7 @@ def write_jsonl(path, rows) -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return toy.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
+    return toy_model.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +154,19 @@ def make_config(model_dir, train_file):
     return make
 
 
-def run_steps(config, out, rule, *, resume=False):
-    """Train ``config`` into ``out`` (re-rolls scored by ``hash_rule``); return the closed ``Run``."""
-    with flag_adapter(FakeVerifier(rule, hash_rule)) as verifier:
-        job = Run(config, out, resume=resume, verifier=verifier)
-        try:
-            job.summary = job.train()
-        finally:
-            job.close()
+def run_steps(config, out, rule, *, resume=False, prepare=None):
+    """Train ``config`` into ``out`` (re-rolls scored by ``hash_rule``); return the closed ``Run``.
+
+    ``prepare(job)`` runs before training, e.g. to ``wrap`` the learner's verbs."""
+    verifier = FakeVerifier(rule, hash_rule)
+    job = Run(config, out, resume=resume, verifier=verifier)
+    flag_adapter(job, verifier)
+    if prepare is not None:
+        prepare(job)
+    try:
+        job.summary = job.train()
+    finally:
+        job.close()
     return job
 
 
@@ -166,38 +179,28 @@ def trained_run(tmp_path_factory, make_config, train_file, easy_rule):
 
 
 # ------------------------------------------------------------------------------------ loop mechanics
-def test_scaffold_mechanics(tmp_path, make_config, easy_rule, easy_answers, monkeypatch):
+def test_scaffold_mechanics(tmp_path, make_config, easy_rule, easy_answers):
     # One cliff per step; its re-rolls pass in slot 1 only, so re-roll 1 replaces the cliff's slot 0.
     verifier = FakeVerifier(easy_rule, lambda response, gold, slot: slot == 1)
-    log = {"batch": [], "sample": [], "sft_in": [], "reset": [], "sft": [], "rl": []}
-
-    def spy(name, fn, before=None, after=None):
-        def wrapped(*args, **kwargs):
-            record = before(*args, **kwargs) if before else {}
-            result = fn(*args, **kwargs)
-            log[name].append({**record, **(after(result) if after else {})})
-            return result
-
-        return wrapped
-
-    def before_sample(run, policy, params, prompts, key, *, lora_scale):
-        verifier.adapter_on = lora_scale == 1.0
-        return {"lora_scale": lora_scale, "prompts": list(prompts), "params": copy_tree(params)}
-
-    monkeypatch.setattr(run_module, "train_step", spy("batch", run_module.train_step, lambda *a, **k: {"ex": a[4]}))
-    monkeypatch.setattr(train, "sample_rows", spy("sample", train.sample_rows, before_sample, lambda r: {"rows": r}))
-    monkeypatch.setattr(rollout, "pack_sft", spy("sft_in", rollout.pack_sft, lambda p, t, *a: {"p": p, "t": t}))
-    fresh = lambda r: copy_tree({"lora": r[0]["lora"], "sft_opt": r[1].inner_states["lora"]})
-    monkeypatch.setattr(optim, "reset_adapter", spy("reset", optim.reset_adapter, after=fresh))
-    base_in = lambda c, params, *a, **k: {"base": copy_tree(params["base"])}
-    base_out = lambda r: {"base_out": copy_tree(r[0]["base"])}
-    monkeypatch.setattr(train, "sft_update", spy("sft", train.sft_update, base_in, base_out))
-    rl_in = lambda c, params, s, batch, **k: {"params": copy_tree(params), "batch": copy_tree(batch)}
-    monkeypatch.setattr(train, "rl_update", spy("rl", train.rl_update, rl_in, base_out))
-
+    log = {"batch": [], "sample": [], "reset": [], "sft": [], "rl": []}
     out = str(tmp_path)
     # No overlong shaping: rewards are the accuracies, so the advantages below are exact.
     job = Run(make_config(scaffold__sft_steps=3, reward__overlong_factor=0.0), out, verifier=verifier)
+    learner = job.learner
+    flag_adapter(job, verifier)
+    params = lambda: copy_tree(learner.state.params)
+    base_out = lambda _: {"base_out": copy_tree(learner.state.params["base"])}
+    sampled = lambda prompts, key, *, lora_scale, n=None: {"lora_scale": lora_scale, "prompts": list(prompts),
+                                                           "params": params()}  # fmt: skip
+    wrap(job.prompts, "next_batch", after=lambda draw: {"ex": draw.examples}, log=log["batch"])
+    wrap(learner, "sample", before=sampled, after=lambda rows: {"rows": rows}, log=log["sample"])
+    state = lambda: learner.state
+    fresh = lambda _: copy_tree({"lora": state().params["lora"], "sft_opt": state().opt_state.inner_states["lora"]})
+    wrap(learner, "reset_adapter", after=fresh, log=log["reset"])
+    sft_in = lambda batch: {"base": params()["base"], "batch": copy_tree(batch)}
+    wrap(learner, "sft_step", before=sft_in, after=base_out, log=log["sft"])
+    wrap(learner, "rl_step", before=lambda batch: {"params": params(), "batch": copy_tree(batch)}, after=base_out,
+         log=log["rl"])  # fmt: skip
     summary = job.train()
     job.close()
     assert verifier.closed
@@ -219,8 +222,12 @@ def test_scaffold_mechanics(tmp_path, make_config, easy_rule, easy_answers, monk
         # Sampled from the base, then the cliff prompt alone re-rolled with the adapter on.
         assert base_sample["lora_scale"] == 0.0 and base_sample["prompts"] == [ex.prompt_ids for ex in batch]
         assert reroll["lora_scale"] == 1.0 and reroll["prompts"] == [cliff.prompt_ids]
-        # The adapter is fitted on the cliff prompt's worked solution only.
-        assert log["sft_in"][step]["p"] == [cliff.prompt_ids] and log["sft_in"][step]["t"] == [cliff.solution_ids]
+        # The adapter is fitted on the cliff prompt's worked solution only: one row, the loss on the solution.
+        sft_batch = log["sft"][3 * step]["batch"]
+        row = sft_batch["tokens"][0]
+        assert row[sft_batch["attention_mask"][0] > 0].tolist() == [*cliff.prompt_ids, *cliff.solution_ids]
+        assert row[sft_batch["mask"][0] > 0].tolist() == list(cliff.solution_ids)
+        assert not sft_batch["attention_mask"][1:].any()  # any further rows only pad the bucket
         # Fresh adapter: B = 0, a new A every step, an all-zero SFT optimizer state; fitted before the re-roll.
         fresh = log["reset"][step]
         assert all(not leaf["b"].any() for leaf in fresh["lora"].values())
@@ -240,6 +247,12 @@ def test_scaffold_mechanics(tmp_path, make_config, easy_rule, easy_answers, monk
         check_spliced_batch(job.policy.config, rl, base_sample["rows"], reroll["rows"], spliced=group * K)
 
 
+def teacher_forced(config, params, rows, lora_scale: float) -> np.ndarray:
+    """The plain (one pass, whole head) log-probs of ``rows``, zero off the response mask."""
+    logp, _ = logprobs.sequence_logprobs(config, params, rows["tokens"], rows["attention_mask"], lora_scale=lora_scale)
+    return np.where(rows["mask"] > 0, np.asarray(logp), 0.0)
+
+
 def check_spliced_batch(config, rl, base_rows, reroll_rows, spliced):
     """Row ``spliced`` (the cliff's slot 0) holds the passing re-roll (its slot 1) with adapter-on log-probs;
     every other row is the base rollout with base log-probs."""
@@ -248,8 +261,7 @@ def check_spliced_batch(config, rl, base_rows, reroll_rows, spliced):
     np.testing.assert_array_equal(batch["tokens"][spliced], reroll_rows["tokens"][1])
     np.testing.assert_array_equal(batch["tokens"][others], base_rows["tokens"][others])
     rows = {k: batch[k] for k in ("tokens", "attention_mask", "mask")}
-    on = rollout.teacher_forced_logprobs(config, params, rows, lora_scale=1.0, temperature=1.0)
-    off = rollout.teacher_forced_logprobs(config, params, rows, lora_scale=0.0, temperature=1.0)
+    on, off = teacher_forced(config, params, rows, 1.0), teacher_forced(config, params, rows, 0.0)
     mask = batch["mask"][spliced] > 0
     assert np.abs(on[spliced] - off[spliced])[mask].max() > 1e-3  # the fitted adapter changes the policy
     np.testing.assert_allclose(batch["old_logp"][spliced], on[spliced], atol=1e-5)
@@ -266,11 +278,12 @@ def test_resume_is_exact(tmp_path, make_config, train_file, easy_rule, trained_r
     out = str(tmp_path)
     run_steps(make_config(steps=2, eval__benchmarks=[train_file]), out, easy_rule)
     config = make_config(steps=4, eval__benchmarks=[train_file])
-    with flag_adapter(FakeVerifier(easy_rule, hash_rule)) as verifier:
-        resumed = Run(config, out, resume=True, verifier=verifier)
-        assert resumed.state.step == 2 and resumed.order.state() == {"epoch": 0, "position": 4}
-        resumed.train()
-        resumed.close()
+    verifier = FakeVerifier(easy_rule, hash_rule)
+    resumed = Run(config, out, resume=True, verifier=verifier)
+    flag_adapter(resumed, verifier)
+    assert resumed.state.step == 2 and resumed.prompts.order.state() == {"epoch": 0, "position": 4}
+    resumed.train()
+    resumed.close()
     assert_trees_equal(checkpoint_state(resumed.state.params, resumed.state.opt_state), trained_run["state"])
 
     def train_records(path):
@@ -401,44 +414,38 @@ def test_bad_rows_are_counted_not_fatal(tmp_path, make_config, train_rows, polic
     assert summary["surpass_rate"] == step["surpass_rate"] == summary["surpassed_groups"] / 1 == 1.0
 
 
-def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, make_config, easy_rule, monkeypatch):
-    real_advantages, calls = losses.group_advantages, []
-
-    def advantages(rewards, group_size, eps=1e-6, valid=None):  # NaN on steps 1, 3, 4; finite on step 2
-        calls.append(len(calls) + 1)
-        out = real_advantages(rewards, group_size, eps, valid)
-        return out if len(calls) == 2 else jnp.full_like(out, jnp.nan)
-
+def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, make_config, easy_rule):
     updates = []
 
-    def rl_update(config, params, opt_state, batch, **kwargs):
-        before = copy_tree((params, opt_state))
-        result = real_update(config, params, opt_state, batch, **kwargs)
-        updates.append((before, copy_tree(result[:2])))
-        return result
+    def spy(job):
+        state = lambda: copy_tree((job.learner.state.params, job.learner.state.opt_state))
 
-    real_update = train.rl_update
-    monkeypatch.setattr(losses, "group_advantages", advantages)
-    monkeypatch.setattr(train, "rl_update", rl_update)
+        def poison(batch):  # NaN advantages on steps 1, 3, 4; finite on step 2
+            if len(updates) != 1:
+                batch["advantages"] = np.full_like(batch["advantages"], np.nan)
+            return {"before": state()}
+
+        wrap(job.learner, "rl_step", before=poison, after=lambda _: {"after": state()}, log=updates)
+
     config = make_config(steps=6, max_nonfinite_in_row=2, checkpoint__every=10)
     out = str(tmp_path)
     with pytest.raises(RunStopped, match="2 non-finite updates in a row at step 4"):
-        run_steps(config, out, easy_rule)
+        run_steps(config, out, easy_rule, prepare=spy)
     records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"]
     assert [(r["update_skipped"], r["nonfinite_total"], r["loss"] is None) for r in records] == [
         (True, 1, True), (False, 1, False), (True, 2, True), (True, 3, True),
     ]  # fmt: skip
-    for step, (before, after) in enumerate(updates, 1):
+    for step, update in enumerate(updates, 1):
+        before, after = update["before"], update["after"]
         if step == 2:
             assert trees_differ(before[0]["base"], after[0]["base"])
         else:  # params and both optimizer states exactly as they came in
             assert_trees_equal(before, after)
     # The stop wrote a checkpoint of step 4 holding the base of step 2's update; resuming keeps the counts.
-    monkeypatch.undo()
     resumed = Run(config, out, resume=True, verifier=FakeVerifier(easy_rule))
     try:
         assert (resumed.state.step, resumed.state.nonfinite_in_row, resumed.state.nonfinite_total) == (4, 2, 3)
-        assert_trees_equal(resumed.state.params["base"], updates[1][1][0]["base"])
+        assert_trees_equal(resumed.state.params["base"], updates[1]["after"][0]["base"])
     finally:
         resumed.close()
 
@@ -465,32 +472,29 @@ def test_sigterm_checkpoints_and_exits_with_the_resumable_status(tmp_path, make_
     checkpointer.close()
 
 
-def test_sigterm_mid_step_abandons_it_and_resumes_where_it_left(tmp_path, make_config, easy_rule, monkeypatch):
-    real_step, real_score, steps, scored, finished = run_module.train_step, train.score_rows, [], [], []
+def test_sigterm_mid_step_abandons_it_and_resumes_where_it_left(tmp_path, make_config, easy_rule):
+    steps, scored, finished = [], [], []
 
-    def counted_step(run, policy, state, *args, **kwargs):
-        steps.append(state.step)
-        metrics = real_step(run, policy, state, *args, **kwargs)
-        finished.append(copy_tree(checkpoint_state(state.params, state.opt_state)))
-        return metrics
-
-    def score_then_sigterm(*args, **kwargs):
-        real_score(*args, **kwargs)
+    def sigterm_at_step_2s_rerolls(_):
         scored.append(len(steps))
         if scored.count(2) == 2:  # step 2's re-rolls: its adapter SFT has run, donating the params
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(run_module, "train_step", counted_step)
-    monkeypatch.setattr(train, "score_rows", score_then_sigterm)
+    def prepare(job):
+        learner = job.learner
+        wrap(job.prompts, "next_batch", before=lambda *args: steps.append(learner.state.step))
+        wrap(learner, "score", after=sigterm_at_step_2s_rerolls)
+        after = lambda _: finished.append(copy_tree(checkpoint_state(learner.state.params, learner.state.opt_state)))
+        wrap(learner, "rl_step", after=after)
+
     config = make_config(steps=5, checkpoint__every=10)
-    job = run_steps(config, str(tmp_path), easy_rule)
+    job = run_steps(config, str(tmp_path), easy_rule, prepare=prepare)
     assert job.summary["stopped_early"] and job.summary["steps"] == 1 and len(finished) == 1
     assert job.checkpointer.latest_step() == 1
     assert [r["step"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if r["kind"] == "train"] == [1]
-    monkeypatch.undo()
     resumed = Run(config, str(tmp_path), resume=True, verifier=FakeVerifier(easy_rule))
     try:  # step 1's base and RL state, and the order after its 2 prompts: step 2 draws the same prompts again
-        assert resumed.state.step == 1 and resumed.order.state() == {"epoch": 0, "position": 2}
+        assert resumed.state.step == 1 and resumed.prompts.order.state() == {"epoch": 0, "position": 2}
         assert_trees_equal(checkpoint_state(resumed.state.params, resumed.state.opt_state), finished[0])
     finally:
         resumed.close()
@@ -582,9 +586,12 @@ def test_more_micro_batches_than_rows_pads_with_masked_rows(trained_run, make_co
              "advantages": advantages}  # fmt: skip
     results = []
     for micro_batches in (1, 8):
-        state = train.TrainState(step=0, params=copy_tree(job.state.params), opt_state=copy_tree(job.state.opt_state))
-        metrics = train.apply_rl_update(make_config(loss__micro_batches=micro_batches), job.policy, state, dict(batch))
-        results.append((state.params["base"], float(metrics["loss"])))
+        config = make_config(loss__micro_batches=micro_batches)
+        learner = Learner(config, job.policy, {"base": job.state.params["base"]})
+        params, opt_state = learner.place(copy_tree(job.state.params), copy_tree(job.state.opt_state))
+        learner.state = TrainState(step=0, params=params, opt_state=opt_state)
+        metrics = learner.rl_step(dict(batch))
+        results.append((learner.state.params["base"], float(metrics["loss"])))
     (one, loss_one), (eight, loss_eight) = results
     # The loss is a mean of O(0.3) terms that cancel to -0.012: rounding is relative to the terms (2e-8 measured),
     # not to the mean, and a mis-weighted micro-batch moves it by a share of the loss itself (>= 1e-3).
@@ -620,26 +627,16 @@ def test_an_l2rr_target_without_a_usable_example_is_one_line(model_dir, train_fi
     assert "'prompt_skipped': 2" in err and "Traceback" not in err
 
 
-def test_cliff_bucket_pads_the_reroll_and_drops_the_padding(tmp_path, make_config, easy_rule, monkeypatch):
+def test_cliff_bucket_pads_the_reroll_and_drops_the_padding(tmp_path, make_config, easy_rule):
     # min_cliff_bucket 2 with one cliff: the re-roll samples the cliff prompt twice (a fixed shape) and the
     # copy is dropped before scoring, so exactly K re-rollouts are scored and one of them (slot 1) splices.
     verifier = FakeVerifier(easy_rule, lambda response, gold, slot: slot == 1)
     scored, prompts_seen = [], []
-    real_score, real_sample = verifier.score, train.sample_rows
-
-    def score(responses, golds):
-        scored.append(len(responses))
-        return real_score(responses, golds)
-
-    def sample_rows(run, policy, params, prompts, key, *, lora_scale):
-        verifier.adapter_on = lora_scale == 1.0
-        prompts_seen.append(list(prompts))
-        return real_sample(run, policy, params, prompts, key, lora_scale=lora_scale)
-
-    monkeypatch.setattr(verifier, "score", score)
-    monkeypatch.setattr(train, "sample_rows", sample_rows)
     config = make_config(steps=1, scaffold__min_cliff_bucket=2, reward__overlong_factor=0.0)
     job = Run(config, str(tmp_path), verifier=verifier)
+    flag_adapter(job, verifier)
+    wrap(verifier, "score", before=lambda responses, golds: scored.append(len(responses)))
+    wrap(job.learner, "sample", before=lambda prompts, key, **kwargs: prompts_seen.append(list(prompts)))
     summary = job.train()
     job.close()
     (record,) = [m for m in read_metrics(os.path.join(str(tmp_path), "metrics.jsonl")) if m["kind"] == "train"]
@@ -650,16 +647,10 @@ def test_cliff_bucket_pads_the_reroll_and_drops_the_padding(tmp_path, make_confi
 
 
 # ------------------------------------------------------------------------------------ first-mistake option
-def run_capturing_advantages(job, monkeypatch):
+def run_capturing_advantages(job):
     """Train ``job`` and return the advantages each RL update received."""
     seen = []
-    real = train.rl_update
-
-    def rl_update(config, params, opt_state, batch, **kwargs):
-        seen.append(np.asarray(batch["advantages"]))
-        return real(config, params, opt_state, batch, **kwargs)
-
-    monkeypatch.setattr(train, "rl_update", rl_update)
+    wrap(job.learner, "rl_step", before=lambda batch: seen.append(np.asarray(batch["advantages"])))
     try:
         job.train()
     finally:
@@ -679,7 +670,7 @@ def test_first_mistake_run_with_a_scripted_judge(tmp_path, make_config, monkeypa
     from lspo_jax.first_mistake import Judge
 
     config = make_config(
-        model__path=toy.model_dir(str(tmp_path / "cache")), reward__overlong_factor=0.0, scaffold__enabled=False,
+        model__path=toy_model.model_dir(str(tmp_path / "cache")), reward__overlong_factor=0.0, scaffold__enabled=False,
         rollout__max_new_tokens=32,  # room for a whole worked answer: a truncated rollout is not judged
         first_mistake={"enabled": True, "reference": "ground_truth", "sentence_breaks": ";"},
     )  # fmt: skip
@@ -690,7 +681,7 @@ def test_first_mistake_run_with_a_scripted_judge(tmp_path, make_config, monkeypa
         return [toy.first_mistake_judge(t) if "[2] " not in t else "Step 2 is wrong. \\boxed{2}" for t in texts]
 
     job = Run(config, str(tmp_path / "run"), verifier=FakeVerifier(lambda r, g, slot: slot == 1), judge=Judge(judge))
-    seen = run_capturing_advantages(job, monkeypatch)
+    seen = run_capturing_advantages(job)
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
     assert [a.shape for a in seen] == [(2 * K, 16 + 32)] * 2  # token level: [rows, prompt + response slots]
     assert len(prompts) == sum(r["fm_rollouts_judged"] for r in records) == 4  # one failed rollout per group
@@ -719,9 +710,9 @@ def test_first_mistake_with_a_real_tiny_judge_falls_back(tmp_path, make_config, 
     fall-back, with the plain GRPO advantages kept."""
     from lspo_jax import sampler
 
-    judge_dir = toy.ensure_model(str(tmp_path / "judge"), steps=0, max_positions=2048)
+    judge_dir = toy_model.ensure_model(str(tmp_path / "judge"), steps=0, max_positions=2048)
     config = make_config(
-        model__path=toy.model_dir(str(tmp_path / "cache")), rollout__max_new_tokens=32,
+        model__path=toy_model.model_dir(str(tmp_path / "cache")), rollout__max_new_tokens=32,
         first_mistake={"enabled": True, "judge_path": judge_dir, "reference": "ground_truth", "max_new_tokens": 6},
         scaffold__enabled=False, reward__overlong_factor=0.0,
     )  # fmt: skip
@@ -735,7 +726,7 @@ def test_first_mistake_with_a_real_tiny_judge_falls_back(tmp_path, make_config, 
 
     monkeypatch.setattr(sampler, "generate_arrays", generate_arrays)
     job = Run(config, str(tmp_path / "run"), verifier=FakeVerifier(lambda r, g, slot: slot == 1))
-    seen = run_capturing_advantages(job, monkeypatch)
+    seen = run_capturing_advantages(job)
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
     assert len(sampled_prompts) == 4 and min(sampled_prompts) > 500  # every judge prompt was really sampled
     for record, advantages in zip(records, seen, strict=True):
@@ -780,7 +771,7 @@ def test_l2rr_run_draws_unequal_groups_and_resumes(tmp_path, make_config, train_
     verifier = BlockVerifier({train_rows[0]["answer"]})
     config = l2rr_config(make_config, tmp_path)
     job = Run(config, str(tmp_path / "run"), verifier=verifier)
-    seen = run_capturing_advantages(job, monkeypatch)
+    seen = run_capturing_advantages(job)
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
     assert [r["rollouts"] for r in records] == [8, 6, 5]
     assert [r["sampler/rollouts_step"] for r in records] == [8, 6, 5]
@@ -793,27 +784,21 @@ def test_l2rr_run_draws_unequal_groups_and_resumes(tmp_path, make_config, train_
     meta = Checkpointer(str(tmp_path / "run" / "checkpoints")).restore(None, state)[1]
     assert meta["sampler"]["kind"] == "l2rr" and meta["sampler"]["updates"] == 3
     resumed = Run(dataclasses.replace(config, steps=4), str(tmp_path / "run"), resume=True, verifier=verifier)
-    assert resumed.sampler.state_dict() == meta["sampler"]
+    assert resumed.prompts.sampler.state_dict() == meta["sampler"]
     resumed.close()
 
 
 def test_sigterm_during_an_l2rr_draw_restores_the_sampler(tmp_path, make_config, train_rows, monkeypatch):
     config = l2rr_config(make_config, tmp_path)
-    real_score, real_step, saved = reweight.score_rows, run_module.train_step, []
+    saved = []
 
-    def step_keeping_the_sampler(*args, **kwargs):
-        metrics = real_step(*args, **kwargs)
-        saved.append(job.sampler.state_dict())
-        return metrics
-
-    def score_then_sigterm(*args, **kwargs):  # step 2's first draw round
-        real_score(*args, **kwargs)
+    def sigterm_in_step_2(_):  # step 2's first draw round
         if len(saved) == 1:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(reweight, "score_rows", score_then_sigterm)
-    monkeypatch.setattr(run_module, "train_step", step_keeping_the_sampler)
     job = Run(config, str(tmp_path / "run"), verifier=BlockVerifier({train_rows[0]["answer"]}))
+    wrap(job.prompts, "observe", after=lambda _: saved.append(job.prompts.sampler.state_dict()))
+    wrap(job.learner, "score", after=sigterm_in_step_2)
     try:
         summary = job.train()
     finally:
@@ -822,7 +807,7 @@ def test_sigterm_during_an_l2rr_draw_restores_the_sampler(tmp_path, make_config,
     monkeypatch.undo()
     resumed = Run(config, str(tmp_path / "run"), resume=True, verifier=BlockVerifier(set()))
     try:  # the draw's bookkeeping as step 1 left it, not as step 2's abandoned round changed it
-        assert resumed.state.step == 1 and resumed.sampler.state_dict() == saved[0]
+        assert resumed.state.step == 1 and resumed.prompts.sampler.state_dict() == saved[0]
     finally:
         resumed.close()
 
@@ -865,10 +850,17 @@ def write_config(path, config) -> str:
 
 @contextlib.contextmanager
 def cli_verifier(monkeypatch, rule):
-    """lspo-train's verifier replaced by this module's fake one (re-rolls scored by ``hash_rule``)."""
-    with flag_adapter(FakeVerifier(rule, hash_rule)) as verifier:
-        monkeypatch.setattr(run_module, "make_verifier", lambda run: verifier)
-        yield verifier
+    """lspo-train's verifier replaced by this module's fake one (re-rolls scored by ``hash_rule``); the run is
+    built inside the command, so its generators are told the adapter's state through their class."""
+    verifier, real = FakeVerifier(rule, hash_rule), Generator.generate
+
+    def generate(self, *args, lora_scale=0.0, **kwargs):
+        verifier.adapter_on = lora_scale == 1.0
+        return real(self, *args, lora_scale=lora_scale, **kwargs)
+
+    monkeypatch.setattr(Generator, "generate", generate)
+    monkeypatch.setattr(run_module, "make_verifier", lambda run: verifier)
+    yield verifier
 
 
 def train_records(path):

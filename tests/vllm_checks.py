@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lspo_jax import hf, optim, sampler, toy
+from lspo_jax import hf, logprobs, sampler, toy
 from lspo_jax.config import LoraConfig, ModelConfig
 from lspo_jax.model import abstract_params
 
@@ -54,7 +54,7 @@ def random_params(seed: int = 0):
 
 @functools.partial(jax.jit, static_argnames=("temperature", "lora_scale"))
 def _logprobs(params, tokens, mask, temperature, lora_scale):
-    logp, _ = optim.sequence_logprobs(CONFIG, params, tokens, mask, temperature=temperature, lora_scale=lora_scale)
+    logp, _ = logprobs.sequence_logprobs(CONFIG, params, tokens, mask, temperature=temperature, lora_scale=lora_scale)
     return logp
 
 

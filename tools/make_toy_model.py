@@ -1,7 +1,7 @@
 """Make the demo's warm-started model shipped in ``lspo_jax/assets/toy_model`` (several minutes on 2 cores).
 
 Full-parameter SFT of a 3-layer Qwen2 on generated 1-3 digit sums with worked solutions by a teacher who drops
-each carry with probability ``--forget-carry`` (``lspo_jax.toy.ensure_model``). Deterministic on the CPU for a
+each carry with probability ``--forget-carry`` (``lspo_jax.toy_model.ensure_model``). Deterministic on the CPU for a
 given seed.
 
     .venv/bin/python tools/make_toy_model.py [--steps 1200] [--seed 0] [--forget-carry 0.4] \\
@@ -11,18 +11,18 @@ given seed.
 import argparse
 import shutil
 
-from lspo_jax import toy
+from lspo_jax import toy_model
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=toy.WARM_START_STEPS)
+    p.add_argument("--steps", type=int, default=toy_model.WARM_START_STEPS)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--forget-carry", type=float, default=toy.FORGET_CARRY)
-    p.add_argument("--out", default=toy.SHIPPED_MODEL)
+    p.add_argument("--forget-carry", type=float, default=toy_model.FORGET_CARRY)
+    p.add_argument("--out", default=toy_model.SHIPPED_MODEL)
     args = p.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
-    print(toy.ensure_model(args.out, steps=args.steps, seed=args.seed, forget_carry=args.forget_carry))
+    print(toy_model.ensure_model(args.out, steps=args.steps, seed=args.seed, forget_carry=args.forget_carry))
 
 
 if __name__ == "__main__":

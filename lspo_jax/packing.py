@@ -1,31 +1,30 @@
-"""Rollouts as fixed-shape training rows: packing samples, scoring them, and teacher-forced log-probs.
+"""Packing: rollouts and worked solutions as fixed-shape training rows, and the buckets they use.
 
 A row is ``[left pad | prompt | response | right pad]`` with the prompt left-padded to ``P`` slots and
 the response right-padded to ``R`` slots, so every RL batch of a run has the shape ``[B * K, P + R]`` and
 the update compiles once. ``mask`` is 1 on response tokens; ``old_logp[:, t]`` is the log-prob of
-``tokens[:, t]`` given the tokens before it (``optim.sequence_logprobs``), so the two align.
+``tokens[:, t]`` given the tokens before it (``logprobs.sequence_logprobs``), so the two align.
+The sampler buckets and left-pads its prompts with the same helpers.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from lspo_jax import distributed, optim, sharding
-from lspo_jax.config import ModelConfig
-from lspo_jax.model import Params
-from lspo_jax.sampler import SampleBatch
+from lspo_jax import sharding
 
 Rows = dict[str, np.ndarray]
 
 
-def pow2_rows(n: int) -> int:
-    """Row buckets: a power of two, so a varying number of cliff rows compiles a bounded set of programs."""
-    return 1 << max(0, (n - 1).bit_length())
+def pow2_bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= ``n`` (and >= ``minimum``): buckets of rows or lengths, so varying sizes
+    compile a bounded set of programs."""
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
 def sft_slots(
@@ -38,25 +37,26 @@ def sft_slots(
     """
     longest_prompt = max(len(p) for p in prompts)
     need = longest_prompt + max(len(t) for t in targets)
-    length = min(max_prompt + max_target, max(64, pow2_rows(need)))
+    length = min(max_prompt + max_target, max(64, pow2_bucket(need)))
     return longest_prompt, length - longest_prompt
 
 
-def left_pad(seqs: Sequence[Sequence[int]], slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids [N, slots], mask [N, slots])`` with each sequence right-aligned; error if one does not fit."""
-    ids = np.zeros((len(seqs), slots), np.int32)
-    mask = np.zeros((len(seqs), slots), np.int32)
+def left_pad(seqs: Sequence[Sequence[int]], slots: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids [rows, slots], mask [rows, slots])`` with each sequence right-aligned (id 0 on padding) and all-zero
+    rows after the last sequence (``rows`` defaults to one per sequence); an error if one does not fit."""
+    ids = np.zeros((len(seqs) if rows is None else rows, slots), np.int32)
+    mask = np.zeros_like(ids)
     for i, seq in enumerate(seqs):
         if len(seq) > slots:
             raise ValueError(f"sequence {i} has {len(seq)} tokens, more than the {slots} slots")
-        if seq:
+        if len(seq):
             ids[i, slots - len(seq) :] = seq
             mask[i, slots - len(seq) :] = 1
     return ids, mask
 
 
-def pack_samples(prompts: Sequence[Sequence[int]], sample: SampleBatch, prompt_slots: int) -> Rows:
-    """Training rows from a sampler result; prompt ``i`` owns rows ``i * n .. i * n + n - 1``."""
+def pack_samples(prompts: Sequence[Sequence[int]], sample: Any, prompt_slots: int) -> Rows:
+    """Training rows from a ``sampler.SampleBatch``; prompt ``i`` owns rows ``i * n .. i * n + n - 1``."""
     n = sample.n
     prompt_ids, prompt_mask = left_pad([prompts[row // n] for row in range(len(sample.lengths))], prompt_slots)
     response_mask = (np.arange(sample.tokens.shape[1])[None, :] < sample.lengths[:, None]).astype(np.int32)
@@ -88,52 +88,6 @@ def pack_sft(prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
 def pad_rows(rows: Rows, count: int) -> Rows:
     """Append all-zero rows (masked everywhere) up to ``count`` rows."""
     return {k: np.concatenate([v, np.zeros((count - len(v), *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
-
-
-@functools.partial(jax.jit, static_argnames=("config", "lora_scale", "temperature", "chunk_size", "micro_batches"))
-def _logprobs(
-    config: ModelConfig, params: Params, tokens, attention_mask, lora_scale: float, temperature: float,
-    chunk_size: int | None = None, micro_batches: int = 1,
-):  # fmt: skip
-    return optim.grouped_logprobs(
-        config, params, tokens, attention_mask, lora_scale=lora_scale, temperature=temperature,
-        chunk_size=chunk_size, num_micro_batches=micro_batches,
-    )  # fmt: skip
-
-
-def teacher_forced_logprobs(
-    config: ModelConfig, params: Params, rows: Rows, *, lora_scale: float, temperature: float, min_rows: int = 1,
-    mesh: Mesh | None = None, micro_batches: int = 1, chunk_size: int | None = None,
-) -> np.ndarray:  # fmt: skip
-    """``log pi(tokens[t] | tokens[<t])`` at the sampling temperature, zero off the response mask.
-
-    Rows are padded to a power-of-two count (at least ``min_rows``) first, so a varying number of rows
-    reuses compiled programs. The pass runs like the RL step: rows in ``micro_batches`` groups one after
-    another and the LM head in ``chunk_size`` sequence chunks, so a long rollout batch never holds every
-    row's activations or a whole ``[rows, length, vocab]`` logits array; on a ``mesh``, rows are split over
-    its data axes too.
-    """
-    count = len(rows["tokens"])
-    slots = pow2_rows(max(count, min_rows))
-    padded = pad_rows({k: rows[k] for k in ("tokens", "attention_mask")}, -(-slots // micro_batches) * micro_batches)
-    if mesh is None:
-        logp = _logprobs(
-            config, params, padded["tokens"], padded["attention_mask"], lora_scale=lora_scale,
-            temperature=temperature, chunk_size=chunk_size, micro_batches=micro_batches,
-        )  # fmt: skip
-    else:
-        program = _mesh_logprobs(config, mesh, lora_scale, temperature, chunk_size, micro_batches)
-        placed = mesh_rows(mesh, padded, multiple=micro_batches)
-        logp = sharding.fetch(program(params, placed["tokens"], placed["attention_mask"]))
-    return np.where(rows["mask"] > 0, np.asarray(logp)[:count], 0.0).astype(np.float32)
-
-
-@functools.cache
-def _mesh_logprobs(config: ModelConfig, mesh: Mesh, lora_scale: float, temperature: float, chunk_size, micro_batches):
-    return distributed.sharded_logprobs(
-        config, mesh, lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size,
-        num_micro_batches=micro_batches,
-    )  # fmt: skip
 
 
 def mesh_rows(mesh: Mesh, rows: Rows, *, multiple: int = 1) -> dict[str, jax.Array]:
