@@ -858,7 +858,8 @@ def section_lspo(ctx: Context) -> None:
         rec.skip("dapo_step", skip)
         return
     with rec.part("dapo_step"):
-        run = learner.run  # the DAPO arm runs the same compiled programs: the scaffold is a branch of the step
+        # The DAPO arm differs in scaffold.enabled alone, which no compiled program reads: the same programs run.
+        run = learner.run
         learner.run = dataclasses.replace(run, scaffold=dataclasses.replace(run.scaffold, enabled=False))
         step_s, metrics = timed_step(learner, examples, args.seed)
         dapo = {"step_s": step_s, **{k: metrics[k] for k in phase_keys}}

@@ -58,9 +58,10 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
     The model calls this at a few points (the residual stream, projections, logits) so that the
     partitioner splits activations by rows and gathers weights, rather than the reverse. Outside a mesh
-    context (``jax.set_mesh`` / ``jax.sharding.use_abstract_mesh``) it returns ``x`` unchanged.
+    context (``jax.set_mesh`` / ``jax.sharding.use_abstract_mesh``), and on a mesh of one device, where there
+    is nothing to split and a constraint would only stand between XLA's fusions, it returns ``x`` unchanged.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, logical_spec(x.shape, axes, mesh))

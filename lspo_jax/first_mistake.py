@@ -357,8 +357,9 @@ class SamplerGenerate:
     ``max_batch`` at a time by ``sampler.generate_arrays``, or by ``engine.generate_arrays(params, prompts,
     ...)`` when an engine such as ``VLLMSampler`` is given. ``temperature`` 0 decodes greedily; otherwise
     call c uses ``fold_in(key(seed), c)``. A prompt longer than ``max_prompt_tokens`` (default: the
-    model's positions minus ``max_new_tokens``) is not sampled and gets an empty reply. ``params`` is
-    public: when the policy judges itself, assign the current params before each step.
+    model's positions minus ``max_new_tokens``) is not sampled and gets an empty reply. ``params`` and ``mesh``
+    are public: when the policy judges itself, assign the current params (and the mesh they are split over)
+    before each step.
     """
 
     def __init__(
@@ -374,8 +375,10 @@ class SamplerGenerate:
         max_batch: int = 64,
         max_prompt_tokens: int | None = None,
         engine: Any = None,
+        mesh: Any = None,
     ):
         self.config, self.params, self.tokenizer, self.engine = config, params, tokenizer, engine
+        self.mesh = mesh  # where the JAX sampler runs (None: this process's first device)
         self.eos_ids = tuple(int(t) for t in eos_ids)
         self.max_new_tokens, self.temperature, self.seed, self.max_batch = max_new_tokens, temperature, seed, max_batch
         room = config.max_position_embeddings - max_new_tokens
@@ -409,7 +412,7 @@ class SamplerGenerate:
         if self.engine is not None:
             batch = self.engine.generate_arrays(self.params, prompts, **options)
         else:
-            batch = sampler.generate_arrays(self.config, self.params, prompts, **options)
+            batch = sampler.generate_arrays(self.config, self.params, prompts, mesh=self.mesh, **options)
         return [
             self.tokenizer.decode(tokens[: int(length)], skip_special_tokens=True)
             for tokens, length in zip(batch.tokens, batch.lengths, strict=True)

@@ -54,14 +54,15 @@ backward pass per prompt. Target loss (``target_loss``): the NLL of the target p
 examples of each one's token-mean (``nll_example_mean``, so long solutions do not dominate). The target side
 (``TargetSide``) only ever returns the ``d_i``; its prompts never reach the trainer.
 
-A training step with L2RR (the training loop owns it; this module provides the pieces)::
+A training step with L2RR (``reweight.L2RRPrompts`` runs it; this module provides the pieces)::
 
     rng   = np.random.default_rng([seed, step])              # resumable: a function of the step
     drawn = collect_batch(sampler, B, rng, run_round, config.max_draw_rounds)
     # run_round(indices, rollouts) samples rollouts[j] answers of prompt indices[j] into K slots (the rest
     # padding), scores them and returns (zero_variance, usable) per prompt.
-    # ... advantages with valid=..., scaffold, then BEFORE the update (rl_update donates the params):
+    # ... advantages with valid=..., scaffold, then BEFORE the update (the RL step donates the params):
     scores = target.directional_derivatives(params, PolicyLosses(...).bind(batch))
+    # after the step:
     sampler.observe(drawn.indices, drawn.zero_variance, drawn.scores_for_observe(scores))
 
 With LSPO: cliffs (all K rollouts fail) are exactly the zero-variance groups this sampler learns to avoid.
@@ -83,9 +84,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# ``data`` imports the run config, which holds ``L2RRConfig``: import it where it is used.
 from lspo_jax import logprobs, losses, optim, packing
 from lspo_jax.config import ModelConfig
+from lspo_jax.data import PromptOrder
 from lspo_jax.train_config import PROMPT_LOSS_NORMS, TARGET_LOSSES, L2RRConfig
 
 Params = Any
@@ -303,8 +304,6 @@ class UniformSampler(PromptSampler):
 
     def __init__(self, num_prompts: int, group_size: int, *, seed: int, shuffle: bool = True):
         super().__init__(num_prompts, group_size)
-        from lspo_jax.data import PromptOrder
-
         self.order = PromptOrder(num_prompts, seed=seed, shuffle=shuffle)
 
     def draw(self, count: int, rng: np.random.Generator | None = None) -> np.ndarray:

@@ -1,8 +1,9 @@
 """The learner: one object per run that owns what a training step acts on, with the step's verbs as methods.
 
-Built once from the run's config: the policy (model config, tokenizer, EOS ids), the device mesh (one device is
-a 1 x 1 x 1 mesh, so every pass has one program), the compiled programs (``distributed``), the verifier, the
-rollout engine and the train state. ``train.train_step`` is written in its verbs:
+Built once per run: the policy (model config, tokenizer, EOS ids), the device mesh (one device is a 1 x 1 x 1
+mesh, so every pass has one program), the compiled programs (``distributed``) and the train state, from the
+config; the run attaches the verifier, the judge, the L2RR target and the vLLM engine once it has built them.
+``train.train_step`` is written in its verbs:
 
     sample       rollouts of prompts from the base (``lora_scale`` 0) or with the adapter on, packed into rows
     score        the verifier's accuracy and the shaped reward of packed rows
@@ -11,7 +12,8 @@ rollout engine and the train state. ``train.train_step`` is written in its verbs
     rl_step      one update of the base, skipped whole when non-finite
     prompt_scores  the L2RR target's directional derivatives of the batch, before the update changes the base
 
-The vLLM engine syncs the params it is given before it samples, so ``sample`` is also the weight sync.
+With ``rollout.engine: vllm`` every rollout is sampled by the engine, which syncs the params it is given
+first: ``sample`` is also the weight sync.
 """
 
 from __future__ import annotations
@@ -57,13 +59,17 @@ class Generator:
 
     def generate(
         self, params: Params, prompts: Sequence[Sequence[int]], decoding: Decoding, *, key, n: int = 1,
-        lora_scale: float = 0.0,
+        lora_scale: float = 0.0, fallback: bool = True,
     ) -> SampleBatch:  # fmt: skip
+        """``n`` samples per prompt. With ``fallback`` (validation) the JAX sampler takes a call longer than the
+        vLLM engine's context; without (rollouts), the engine takes every call and refuses one that is too long."""
         options = dict(key=key, n=n, lora_scale=lora_scale, **decoding.kwargs())
-        longest = max(map(len, prompts)) + decoding.max_new_tokens
-        if self.vllm is not None and longest <= self.vllm.max_model_len:
+        if self.vllm is not None and not (fallback and self._too_long(prompts, decoding)):
             return self.vllm.generate_arrays(params, prompts, **options)
         return generate_arrays(self.policy.config, params, prompts, mesh=self.mesh, **options)
+
+    def _too_long(self, prompts: Sequence[Sequence[int]], decoding: Decoding) -> bool:
+        return max(map(len, prompts)) + decoding.max_new_tokens > self.vllm.max_model_len
 
 
 @dataclasses.dataclass
@@ -85,9 +91,11 @@ class Learner:
     ``target``: the L2RR target's scorer (``reweight.TargetScorer``) of a run with ``l2rr.enabled``.
     """
 
-    def __init__(self, run: TrainConfig, policy: Policy, base: Params, *, mesh: Mesh | None = None, verifier=None):
+    def __init__(self, run: TrainConfig, policy: Policy, base: Params, *, mesh: Mesh | None = None):
         self.run, self.policy, self.mesh = run, policy, sharding.mesh_or_local(mesh)
-        self.verifier, self.judge, self.target = verifier, None, None
+        # Attached by the run once it has built them, the engine last (nothing after it can fail and leave it
+        # running): the verifier (``score``), the judge, the L2RR target's scorer and the vLLM engine.
+        self.verifier, self.judge, self.target = None, None, None
         self.generator = Generator(policy, self.mesh)
         config = policy.config
         self.decoding = self.generator.decoding(
@@ -101,6 +109,10 @@ class Learner:
         )  # fmt: skip
         self._sft = distributed.sharded_sft_step(config, self.mesh, rl=run.optim, sft=run.scaffold.sft)
         self._tx = optim.make_optimizer(run.optim, run.scaffold.sft)
+        self._layouts = (
+            sharding.param_shardings(config, self.mesh),
+            sharding.opt_state_shardings(config, self.mesh, self._tx),
+        )
         # The adapter's init key is the run's seed: the first step resets it anyway, but its shapes set the state's.
         params = {"base": base["base"], "lora": model.init_lora(config, jax.random.key(run.seed))}
         self.state = TrainState(step=0, params=params, opt_state=self._tx.init(params))
@@ -117,9 +129,7 @@ class Learner:
     # ------------------------------------------------------------------------------------------ state
     def place(self, params: Params, opt_state: Any) -> tuple[Params, Any]:
         """Params and optimizer state in the run's layout on its mesh (``sharding``'s rules)."""
-        config = self.policy.config
-        params_sh = sharding.param_shardings(config, self.mesh)
-        state_sh = sharding.opt_state_shardings(config, self.mesh, self._tx)
+        params_sh, state_sh = self._layouts
         return sharding.shard_params(params, params_sh), jax.device_put(opt_state, state_sh)
 
     def reset_adapter(self, key: jax.Array) -> None:
@@ -135,7 +145,9 @@ class Learner:
         """``n`` (default ``group_size``) rollouts per prompt, packed into fixed-shape rows, with ``sampler_logp``
         (the engine's own log-prob of each sampled token, 0 on prompt slots)."""
         n = n or self.run.rollout.group_size
-        sample = self.generator.generate(self.state.params, prompts, self.decoding, key=key, n=n, lora_scale=lora_scale)
+        sample = self.generator.generate(
+            self.state.params, prompts, self.decoding, key=key, n=n, lora_scale=lora_scale, fallback=False
+        )
         prompt_slots = self.run.data.max_prompt_tokens
         rows = packing.pack_samples(prompts, sample, prompt_slots)
         prompt_part = np.zeros((len(prompts) * sample.n, prompt_slots), np.float32)
@@ -164,9 +176,9 @@ class Learner:
     def logprobs(self, rows: Rows, *, lora_scale: float, min_rows: int = 1) -> np.ndarray:
         """``log pi(tokens[t] | tokens[<t])`` at the sampling temperature, zero off the response mask.
 
-        Rows are padded to a power-of-two count (at least ``min_rows``), then to a multiple of the micro-batch
-        count and the mesh's data-parallel size, so a varying number of rows reuses compiled programs. The pass
-        runs like the RL step: rows in ``loss.micro_batches`` groups one after another and the LM head in
+        Rows are padded to a power-of-two count (at least ``min_rows``), then to a multiple of the product of the
+        micro-batch count and the mesh's data-parallel size, so a varying number of rows reuses compiled programs.
+        The pass runs like the RL step: rows in ``loss.micro_batches`` groups one after another and the LM head in
         ``loss.chunk_size`` sequence chunks (``logprobs.grouped_logprobs``).
         """
         count, micro = len(rows["tokens"]), self.run.loss.micro_batches

@@ -4,8 +4,8 @@ Every source has one interface:
 
     draw = source.next_batch(learner, key, phases)   # the step's prompts; maybe its rollouts already
     metrics = source.observe(draw, prompt_scores)    # after the step: the source's own update and metrics
-    source.checkpoint() / source.restore(meta)       # its part of a checkpoint's metadata
-    source.state_dict() / source.load_state_dict(s)  # a snapshot, put back when a step is abandoned
+    source.state_dict() / source.load_state_dict(s)  # JSON-able state: in checkpoints under source.meta_key,
+                                                     # and put back when a step is abandoned
 
 ``ShuffledPrompts`` (here) is the default: a seeded permutation per epoch, ``group_size`` rollouts per prompt
 sampled by the step itself. ``reweight.L2RRPrompts`` draws by learned weights, samples its draw rounds itself
@@ -44,6 +44,8 @@ class Draw:
 class ShuffledPrompts:
     """``batch_size`` prompts a step in the order of ``data.PromptOrder`` (a seeded permutation per epoch)."""
 
+    meta_key = "order"
+
     def __init__(self, examples: list[Any], batch_size: int, *, seed: int, shuffle: bool = True):
         self.examples, self.batch_size = examples, batch_size
         self.order = data.PromptOrder(len(examples), seed=seed, shuffle=shuffle)
@@ -53,12 +55,6 @@ class ShuffledPrompts:
 
     def observe(self, draw: Draw, prompt_scores: np.ndarray | None) -> dict[str, Any]:
         return {}
-
-    def checkpoint(self) -> dict[str, Any]:
-        return {"order": self.order.state(), "sampler": None}
-
-    def restore(self, meta: dict[str, Any]) -> None:
-        self.order.restore(meta["order"])
 
     def state_dict(self) -> dict[str, Any]:
         return self.order.state()

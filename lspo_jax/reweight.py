@@ -29,7 +29,7 @@ from lspo_jax.train_config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class Collected:
+class DrawRecord:
     """The source's record of a step's draw: the draw rounds and how many groups of the batch were kept."""
 
     drawn: l2rr.DrawResult
@@ -38,6 +38,8 @@ class Collected:
 
 class L2RRPrompts:
     """The L2RR sampler (``l2rr.L2RRSampler``) over ``examples`` as a prompt source (see the module docstring)."""
+
+    meta_key = "sampler"
 
     def __init__(self, run: TrainConfig, examples: list[Any]):
         if len(examples) < run.rollout.prompts_per_step:
@@ -59,7 +61,7 @@ class L2RRPrompts:
             with phases("sample"):
                 compact = learner.sample([ex.prompt_ids for ex in picked], jax.random.fold_in(draw_key, len(rounds)),
                                          lora_scale=0.0, n=1)  # fmt: skip
-            with phases("reward"):
+            with phases("reward", check_stop=False):  # one stop check per round, before its sampling
                 learner.score(compact, [ex.answer for ex in picked], per_row=True)
                 rows, valid = in_slots(compact, counts, k)
             rounds.append((rows, valid))
@@ -77,7 +79,7 @@ class L2RRPrompts:
         rows = {name: np.concatenate([r[name] for r, _ in rounds])[slots] for name in rounds[0][0]}
         valid = np.concatenate([v for _, v in rounds])[slots]
         examples = [self.examples[i] for i in drawn.indices[order]]
-        record = Collected(drawn, int(drawn.usable.sum()))
+        record = DrawRecord(drawn, int(drawn.usable.sum()))
         return Draw(examples, step_key, rows=rows, valid=valid, score_prompts=True, record=record)
 
     def observe(self, draw: Draw, prompt_scores: np.ndarray | None) -> dict[str, Any]:
@@ -86,12 +88,6 @@ class L2RRPrompts:
         scores = None if prompt_scores is None else prompt_scores[:kept]
         self.sampler.observe(drawn.indices, drawn.zero_variance, drawn.scores_for_observe(scores))
         return {**self.sampler.metrics(), "sampler/draw_rounds": drawn.rounds}
-
-    def checkpoint(self) -> dict[str, Any]:
-        return {"order": None, "sampler": self.sampler.state_dict()}
-
-    def restore(self, meta: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(meta["sampler"])
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()  # fresh JSON-able values

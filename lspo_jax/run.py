@@ -234,6 +234,7 @@ class Run:
         """Model, data and state (restored when resuming), then config.yaml; then judge, verifier and engine."""
         out_dir = self.out_dir
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
+        mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
         if run.rollout.engine == "vllm":  # before the data and the state load: the engine starts last
             from lspo_jax import vllm_sampler
 
@@ -251,7 +252,7 @@ class Run:
         self.prompts, target = self._prompt_source()
         # Params and optimizer state are committed to the mesh like the arrays a restore returns: jit keys its cache
         # on placement, so a run resumed in the same process (tests, notebooks) reuses the compiled programs.
-        self.learner = Learner(run, self.policy, base, mesh=run_mesh(run))
+        self.learner = Learner(run, self.policy, base, mesh=mesh)
         self.learner.target = target
         self.history: list[dict[str, Any]] = []  # every record of the run, those before a resume included
         if resume:
@@ -302,7 +303,7 @@ class Run:
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        meta = {"step": self.state.step, **self.prompts.checkpoint(), "seed": self.run.seed,
+        meta = {"step": self.state.step, self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed,
                 "nonfinite_total": self.state.nonfinite_total,
                 "nonfinite_in_row": self.state.nonfinite_in_row}  # fmt: skip
         self.checkpointer.save(self.state.step, checkpoint_state(self.state.params, self.state.opt_state), meta)
@@ -333,7 +334,8 @@ class Run:
             step=int(meta["step"]), params=params, opt_state=with_rl_state(self.state.opt_state, restored["rl_opt"]),
             nonfinite_total=int(meta.get("nonfinite_total", 0)), nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
         )  # fmt: skip
-        self.prompts.restore(meta)
+        if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
+            self.prompts.load_state_dict(meta[self.prompts.meta_key])
 
     def _open_log(self) -> MetricsLog:
         """The run's metrics log, cut back to the restored step: a resumed run's records read as if it had

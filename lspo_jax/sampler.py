@@ -374,7 +374,10 @@ def _decode_weights(config: ModelConfig, tree: Params, mesh: jax.sharding.Mesh) 
     """The weights as the programs read them: in the compute dtype (an fp32 master copy is cast once, so a
     decode step reads half the bytes) and split per layer. The cast comes before the placement, so the weights
     gathered over ``fsdp`` are the narrow ones."""
-    tree = _place_on_mesh(config, _cast(tree, jnp.dtype(config.compute_dtype).name), mesh)
+    dtype = jnp.dtype(config.compute_dtype)
+    if any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype for x in jax.tree.leaves(tree)):
+        tree = _cast(tree, dtype.name)  # an fp32 master copy for a bf16 sampler; nothing to do when they agree
+    tree = _place_on_mesh(config, tree, mesh)
     return _unstack(config, tree)
 
 

@@ -76,8 +76,9 @@ def make_mesh(mesh_config: MeshConfig = MeshConfig(), devices: Sequence[jax.Devi
 
 
 def local_mesh() -> Mesh:
-    """The first device as a 1 x 1 x 1 mesh: one program per pass whether a run has one device or many."""
-    return _local_mesh(jax.devices()[0])
+    """This process's first device as a 1 x 1 x 1 mesh: one program per pass whether a run has one device or
+    many (on several hosts each process holds its own)."""
+    return _local_mesh(jax.local_devices()[0])
 
 
 @functools.cache
@@ -99,6 +100,7 @@ def _without(rules: Sequence[tuple[str, tuple[str, ...]]], mesh_axis: str) -> tu
 
 
 # ------------------------------------------------------------------------------------------- params
+@functools.cache  # built per call of every pass otherwise; callers only read it
 def param_shardings(config: ModelConfig, mesh: Mesh, *, gather_fsdp: bool = False) -> model.Params:
     """``NamedSharding`` for every parameter (``{"base", "lora"}``), from ``model.param_specs`` and the rules.
 

@@ -54,8 +54,10 @@ class Phases:
         self.stop = stop
 
     @contextlib.contextmanager
-    def __call__(self, name: str):
-        if self.stop is not None and self.stop.agreed():
+    def __call__(self, name: str, *, check_stop: bool = True):
+        """Time the ``name`` phase; ``check_stop=False`` only times it (a phase entered right after a checked one:
+        on several processes each check is a collective)."""
+        if check_stop and self.stop is not None and self.stop.agreed():
             raise StepAbandoned(f"stop requested before the step's {name} phase")
         start = time.perf_counter()
         try:
@@ -88,18 +90,23 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     record = rollout_metrics(learner.run, rows, valid)
     # Placeholder so splice carries a spliced row's adapter-on log-probs; base rows are filled below.
     rows["old_logp"] = np.zeros(rows["tokens"].shape, np.float32)
-    rows, spliced, scaffold_record = scaffold_cliffs(learner, rows, draw.examples, scaffold_key, phases, valid)
+    rows, spliced_mask, scaffold_record = scaffold_cliffs(learner, rows, draw.examples, scaffold_key, phases, valid)
     with phases("logprob"):
         base_logp = learner.logprobs(rows, lora_scale=0.0)
-    record["spliced_ratio_mean"] = _spliced_ratio_mean(base_logp, rows, spliced)
+    record["spliced_ratio_mean"] = _spliced_ratio_mean(base_logp, rows, spliced_mask)
     if learner.vllm is not None:
-        record.update(_engine_metrics(learner, sync_before, base_logp, rows, spliced))
-    rows["old_logp"] = np.where(spliced[:, None], rows["old_logp"], base_logp)
-    advantages = group_advantages(learner, rows, draw.examples, valid, phases, record)  # first-mistake: judge
+        record.update(_engine_metrics(learner, sync_before, base_logp, rows, spliced_mask))
+    rows["old_logp"] = np.where(spliced_mask[:, None], rows["old_logp"], base_logp)
+    advantages, judge_record = step_advantages(learner, rows, draw.examples, valid, phases)
+    record.update(judge_record)
     with phases("update"):
         batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
         batch["advantages"] = advantages
-        scores = _prompt_scores(learner, batch, record) if draw.score_prompts else None
+        scores = None
+        if draw.score_prompts:  # before the update, which donates the base it scores
+            start = time.perf_counter()
+            scores = learner.prompt_scores(batch)
+            record["time_target"] = time.perf_counter() - start
         update = learner.rl_step(batch)
     record["spliced_accuracy_mean"] = float(rows["accuracy"].mean())
     record.update(scaffold_record)
@@ -118,17 +125,15 @@ def sample_and_score(learner: Learner, draw: Draw, key, phases: Phases) -> tuple
     return rows, None
 
 
-def group_advantages(learner: Learner, rows: dict, examples, valid, phases: Phases, record: dict) -> np.ndarray:
-    """GRPO's advantages of the (spliced) batch, ``[rows]``; ``[rows, length]`` first-mistake token advantages
-    when the run has a judge (its metrics go into ``record``)."""
+def step_advantages(learner: Learner, rows: dict, examples, valid, phases: Phases) -> tuple[np.ndarray, dict]:
+    """GRPO's advantages of the (spliced) batch, ``[rows]``, or with a first-mistake judge its token advantages
+    ``[rows, length]`` and the judge's metrics."""
     k = learner.run.rollout.group_size
     advantages = np.asarray(losses.group_advantages(jnp.asarray(rows["reward"]), k, valid=valid))
     if not learner.run.first_mistake.enabled:
-        return advantages
+        return advantages, {}
     with phases("judge"):
-        advantages, judge_metrics = judge_advantages(learner, rows, examples, advantages, valid)
-    record.update(judge_metrics)
-    return advantages
+        return judge_advantages(learner, rows, examples, advantages, valid)
 
 
 def update_metrics(learner: Learner, update: dict[str, Any]) -> dict[str, Any]:
@@ -141,13 +146,6 @@ def update_metrics(learner: Learner, update: dict[str, Any]) -> dict[str, Any]:
         "nonfinite_total": learner.state.nonfinite_total,
         **{k: v for k, v in update.items() if k.startswith(("ratio", "approx_kl"))},
     }
-
-
-def _prompt_scores(learner: Learner, batch: dict, record: dict) -> np.ndarray:
-    start = time.perf_counter()
-    scores = learner.prompt_scores(batch)
-    record["time_target"] = time.perf_counter() - start
-    return scores
 
 
 def step_rates(record: dict[str, Any]) -> dict[str, float | None]:
@@ -207,8 +205,8 @@ def fit_adapter(learner: Learner, cliff_examples, key) -> float:
     # Rows as long as these cliffs need (a power of two), not the configured maxima: short worked solutions
     # would otherwise pay for max_prompt_tokens + max_solution_tokens of attention and MLP per row.
     lengths = packing.sft_slots(prompts, solutions, run.data.max_prompt_tokens, run.data.max_solution_tokens)
-    rows = packing.pow2_bucket(_cliff_slots(learner, len(prompts)))
-    batch = packing.pad_rows(packing.pack_sft(prompts, solutions, *lengths), rows)
+    row_count = packing.pow2_bucket(_cliff_slots(learner, len(prompts)))
+    batch = packing.pad_rows(packing.pack_sft(prompts, solutions, *lengths), row_count)
     for _ in range(run.scaffold.sft_steps):
         metrics = learner.sft_step(batch)
     return float(metrics["sft_loss"])
@@ -233,7 +231,7 @@ def judge_advantages(learner: Learner, rows: dict, examples, outcome, valid=None
 
     run, judge = learner.run, learner.judge
     if run.first_mistake.judge_path is None and isinstance(judge.generate, SamplerGenerate):
-        judge.generate.params = {"base": learner.state.params["base"]}
+        judge.generate.params, judge.generate.mesh = {"base": learner.state.params["base"]}, learner.mesh
     slots = run.data.max_prompt_tokens
     return first_mistake_advantages(
         problems=[ex.problem for ex in examples], golds=[ex.answer for ex in examples],

@@ -233,9 +233,8 @@ class MeshSection:
     """The device mesh and, for a multi-host job, how its processes meet.
 
     ``data``, ``fsdp`` and ``tp`` are the mesh's axis sizes (one may be -1: the rest of the devices). With
-    ``enabled: null`` (the default) a run uses the mesh when JAX sees more than one device and the
-    single-device programs otherwise; ``true`` forces the mesh programs even on one device, ``false`` runs
-    on the first device alone. ``coordinator``
+    ``enabled: null`` (the default) a run spans every device when JAX sees more than one; ``false`` runs on
+    the first device alone, a 1 x 1 x 1 mesh (the programs are the same either way). ``coordinator``
     (host:port of process 0), ``num_processes`` and ``process_id`` start ``jax.distributed``; left null they
     come from ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID`` or SLURM's variables.
     """
@@ -278,7 +277,7 @@ REFERENCES = ("teacher", "ground_truth")
 
 @dataclasses.dataclass(frozen=True)
 class FirstMistakeConfig:
-    """First-mistake advantages (see the module docstring); ``enabled: false`` leaves GRPO advantages alone.
+    """First-mistake advantages (see ``first_mistake``'s docstring); ``enabled: false`` leaves GRPO advantages alone.
 
     ``judge_path``: a Hugging Face directory of the teacher; None judges with the policy itself (the run
     also takes ``toy:judge``, the demo task's scripted teacher).
@@ -324,7 +323,7 @@ PROMPT_LOSS_NORMS = ("prompt", "batch")
 
 @dataclasses.dataclass(frozen=True)
 class L2RRConfig:
-    """L2RR's settings (see the module docstring for the method); ``enabled: false`` samples uniformly.
+    """L2RR's settings (see ``l2rr``'s docstring for the method); ``enabled: false`` samples uniformly.
 
     ``a``: EG step scale, ``eta = a / sqrt(horizon)`` (``horizon`` None: ``a / sqrt(t)`` at the t-th update).
     ``rho_min``: the smallest budget fraction. ``g_min``: the fewest rollouts a drawn prompt gets (>= 2: one

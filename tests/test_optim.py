@@ -232,7 +232,7 @@ def test_remat_gives_the_same_gradient(remat):
         dataclasses.replace(CONFIG, remat="some")
 
 
-def test_teacher_forced_logprobs_in_micro_batches_and_chunks_equal_one_pass():
+def test_learner_logprobs_in_micro_batches_and_chunks_equal_one_pass():
     """The learner's log-prob pass over 3 rows, in 2 micro-batches (rows padded to 4) with a 5-token head
     chunk, equals the plain pass; positions off the response mask are 0."""
     from lspo_jax.learner import Learner, Policy
