@@ -16,8 +16,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # Rematerialisation of the layer scan: "full" saves only each layer's input and recomputes the rest in the
 # backward pass; "dots" also saves the outputs of the weight matmuls (not the attention scores).
 REMAT_POLICIES = ("none", "full", "dots")
-# Attention of cache-free passes: the written-out einsums, or jax.nn.dot_product_attention with XLA or cuDNN.
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+# Attention of cache-free passes: the written-out einsums, jax.nn.dot_product_attention with XLA or cuDNN, or
+# the blocked attention of ``flash`` (pure JAX, never a [T, T] score matrix).
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "blocked")
 
 
 def _check(ok: bool, cls: str, field: str, message: str) -> None:
@@ -64,7 +65,8 @@ class ModelConfig:
     the matmul dtype (bfloat16 on accelerators). Norms, softmax and logits are always float32. ``remat``
     trades compute for activation memory in differentiated passes (one of ``REMAT_POLICIES``). ``attention``
     picks the kernel of cache-free passes (training, log-probs): ``einsum`` (written out, any backend),
-    ``xla`` or ``cudnn`` (``jax.nn.dot_product_attention``; cuDNN's fused kernel needs a CUDA GPU and bf16).
+    ``xla`` or ``cudnn`` (``jax.nn.dot_product_attention``; cuDNN's fused kernel needs a CUDA GPU and bf16), or
+    ``blocked`` (``flash.blocked_attention``: online softmax over blocks, any backend, O(T x block) memory).
     """
 
     vocab_size: int

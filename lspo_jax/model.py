@@ -15,7 +15,8 @@ layer's slice of the stacked weights and cache before reading it (``_cached_laye
 
 Attention in cache-free passes is ``config.attention``: the written-out einsums (``attend``, any backend) or
 ``jax.nn.dot_product_attention`` (``xla``, or ``cudnn``'s fused flash kernel on a GPU), which takes
-right-padded rows of given lengths, so each row is rotated to right padding and back (``_fused_hidden_states``).
+right-padded rows of given lengths, so each row is rotated to right padding and back (``_fused_hidden_states``),
+or ``blocked`` (``flash.blocked_attention``, pure JAX, flash-style, over segment ids: a row's real tokens).
 
 LoRA on a projection ``y = x W`` adds ``c * (x A) B`` with ``c = (alpha / rank) * lora_scale``; A has
 the input dims of W followed by R, B has R followed by the output dims of W, so ``A B`` has W's shape.
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 from lspo_jax.axes import constrain, logical_spec
 from lspo_jax.config import ModelConfig
+from lspo_jax.flash import blocked_attention
 
 Params = dict[str, Any]
 
@@ -288,6 +290,7 @@ def block(
     kv_cache: Params | None = None,
     cache_index: jax.Array | int = 0,
     seq_lengths_B: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, Params | None]:
     """One pre-norm decoder layer: ``x += attn(norm(x)); x += mlp(norm(x))``, mlp = ``down(silu(gate) * up)``.
 
@@ -295,7 +298,8 @@ def block(
     Without a cache, S = T. With this layer's ``kv_cache = {"k": [B, K, S, E], "v": ...}`` the new keys and
     values are written at slot ``cache_index`` and the queries attend over all S slots; ``mask_BTS`` must
     then hide the unwritten slots. With ``seq_lengths_B`` (no cache, right-padded rows) attention is
-    ``config.attention``'s fused kernel and ``mask_BTS`` is unused. Returns ``(x, updated kv_cache or None)``.
+    ``config.attention``'s fused kernel and ``mask_BTS`` is unused; with ``segment_ids_BT`` (no cache) it is
+    ``flash.blocked_attention`` over those segments, ``mask_BTS`` unused. Returns ``(x, updated kv_cache or None)``.
     """
     lora = lora or {}
     dt = x_BTD.dtype
@@ -311,6 +315,8 @@ def block(
         k_BTKE = rotary(k_BTKE, positions_BT, config.rope_theta)
         if seq_lengths_B is not None:
             out_BTHE = fused_attend(q_BTHE, k_BTKE, v_BTKE, seq_lengths_B, config.attention)
+        elif segment_ids_BT is not None:
+            out_BTHE = blocked_attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
         elif kv_cache is None:
             out_BTHE = attend(q_BTHE, jnp.swapaxes(k_BTKE, 1, 2), jnp.swapaxes(v_BTKE, 1, 2), mask_BTS)
         else:
@@ -360,12 +366,14 @@ def decoder(
     kv_cache: Params | None = None,
     cache_index: jax.Array | int = 0,
     seq_lengths_B: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, Params | None]:
     """All layers then the final RMSNorm: ``(h [B, T, D], kv_cache)``.
 
     ``kv_cache``, when given, holds one ``{"k": [B, K, S, E], "v": [B, K, S, E]}`` per layer (a tuple of L);
     the cached path runs the layers unrolled (see ``_cached_layers``), the cache-free one as a scan.
-    ``seq_lengths_B`` (cache-free, right-padded rows only) selects the fused attention; see ``block``.
+    ``seq_lengths_B`` (cache-free, right-padded rows only) selects the fused attention, ``segment_ids_BT``
+    (cache-free) the blocked one; see ``block``.
     """
     lora, lora_c = _effective_lora(config, params, lora_scale)
     layers = params["base"]["layers"]
@@ -375,7 +383,7 @@ def decoder(
         # The residual stream is split by rows only (embed whole), so each layer gathers its FSDP-split
         # weights instead of the partitioner gathering activations: the weights are the smaller of the two.
         x_BTD = constrain(x_BTD, _RESIDUAL_AXES)
-        kw = dict(lora=layer_lora, lora_c=lora_c, seq_lengths_B=seq_lengths_B)
+        kw = dict(lora=layer_lora, lora_c=lora_c, seq_lengths_B=seq_lengths_B, segment_ids_BT=segment_ids_BT)
         return block(config, layer, x_BTD, positions_BT, mask_BTS, **kw)[0]
 
     if config.remat != "none" and kv_cache is None:
@@ -435,9 +443,13 @@ def hidden_states(
     """
     if attention_mask_BT is None:
         attention_mask_BT = jnp.ones(tokens_BT.shape, jnp.int32)
-    if config.attention != "einsum":
+    if config.attention in ("xla", "cudnn"):
         return _fused_hidden_states(config, params, tokens_BT, attention_mask_BT, lora_scale)
     positions_BT = attention_positions(attention_mask_BT)
+    if config.attention == "blocked":  # one segment per row (its real tokens), no [B, T, S] mask
+        x_BTD = embed(config, params, tokens_BT)
+        segments_BT = attention_mask_BT.astype(jnp.int32)
+        return decoder(config, params, x_BTD, positions_BT, None, lora_scale=lora_scale, segment_ids_BT=segments_BT)[0]
     mask_BTS = causal_padding_mask(attention_mask_BT)
     x_BTD = embed(config, params, tokens_BT)
     return decoder(config, params, x_BTD, positions_BT, mask_BTS, lora_scale=lora_scale)[0]

@@ -120,10 +120,10 @@ class TargetScorer:
     per-prompt policy losses (``l2rr.PolicyLosses``, with the run's clip range and temperature)."""
 
     def __init__(self, run: TrainConfig, config: Any, target: l2rr.TargetSide):
-        # The scores are a forward-mode product (jax.jvp); cuDNN's attention has only a reverse-mode rule, and the
-        # xla kernel is the same function with both.
-        if config.attention == "cudnn":
-            config = dataclasses.replace(config, attention="xla")
+        # The scores are a forward-mode product (jax.jvp); cuDNN's attention and the blocked one have only a
+        # reverse-mode rule, and the xla kernel and the einsum path are the same functions with both.
+        if config.attention in ("cudnn", "blocked"):
+            config = dataclasses.replace(config, attention="xla" if config.attention == "cudnn" else "einsum")
         self.target = target
         self.losses = l2rr.PolicyLosses(
             config, run.rollout.group_size, normalise=run.l2rr.prompt_loss_norm, eps_low=run.loss.eps_low,

@@ -35,7 +35,8 @@ class ModelSource:
 
     ``remat`` rematerialises the layer scan in the backward pass (none, full, dots): the paper's shape
     fits in 80 GB per device only with ``full`` (see ``tools/memory_plan.py``). ``attention`` is the kernel of
-    the training and log-prob passes: ``einsum``, ``xla`` or ``cudnn`` (fused, on a CUDA GPU with bf16).
+    the training and log-prob passes: ``einsum``, ``xla``, ``cudnn`` (fused, on a CUDA GPU with bf16) or
+    ``blocked`` (pure JAX, flash-style: no ``[T, T]`` scores on any backend).
     """
 
     path: str = "toy"
