@@ -52,12 +52,15 @@ def _visible(seg_q_BQ: jax.Array, seg_k_BS: jax.Array, pos_q_Q: jax.Array, pos_k
     return same & (pos_q_Q[:, None] >= pos_k_S[None, :])
 
 
+def _query_heads(x_BTHE: jax.Array, kv_heads: int) -> jax.Array:
+    """A query-shaped array (q, its output or their cotangents) as ``[B, K, G, T, E]``: blocks are slices along T."""
+    b, t, h, e = x_BTHE.shape
+    return x_BTHE.reshape(b, t, kv_heads, h // kv_heads, e).transpose(0, 2, 3, 1, 4)
+
+
 def _heads(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array):
-    """q as ``[B, K, G, T, E]``, k and v as ``[B, K, T, E]``: blocks are slices along T."""
-    b, t, h, e = q_BTHE.shape
-    kv = k_BTKE.shape[2]
-    q_BKGTE = q_BTHE.reshape(b, t, kv, h // kv, e).transpose(0, 2, 3, 1, 4)
-    return q_BKGTE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
+    """q as ``[B, K, G, T, E]``, k and v as ``[B, K, T, E]``."""
+    return _query_heads(q_BTHE, k_BTKE.shape[2]), k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
 
 
 def _block(x: jax.Array, index: jax.Array, size: int, axis: int) -> jax.Array:
@@ -120,13 +123,13 @@ def _flash_bwd(size, residuals, d_out_BTHE):
     q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, out_BTHE, lse_BKGT = residuals
     b, t, h, e = q_BTHE.shape
     q_BKGTE, k_BKTE, v_BKTE = _heads(q_BTHE, k_BTKE, v_BTKE)
-    do_BKGTE = _heads(d_out_BTHE, k_BTKE, v_BTKE)[0].astype(jnp.float32)
+    do_BKGTE = _query_heads(d_out_BTHE, k_BTKE.shape[2]).astype(jnp.float32)
     # D_t = sum_e dO * O: the softmax backward's row term (FlashAttention-2).
-    delta_BKGT = jnp.sum(do_BKGTE * _heads(out_BTHE, k_BTKE, v_BTKE)[0].astype(jnp.float32), axis=-1)
+    delta_BKGT = jnp.sum(do_BKGTE * _query_heads(out_BTHE, k_BTKE.shape[2]).astype(jnp.float32), axis=-1)
     scale, blocks = e**-0.5, t // size
     positions = jnp.arange(t)
 
-    def key_block(j, dq_BKGTE):
+    def key_block(dq_BKGTE, j):  # a scan step: dq is carried, each key block's dk and dv stacked
         k_BKSE, v_BKSE = _block(k_BKTE, j, size, 2), _block(v_BKTE, j, size, 2)
         seg_k, pos_k = _block(segment_ids_BT, j, size, 1), _block(positions, j, size, 0)
 
@@ -151,10 +154,7 @@ def _flash_bwd(size, residuals, d_out_BTHE):
         dq_BKGTE, dk_BKSE, dv_BKSE = jax.lax.fori_loop(0, blocks, query_block, (dq_BKGTE, zeros, zeros))
         return dq_BKGTE, (dk_BKSE, dv_BKSE)
 
-    def scan_step(dq, j):
-        return key_block(j, dq)
-
-    dq_BKGTE, (dk_NBKSE, dv_NBKSE) = jax.lax.scan(scan_step, jnp.zeros(q_BKGTE.shape, jnp.float32), jnp.arange(blocks))
+    dq_BKGTE, (dk_NBKSE, dv_NBKSE) = jax.lax.scan(key_block, jnp.zeros(q_BKGTE.shape, jnp.float32), jnp.arange(blocks))
     to_btke = lambda x: jnp.moveaxis(x, 0, 2).reshape(k_BKTE.shape).transpose(0, 2, 1, 3)
     dq_BTHE = dq_BKGTE.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
     return (
