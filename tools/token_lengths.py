@@ -68,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"token_lengths: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    tokenizer = qwen_vocab.r1_tokenizer()
+    try:
+        tokenizer = qwen_vocab.r1_tokenizer()
+    except (ImportError, FileNotFoundError) as err:  # the vocabulary's package missing or broken: one line
+        print(f"token_lengths: {err}", file=sys.stderr)
+        return 2
     print(f"tokenizer built in {time.perf_counter() - start:.1f} s ({len(tokenizer)} tokens)", file=sys.stderr)
     results = {name: file_lengths(tokenizer, read_rows(path)) for name, path in paths.items()}
     print(markdown(results))
