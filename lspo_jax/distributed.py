@@ -7,7 +7,7 @@ built once per argument set (cached: a second run in the same process reuses the
     rl  = sharded_rl_step(config, mesh, rl=..., num_micro_batches=...)   # (params, opt_state, batch)
           (``skip_nonfinite=True``: ``optim.keep_if_finite``, as the training loop runs it)
     sft = sharded_sft_step(config, mesh, sft=...)                         # (params, opt_state, batch)
-    lp  = sharded_logprobs(config, mesh, lora_scale=0.0, temperature=T)    # (params, tokens, attention_mask)
+    lp  = sharded_logprobs(config, mesh, lora_scale=0.0, temperature=T)    # (params, rows)
 
 Params and optimizer state are split as ``sharding.param_shardings`` / ``opt_state_shardings`` say (FSDP over
 ``fsdp``, tensor parallel over ``tp``) and donated, so a step updates them in place; batch rows are split over
@@ -130,33 +130,31 @@ def sharded_logprobs(
     chunk_size: int | None = None,
     num_micro_batches: int = 1,
 ) -> Callable:
-    """``logprobs.sequence_logprobs`` on ``mesh``: ``(params, tokens, attention_mask) -> logp [B, T]``.
+    """``logprobs.sequence_logprobs`` on ``mesh``: ``(params, rows) -> logp [B, T]``.
 
-    ``num_micro_batches`` runs the rows in that many groups, one after another (as the RL step does), so a
-    whole rollout batch of long rows does not hold every row's activations at once. A Python ``lora_scale``
-    of 0 runs the base alone (the adapter subtree is not even passed in).
+    ``rows``: ``tokens`` and a layout (``logprobs.layout``: ``attention_mask``, or packed rows' ``segment_ids``
+    and ``positions``), each ``[B, T]``. ``num_micro_batches`` runs the rows in that many groups, one after
+    another (as the RL step does), so a whole rollout batch of long rows does not hold every row's activations at
+    once. A Python ``lora_scale`` of 0 runs the base alone (the adapter subtree is not even passed in).
     """
     keys = ("base",) if lora_scale == 0 else ("base", "lora")
     params_sh = sharding.param_shardings(config, mesh)
     batch_sh = sharding.batch_sharding(mesh)
 
-    def logprob_pass(params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    def logprob_pass(params: Params, rows: dict[str, jax.Array]) -> jax.Array:
         return logprobs.grouped_logprobs(
-            config, params, tokens, attention_mask, lora_scale=lora_scale, temperature=temperature,
-            chunk_size=chunk_size, num_micro_batches=num_micro_batches,
+            config, params, rows, lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size,
+            num_micro_batches=num_micro_batches,
         )  # fmt: skip
 
     jitted = jax.jit(
-        in_mesh(mesh, logprob_pass),
-        in_shardings=({k: params_sh[k] for k in keys}, batch_sh, batch_sh),
-        out_shardings=batch_sh,
+        in_mesh(mesh, logprob_pass), in_shardings=({k: params_sh[k] for k in keys}, batch_sh), out_shardings=batch_sh
     )
+    select = lambda params, rows: ({k: params[k] for k in keys}, {"tokens": rows["tokens"], **logprobs.layout(rows)})
 
-    def run(params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        return jitted({k: params[k] for k in keys}, tokens, attention_mask)
+    def run(params: Params, rows: dict[str, jax.Array]) -> jax.Array:
+        return jitted(*select(params, rows))
 
     # Abstract inputs (ShapeDtypeStructs) give the compiled program without running it: memory plans.
-    run.lower = lambda params, tokens, attention_mask: jitted.lower(
-        {k: params[k] for k in keys}, tokens, attention_mask
-    )
+    run.lower = lambda params, rows: jitted.lower(*select(params, rows))
     return run

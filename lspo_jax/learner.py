@@ -72,6 +72,20 @@ class Generator:
         return max(map(len, prompts)) + decoding.max_new_tokens > self.vllm.max_model_len
 
 
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A pass's input on the mesh: ``arrays`` (``tokens``, a layout, the pass's keys), the ``micro_batches`` they
+    split into, and for packed rows the ``packing.Packed`` they came from."""
+
+    arrays: dict[str, jax.Array]
+    micro_batches: int
+    packed: packing.Packed | None = None
+
+    def unpack(self, result: np.ndarray) -> np.ndarray:
+        """A per-token result of the pass in the source rows' layout (padded rows: as it is)."""
+        return result if self.packed is None else self.packed.unpack(result)
+
+
 @dataclasses.dataclass
 class TrainState:
     """Everything a step reads and writes. ``params["lora"]`` is scratch space for the step's adapter."""
@@ -101,13 +115,6 @@ class Learner:
         self.decoding = self.generator.decoding(
             run.rollout.max_new_tokens, run.rollout.temperature, run.rollout.top_p, run.rollout.top_k
         )
-        loss = run.loss
-        self._rl = distributed.sharded_rl_step(
-            config, self.mesh, rl=run.optim, sft=run.scaffold.sft, eps_low=loss.eps_low, eps_high=loss.eps_high,
-            clip_c=loss.clip_c, temperature=run.rollout.temperature, num_micro_batches=loss.micro_batches,
-            chunk_size=loss.chunk_size, skip_nonfinite=True,
-        )  # fmt: skip
-        self._sft = distributed.sharded_sft_step(config, self.mesh, rl=run.optim, sft=run.scaffold.sft)
         self._tx = optim.make_optimizer(run.optim, run.scaffold.sft)
         self._layouts = (
             sharding.param_shardings(config, self.mesh),
@@ -173,49 +180,94 @@ class Learner:
         rows["reward"] = np.asarray(shaped.reward, np.float32)
 
     # -------------------------------------------------------------------------------------- passes
+    def rows_per_micro(self, length: int) -> int:
+        """Rows of ``length`` slots in one micro-batch of a pass sized by tokens: as many slots as one micro-batch of
+        the padded RL step holds (its rows times ``max_prompt_tokens + max_new_tokens``), rounded down to a multiple
+        of the data-parallel size (at least one row a device). A pass's memory then never grows with its rows."""
+        run, shards = self.run, sharding.batch_shards(self.mesh)
+        rl_rows = -(-run.rollout.prompts_per_step * run.rollout.group_size // run.loss.micro_batches)
+        slots = rl_rows * (run.data.max_prompt_tokens + run.rollout.max_new_tokens)
+        return max(1, slots // length // shards) * shards
+
+    def place_rows(self, rows: Rows, keys: Sequence[str], micro_batches: int | None = None) -> Placed:
+        """``rows``' tokens, layout and ``keys`` on the mesh as a pass takes them (see ``Placed``).
+
+        With ``loss.packing`` their real tokens are packed into buffers of the rows' length (``packing.pack_rows``),
+        in micro-batches of ``rows_per_micro`` buffer rows. Padded, the rows go as they are, in ``micro_batches``
+        micro-batches (None: as many as ``rows_per_micro`` needs, a power of two).
+        """
+        shards, length = sharding.batch_shards(self.mesh), rows["tokens"].shape[1]
+        if not self.run.loss.packing:
+            micro = micro_batches or packing.pow2_bucket(-(-len(rows["tokens"]) // self.rows_per_micro(length)))
+            arrays = {k: rows[k] for k in ("tokens", "attention_mask", *keys)}
+            return Placed(packing.mesh_rows(self.mesh, arrays, multiple=micro), micro)
+        packed = packing.pack_rows(
+            rows, keys, length, row_multiple=shards, rows_per_micro=self.rows_per_micro(length),
+            one_per_row=not model.packs_segments(self.policy.config),
+        )  # fmt: skip
+        return Placed(packing.mesh_rows(self.mesh, packed.arrays), packed.micro_batches, packed)
+
     def logprobs(self, rows: Rows, *, lora_scale: float, min_rows: int = 1) -> np.ndarray:
         """``log pi(tokens[t] | tokens[<t])`` at the sampling temperature, zero off the response mask.
 
-        Rows are padded to a power-of-two count (at least ``min_rows``), then to a multiple of the product of the
-        micro-batch count and the mesh's data-parallel size, so a varying number of rows reuses compiled programs.
-        The pass runs like the RL step: rows in ``loss.micro_batches`` groups one after another and the LM head in
-        ``loss.chunk_size`` sequence chunks (``logprobs.grouped_logprobs``).
+        Packed (``loss.packing``), the buffer rows and micro-batches are ``place_rows``'; padded, the rows are padded
+        to a power-of-two count (at least ``min_rows``) in ``loss.micro_batches`` micro-batches. Either way a varying
+        number of rows reuses a bounded set of compiled programs. The pass runs like the RL step: micro-batches one
+        after another and the LM head in ``loss.chunk_size`` sequence chunks (``logprobs.grouped_logprobs``).
         """
-        count, micro = len(rows["tokens"]), self.run.loss.micro_batches
-        padded = packing.pad_rows(
-            {k: rows[k] for k in ("tokens", "attention_mask")}, packing.pow2_bucket(max(count, min_rows))
-        )
-        placed = packing.mesh_rows(self.mesh, padded, multiple=micro)
+        count, loss = len(rows["tokens"]), self.run.loss
+        if loss.packing:
+            placed = self.place_rows(rows, ())
+        else:
+            padded = {k: rows[k] for k in ("tokens", "attention_mask")}
+            placed = self.place_rows(packing.pad_rows(padded, packing.pow2_bucket(max(count, min_rows))), (),
+                                     loss.micro_batches)  # fmt: skip
         program = distributed.sharded_logprobs(
             self.policy.config, self.mesh, lora_scale=lora_scale, temperature=self.run.rollout.temperature,
-            chunk_size=self.run.loss.chunk_size, num_micro_batches=micro,
+            chunk_size=loss.chunk_size, num_micro_batches=placed.micro_batches,
         )  # fmt: skip
-        logp = sharding.fetch(program(self.state.params, placed["tokens"], placed["attention_mask"]))
-        return np.where(rows["mask"] > 0, logp[:count], 0.0).astype(np.float32)
+        logp = placed.unpack(sharding.fetch(program(self.state.params, placed.arrays)))[:count]
+        return np.where(rows["mask"] > 0, logp, 0.0).astype(np.float32)
 
     def sft_step(self, batch: Rows) -> dict[str, Any]:
-        """One adapter-only SFT update on ``batch`` (``packing.pack_sft`` rows)."""
+        """One adapter-only SFT update on ``batch`` (``packing.pack_sft`` rows), in micro-batches of at most
+        ``rows_per_micro`` rows: the scaffold's activation memory does not grow with the number of cliffs."""
         state = self.state
-        placed = packing.mesh_rows(self.mesh, batch)
-        state.params, state.opt_state, metrics = self._sft(state.params, state.opt_state, placed)
-        return metrics
+        placed = self.place_rows(batch, ("mask",))
+        program = distributed.sharded_sft_step(
+            self.policy.config, self.mesh, rl=self.run.optim, sft=self.run.scaffold.sft,
+            num_micro_batches=placed.micro_batches, chunk_size=self.run.loss.chunk_size,
+        )  # fmt: skip
+        state.params, state.opt_state, metrics = program(state.params, state.opt_state, placed.arrays)
+        return {**metrics, "sft_micro_batches": placed.micro_batches}
+
+    def _rl_program(self, micro_batches: int):
+        run, loss = self.run, self.run.loss
+        return distributed.sharded_rl_step(
+            self.policy.config, self.mesh, rl=run.optim, sft=run.scaffold.sft, eps_low=loss.eps_low,
+            eps_high=loss.eps_high, clip_c=loss.clip_c, temperature=run.rollout.temperature,
+            num_micro_batches=micro_batches, chunk_size=loss.chunk_size, skip_nonfinite=True,
+        )  # fmt: skip
 
     def rl_step(self, batch: Rows) -> dict[str, Any]:
         """One RL update of the base on ``batch``; a non-finite loss or gradient skips it whole (and is counted).
 
-        Returns the update's metrics with ``lr``, the rate it was taken at: the schedule's count is the updates
-        applied so far, a skipped one not included.
+        Returns the update's metrics with ``lr``, the rate it was taken at (the schedule's count is the updates
+        applied so far, a skipped one not included), and ``pad_fraction``: the share of the update's token slots
+        that hold no real token.
         """
         state = self.state
         lr = optim.learning_rate(self.run.optim, state.step - state.nonfinite_total)
-        placed = packing.mesh_rows(self.mesh, batch, multiple=self.run.loss.micro_batches)
-        state.params, state.opt_state, metrics = self._rl(state.params, state.opt_state, placed)
+        placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
+        pad_fraction = 1.0 - float(np.sum(batch["attention_mask"])) / placed.arrays["tokens"].size
+        program = self._rl_program(placed.micro_batches)
+        state.params, state.opt_state, metrics = program(state.params, state.opt_state, placed.arrays)
         metrics = jax.device_get(metrics)
         finite = bool(metrics.pop("finite"))
         state.nonfinite_in_row = 0 if finite else state.nonfinite_in_row + 1
         state.nonfinite_total += int(not finite)
         state.step += 1
-        return {**metrics, "lr": lr, "finite": finite}
+        return {**metrics, "lr": lr, "finite": finite, "pad_fraction": pad_fraction}
 
     def prompt_scores(self, batch: Rows) -> np.ndarray:
         """``<g_tgt, g_i>`` per prompt of ``batch`` at the current base (``reweight.TargetScorer``)."""

@@ -429,6 +429,20 @@ def unstack_layers(config: ModelConfig, layers: Params, lora: Params | None = No
     return split(layers), (split(lora) if lora else None)
 
 
+def segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
+    """``[B, T, S]`` bool of packed rows: query t sees key s iff both are in the same non-zero segment and s <= t."""
+    t = segment_ids_BT.shape[-1]
+    causal_TS = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    return causal_TS[None] & same_BTS & (segment_ids_BT[:, :, None] > 0)
+
+
+def packs_segments(config: ModelConfig) -> bool:
+    """Whether ``config.attention`` can attend within several segments of a row (``packing.pack_rows``); the
+    fused ``jax.nn.dot_product_attention`` takes right-padded rows of given lengths only (one segment a row)."""
+    return config.attention not in ("xla", "cudnn")
+
+
 def hidden_states(
     config: ModelConfig,
     params: Params,
@@ -436,11 +450,17 @@ def hidden_states(
     attention_mask_BT: jax.Array | None = None,
     *,
     lora_scale: jax.Array | float = 0.0,
+    segment_ids_BT: jax.Array | None = None,
+    positions_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Final-normed hidden states [B, T, D] (compute dtype) of a left-padded batch, no cache.
 
-    Positions are ``cumsum(mask) - 1`` so a left-padded row sees the same positions as unpadded.
+    Positions are ``cumsum(mask) - 1`` so a left-padded row sees the same positions as unpadded. Packed rows
+    (``packing.pack_rows``) come with ``segment_ids_BT`` and ``positions_BT`` instead of a mask
+    (``packed_hidden_states``).
     """
+    if segment_ids_BT is not None:
+        return packed_hidden_states(config, params, tokens_BT, segment_ids_BT, positions_BT, lora_scale=lora_scale)
     if attention_mask_BT is None:
         attention_mask_BT = jnp.ones(tokens_BT.shape, jnp.int32)
     if config.attention in ("xla", "cudnn"):
@@ -453,6 +473,35 @@ def hidden_states(
     mask_BTS = causal_padding_mask(attention_mask_BT)
     x_BTD = embed(config, params, tokens_BT)
     return decoder(config, params, x_BTD, positions_BT, mask_BTS, lora_scale=lora_scale)[0]
+
+
+def packed_hidden_states(
+    config: ModelConfig,
+    params: Params,
+    tokens_BT: jax.Array,
+    segment_ids_BT: jax.Array,
+    positions_BT: jax.Array,
+    *,
+    lora_scale: jax.Array | float = 0.0,
+) -> jax.Array:
+    """``hidden_states`` of packed rows: each segment attends causally to itself only, at its own positions.
+
+    ``einsum`` masks with ``segment_mask``; ``blocked`` skips the blocks between segments. The fused attentions
+    (``packs_segments`` False) take rows of one segment starting at slot 0: each row's length is its segment's.
+    """
+    x_BTD = embed(config, params, tokens_BT)
+    segment_ids_BT = segment_ids_BT.astype(jnp.int32)
+    kw: dict[str, Any] = dict(lora_scale=lora_scale)
+    mask_BTS = None
+    if config.attention == "blocked":
+        kw["segment_ids_BT"] = segment_ids_BT
+    elif not packs_segments(config):
+        if config.attention == "cudnn" and jax.default_backend() != "gpu":
+            raise ValueError(f"model attention 'cudnn' needs a CUDA GPU; JAX's backend is {jax.default_backend()!r}")
+        kw["seq_lengths_B"] = jnp.maximum(jnp.sum(segment_ids_BT > 0, axis=1, dtype=jnp.int32), 1)
+    else:
+        mask_BTS = segment_mask(segment_ids_BT)
+    return decoder(config, params, x_BTD, positions_BT, mask_BTS, **kw)[0]
 
 
 def _fused_hidden_states(
@@ -505,13 +554,17 @@ def forward(
     attention_mask: jax.Array | None = None,
     *,
     lora_scale: jax.Array | float = 0.0,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
-    """Logits [B, T, V] (float32) of ``tokens`` [B, T]; ``attention_mask`` [B, T] is 1 on real tokens.
+    """Logits [B, T, V] (float32) of ``tokens`` [B, T]; ``attention_mask`` [B, T] is 1 on real tokens (or packed
+    rows' ``segment_ids`` and ``positions``, see ``hidden_states``).
 
     The adapter ``params["lora"]`` (optional) enters as ``(alpha / rank) * lora_scale * B A``; with
     ``lora_scale = 0`` the output equals the base model's exactly and the adapter gets zero gradient.
     """
-    h_BTD = hidden_states(config, params, tokens, attention_mask, lora_scale=lora_scale)
+    packed = dict(segment_ids_BT=segment_ids, positions_BT=positions)
+    h_BTD = hidden_states(config, params, tokens, attention_mask, lora_scale=lora_scale, **packed)
     return lm_logits(config, params, h_BTD)
 
 

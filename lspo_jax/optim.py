@@ -166,22 +166,43 @@ def rl_step(
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
     """One RL update of the base: ``policy_loss`` token-mean over the whole batch, adapter off.
 
-    ``batch``: ``tokens``, ``attention_mask``, ``mask`` (response tokens) and ``old_logp``, all ``[B, T]`` and
-    aligned as in ``logprobs.sequence_logprobs``, and ``advantages`` ``[B]`` or ``[B, T]``. The forward pass gets only
-    ``params["base"]`` with ``lora_scale = 0``, so the adapter is neither computed nor differentiated.
+    ``batch``: ``tokens``, ``mask`` (response tokens) and ``old_logp``, all ``[B, T]`` and aligned as in
+    ``logprobs.sequence_logprobs``, ``advantages`` ``[B]`` or ``[B, T]``, and the rows' layout: ``attention_mask``
+    (left-padded rows) or ``segment_ids`` and ``positions`` (packed rows, ``packing.pack_rows``). The forward pass
+    gets only ``params["base"]`` with ``lora_scale = 0``, so the adapter is neither computed nor differentiated.
     ``chunk_size`` runs the LM head in sequence chunks (see ``logprobs.sequence_logprobs``).
     Jittable with ``config`` and the keyword arguments static.
     """
 
+    with jax.named_scope("rl_grad"):
+        loss, grads, metrics = rl_gradients(
+            config, params[BASE], batch, eps_low=eps_low, eps_high=eps_high, clip_c=clip_c, temperature=temperature,
+            num_micro_batches=num_micro_batches, chunk_size=chunk_size,
+        )  # fmt: skip
+    with jax.named_scope("rl_update"):
+        params, opt_state = update_subtree(adamw_transform(rl), BASE, grads, params, opt_state)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
+
+
+def rl_gradients(
+    config: ModelConfig,
+    base: Params,
+    batch: Mapping[str, jax.Array],
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    clip_c: float | None = None,
+    temperature: float = 1.0,
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, Params, losses.Metrics]:
+    """``rl_step``'s ``(loss, gradient w.r.t. the base, metrics)`` before the optimizer: ``batch`` as there."""
+
     def loss_fn(base: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
         logp, entropy = logprobs.logprobs_and_entropy(
-            config,
-            {BASE: base},
-            micro["tokens"],
-            micro["attention_mask"],
-            temperature=temperature,
+            config, {BASE: base}, micro["tokens"], **logprobs.layout(micro), temperature=temperature,
             chunk_size=chunk_size,
-        )
+        )  # fmt: skip
         clip = {"eps_low": eps_low, "eps_high": eps_high, "clip_c": clip_c}
         loss, metrics = losses.policy_loss(
             logp, micro["old_logp"], micro["advantages"], micro["mask"], num_tokens=num_tokens, **clip
@@ -189,11 +210,7 @@ def rl_step(
         metrics["entropy"] = losses.masked_mean(entropy, micro["mask"])
         return loss, metrics
 
-    with jax.named_scope("rl_grad"):
-        loss, grads, metrics = losses.accumulate_gradients(loss_fn, params[BASE], batch, num_micro_batches)
-    with jax.named_scope("rl_update"):
-        params, opt_state = update_subtree(adamw_transform(rl), BASE, grads, params, opt_state)
-    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
+    return losses.accumulate_gradients(loss_fn, base, batch, num_micro_batches)
 
 
 def keep_if_finite(step: Callable) -> Callable:
@@ -225,25 +242,39 @@ def sft_step(
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
     """One SFT update of the adapter: token-mean cross-entropy with the adapter on (``lora_scale = 1``).
 
-    ``batch``: ``tokens``, ``attention_mask`` and ``mask`` (solution tokens; prompt and padding False),
-    ``[B, T]``, aligned as in ``logprobs.sequence_logprobs``. Only ``params["lora"]`` is differentiated and updated;
-    the base enters the forward as a constant. Temperature 1: the adapter fits the data distribution.
+    ``batch``: ``tokens`` and ``mask`` (solution tokens; prompt and padding False), ``[B, T]``, aligned as in
+    ``logprobs.sequence_logprobs``, and a layout as in ``rl_step``. Only ``params["lora"]`` is differentiated and
+    updated; the base enters the forward as a constant. Temperature 1: the adapter fits the data distribution.
     ``chunk_size`` as in ``rl_step``.
     """
+    with jax.named_scope("sft_grad"):
+        loss, grads, metrics = sft_gradients(
+            config, params, batch, num_micro_batches=num_micro_batches, chunk_size=chunk_size
+        )
+    with jax.named_scope("sft_update"):
+        params, opt_state = update_subtree(adamw_transform(sft), LORA, grads, params, opt_state)
+    return params, opt_state, {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads), **metrics}
+
+
+def sft_gradients(
+    config: ModelConfig,
+    params: Params,
+    batch: Mapping[str, jax.Array],
+    *,
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, Params, losses.Metrics]:
+    """``sft_step``'s ``(loss, gradient w.r.t. the adapter, metrics)`` before the optimizer: ``batch`` as there."""
 
     def loss_fn(lora: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
         full = {BASE: params[BASE], LORA: lora}
         logp, _ = logprobs.sequence_logprobs(
-            config, full, micro["tokens"], micro["attention_mask"], lora_scale=1.0, chunk_size=chunk_size
+            config, full, micro["tokens"], **logprobs.layout(micro), lora_scale=1.0, chunk_size=chunk_size
         )
         loss = losses.sft_loss(logp, micro["mask"], num_tokens=num_tokens)
         return loss, {"num_tokens": jnp.sum(micro["mask"].astype(jnp.float32))}
 
-    with jax.named_scope("sft_grad"):
-        loss, grads, metrics = losses.accumulate_gradients(loss_fn, params[LORA], batch, num_micro_batches)
-    with jax.named_scope("sft_update"):
-        params, opt_state = update_subtree(adamw_transform(sft), LORA, grads, params, opt_state)
-    return params, opt_state, {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads), **metrics}
+    return losses.accumulate_gradients(loss_fn, params[LORA], batch, num_micro_batches)
 
 
 # ------------------------------------------------------------------------------------------- reset

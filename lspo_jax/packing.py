@@ -9,6 +9,8 @@ The sampler buckets and left-pads its prompts with the same helpers.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,3 +107,131 @@ def decode_responses(tokenizer, rows: Rows, prompt_slots: int) -> list[str]:
     for tokens, length in zip(rows["tokens"], rows["lengths"], strict=True):
         texts.append(tokenizer.decode(tokens[prompt_slots : prompt_slots + int(length)], skip_special_tokens=True))
     return texts
+
+
+# ------------------------------------------------------------------------------------------ token buffers
+# Packed row counts keep this many significant bits (8 buckets per octave): at most 1/8 of a packed batch's rows
+# are bucket padding, and a run compiles a handful of programs per pass however its lengths vary.
+_ROW_BITS = 4
+
+
+def row_bucket(n: int, multiple: int = 1) -> int:
+    """``n`` rounded up to ``_ROW_BITS`` significant bits, then to a multiple of ``multiple`` (at least one row)."""
+    n = max(n, 1)
+    grain = 1 << max(0, n.bit_length() - _ROW_BITS)
+    return -(-(-(-n // grain) * grain) // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Rows' real tokens in ``[rows, length]`` buffers: each source row one segment, whole, in one buffer row.
+
+    ``arrays``: ``tokens``, ``segment_ids`` (1, 2, ... within a buffer row, 0 on empty slots), ``positions``
+    (restarting at 0 per segment, as ``model.attention_positions`` numbers a left-padded row) and the packed keys.
+    ``where[i, t]`` is the flat index into a ``[rows * length]`` buffer of source slot ``(i, t)``, -1 where that
+    slot held no real token; ``unpack`` uses it to bring a per-token result back to the source layout.
+    """
+
+    arrays: dict[str, np.ndarray]
+    where: np.ndarray
+    real_tokens: int
+    micro_batches: int = 1
+
+    @property
+    def slots(self) -> int:
+        return self.arrays["tokens"].size
+
+    def unpack(self, packed: np.ndarray) -> np.ndarray:
+        """A ``[rows, length]`` per-token result in the source rows' layout, 0 on their padding."""
+        flat = np.asarray(packed).reshape(-1)
+        return np.where(self.where >= 0, flat[np.maximum(self.where, 0)], 0).astype(flat.dtype)
+
+
+def plan_rows(lengths: np.ndarray, length: int, one_per_row: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(row [n], offset [n], rows)``: where each sequence of ``lengths`` goes in buffers of ``length`` slots.
+
+    Best-fit decreasing: longest first, each into the fullest buffer row that still holds it (a sorted list of
+    free spaces, ``O(n log n)``), so long sequences are not split and the rows end nearly full. Empty sequences
+    are not placed (row -1). ``one_per_row`` gives every sequence its own row, at offset 0 (right padding).
+    """
+    n = len(lengths)
+    row, offset = np.full(n, -1, np.int64), np.zeros(n, np.int64)
+    free: list[tuple[int, int]] = []  # (free slots, row), sorted
+    used: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        need = int(lengths[i])
+        if need == 0:
+            continue
+        if need > length:
+            raise ValueError(f"sequence {i} has {need} tokens, more than the {length} slots of a packed row")
+        j = bisect.bisect_left(free, (need, -1))
+        if j < len(free):
+            _, r = free.pop(j)
+        else:
+            r = len(used)
+            used.append(0)
+        row[i], offset[i] = r, used[r]
+        used[r] += need
+        if not one_per_row and used[r] < length:
+            bisect.insort(free, (length - used[r], r))
+    return row, offset, len(used)
+
+
+def micro_batching(needed: int, row_multiple: int, rows_per_micro: int | None = None) -> tuple[int, int]:
+    """``(buffer rows, micro-batches)`` for ``needed`` buffer rows with at most ``rows_per_micro`` (a multiple of
+    ``row_multiple``) in a micro-batch: one micro-batch of ``row_bucket(needed, row_multiple)`` rows while they fit,
+    else a ``row_bucket`` count of full micro-batches. Either way the row count divides by ``row_multiple``."""
+    if rows_per_micro is None or needed <= rows_per_micro:
+        return row_bucket(needed, row_multiple), 1
+    micro = row_bucket(-(-needed // rows_per_micro))
+    return micro * rows_per_micro, micro
+
+
+def pack_rows(
+    rows: Rows,
+    keys: Sequence[str],
+    length: int,
+    *,
+    row_multiple: int = 1,
+    rows_per_micro: int | None = None,
+    one_per_row: bool = False,
+) -> Packed:
+    """The real tokens (``attention_mask`` 1) of ``rows`` and their ``keys`` packed into buffers of ``length``.
+
+    A key is ``[B, T]`` (per token) or ``[B]`` (per row, e.g. advantages: broadcast over the row's tokens). The
+    buffer row count and micro-batch count are ``micro_batching``'s. ``mask`` is cleared on each segment's first
+    token: nothing of its own segment predicts it, and a packed row's previous slot belongs to another sequence.
+    """
+    real = np.asarray(rows["attention_mask"]) > 0
+    rank = np.cumsum(real, axis=1) - 1
+    row, offset, needed = plan_rows(real.sum(axis=1), length, one_per_row)
+    count, micro = micro_batching(needed, row_multiple, rows_per_micro)
+    where = np.where(real, row[:, None] * length + offset[:, None] + rank, -1)
+    dest = where[real]
+    segment = _segment_numbers(row, offset)
+
+    def scatter(values: np.ndarray) -> np.ndarray:
+        out = np.zeros(count * length, values.dtype)
+        out[dest] = values
+        return out.reshape(count, length)
+
+    arrays = {"tokens": scatter(np.asarray(rows["tokens"])[real].astype(np.int32))}
+    arrays["segment_ids"] = scatter(np.broadcast_to(segment[:, None], real.shape)[real])
+    arrays["positions"] = scatter(rank[real].astype(np.int32))
+    for key in keys:
+        value = np.asarray(rows[key])
+        value = np.broadcast_to(value[:, None], real.shape) if value.ndim == 1 else value
+        if key == "mask":
+            value = np.where(rank > 0, value, 0)
+        arrays[key] = scatter(value[real])
+    return Packed(arrays, where, int(real.sum()), micro)
+
+
+def _segment_numbers(row: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """1, 2, ... by offset within each buffer row (0 for unplaced sequences)."""
+    order = np.lexsort((offset, row))
+    sorted_rows = row[order]
+    first = np.searchsorted(sorted_rows, sorted_rows)  # index of each row's first member in the sorted order
+    segment = np.zeros(len(row), np.int32)
+    segment[order] = np.arange(len(row)) - first + 1
+    return np.where(row >= 0, segment, 0).astype(np.int32)

@@ -138,7 +138,7 @@ def step_advantages(learner: Learner, rows: dict, examples, valid, phases: Phase
 
 def update_metrics(learner: Learner, update: dict[str, Any]) -> dict[str, Any]:
     """The update's part of the step's record."""
-    names = ("clip_frac_low", "clip_frac_high", "entropy", "loss", "grad_norm")
+    names = ("clip_frac_low", "clip_frac_high", "entropy", "loss", "grad_norm", "pad_fraction")
     return {
         "lr": update["lr"],
         **{name: update.get(name) for name in names},

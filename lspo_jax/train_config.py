@@ -161,6 +161,9 @@ class LossConfig:
     micro_batches: int = 1
     # Run the LM head over this many positions at a time, so [rows, length, vocab] logits are never whole.
     chunk_size: int | None = None
+    # The update, the log-prob passes and the SFT step run over token buffers (packing.pack_rows) that hold the
+    # rows' real tokens only, several sequences to a buffer row; false runs the padded [B * K, P + R] rows.
+    packing: bool = True
 
     def __post_init__(self) -> None:
         _require(self.chunk_size is None or self.chunk_size > 0, "loss.chunk_size", "must be positive or null")

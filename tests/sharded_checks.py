@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from lspo_jax import distributed, logprobs, losses, model, optim, sampler, sharding, toy_model
+from lspo_jax import distributed, logprobs, losses, model, optim, packing, sampler, sharding, toy_model
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
 
@@ -133,7 +133,7 @@ def check_builders(params, batch, mesh) -> dict:
 
     rl = distributed.sharded_rl_step(CONFIG, mesh, **rl_kwargs)(*fresh(), batch)
     logprob_pass = distributed.sharded_logprobs(CONFIG, mesh, num_micro_batches=2)
-    logp = logprob_pass(fresh()[0], batch["tokens"], batch["attention_mask"])
+    logp = logprob_pass(fresh()[0], batch)
     return {
         "rl_step_params": _tree_diff(rl[0], ref_rl[0]),
         "rl_step_metrics": _tree_diff(rl[2], ref_rl[2]),
@@ -141,6 +141,62 @@ def check_builders(params, batch, mesh) -> dict:
         "q_spec": str(rl[0]["base"]["layers"]["q"].sharding.spec),
         "embed_mu_spec": str(rl[1].inner_states["base"].inner_state[1][0].mu["base"]["embed"].sharding.spec),
     }
+
+
+def _packable_batch() -> dict:
+    """Rows of 1 to LENGTH real tokens (a left-padded prompt of up to PROMPT, then the response), one empty."""
+    rng = np.random.default_rng(3)
+    prompt, response = np.array([5, 1, 2, 5, 3, 1, 4, 0]), np.array([11, 0, 1, 6, 2, 9, 3, 0])
+    slots = np.arange(LENGTH)[None, :]
+    real = (slots >= PROMPT - prompt[:, None]) & (slots < PROMPT + response[:, None])
+    mask = real & (slots >= PROMPT)
+    return {
+        "tokens": np.where(real, rng.integers(1, CONFIG.vocab_size, (ROWS, LENGTH)), 0).astype(np.int32),
+        "attention_mask": real.astype(np.int32),
+        "mask": mask.astype(np.int32),
+        "old_logp": np.where(mask, -rng.uniform(1.0, 8.0, (ROWS, LENGTH)), 0.0).astype(np.float32),
+        "advantages": rng.standard_normal(ROWS).astype(np.float32),
+    }
+
+
+def check_packed(params) -> dict:
+    """Packed rows on the fsdp x tp mesh against padded rows on one device: the RL and SFT gradients, the RL step
+    (2 micro-batches, chunked head) and both log-prob passes."""
+    batch, mesh = _packable_batch(), sharding.make_mesh(sharding.MeshConfig(*LAYOUTS["fsdp4_tp2"]))
+    packed = packing.pack_rows(batch, ("mask", "old_logp", "advantages"), LENGTH, row_multiple=8)
+    params_sh = sharding.param_shardings(CONFIG, mesh)
+    on_mesh = lambda fn, sh: jax.jit(distributed.in_mesh(mesh, fn), in_shardings=(sh, sharding.batch_sharding(mesh)))
+    out = {"most_segments": int(packed.arrays["segment_ids"].max())}
+    rl, sft = functools.partial(optim.rl_gradients, CONFIG), functools.partial(optim.sft_gradients, CONFIG)
+    for name, fn, sub, sh in (("rl", rl, params["base"], params_sh["base"]), ("sft", sft, params, params_sh)):
+        want_loss, want_grads, _ = jax.jit(fn)(sub, batch)
+        loss, grads, _ = on_mesh(fn, sh)(sub, packed.arrays)
+        scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want_grads))
+        out[name] = {"loss": abs(float(loss) - float(want_loss)) / max(1.0, abs(float(want_loss))),
+                     "grads": _tree_diff(grads, want_grads) / scale}  # fmt: skip
+    tx = optim.make_optimizer(RL)
+    rl_kwargs = dict(rl=RL, num_micro_batches=2, chunk_size=5)
+    want = jax.jit(functools.partial(optim.rl_step, CONFIG, **rl_kwargs))(params, tx.init(params), batch)
+    placed = sharding.shard_params(params, params_sh)
+    state = jax.jit(tx.init, out_shardings=sharding.opt_state_shardings(CONFIG, mesh, tx))(placed)
+    got = distributed.sharded_rl_step(CONFIG, mesh, **rl_kwargs)(placed, state, packed.arrays)
+    out["rl_step_params"], out["rl_step_loss"] = (
+        _tree_diff(got[0], want[0]),
+        abs(float(got[2]["loss"] - want[2]["loss"])),
+    )
+    real = batch["mask"] > 0
+    for scale in (0.0, 1.0):
+        want_logp = jax.jit(logprobs.sequence_logprobs, static_argnums=0)(
+            CONFIG, params, batch["tokens"], batch["attention_mask"], lora_scale=scale
+        )
+        logp = distributed.sharded_logprobs(CONFIG, mesh, lora_scale=scale)(
+            sharding.shard_params(params, params_sh), packed.arrays
+        )
+        out["logprob_scale"] = float(np.max(np.abs(np.asarray(want_logp[0])[real])))
+        out[f"logprobs_{scale:g}"] = _max_diff(
+            [packed.unpack(np.asarray(logp))[real]], [np.asarray(want_logp[0])[real]]
+        )
+    return out
 
 
 def check_sampler(params) -> dict:
@@ -320,6 +376,7 @@ def main() -> None:
     results = {}
     for name, check in (
         ("steps", check_steps),
+        ("packed", check_packed),
         ("sampler", check_sampler),
         ("param_bytes", check_param_bytes),
         ("checkpoint", check_checkpoint),

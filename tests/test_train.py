@@ -576,7 +576,8 @@ def test_resume_without_config_takes_the_runs_own(trained_run, monkeypatch):
 
 
 def test_more_micro_batches_than_rows_pads_with_masked_rows(trained_run, make_config):
-    # 3 rows in 8 micro-batches: 5 masked rows are added, and the update equals the one of a single batch.
+    # 3 padded rows in 8 micro-batches: 5 masked rows are added, and the update equals the one of a single batch.
+    # (Packed, the micro-batches are sized by tokens: 3 short rows are one micro-batch whatever loss.micro_batches.)
     job, rng = trained_run["job"], np.random.default_rng(0)
     tokens = rng.integers(4, 40, size=(3, 20)).astype(np.int32)
     mask = np.zeros_like(tokens)
@@ -586,7 +587,7 @@ def test_more_micro_batches_than_rows_pads_with_masked_rows(trained_run, make_co
              "advantages": advantages}  # fmt: skip
     results = []
     for micro_batches in (1, 8):
-        config = make_config(loss__micro_batches=micro_batches)
+        config = make_config(loss__micro_batches=micro_batches, loss__packing=False)
         learner = Learner(config, job.policy, {"base": job.state.params["base"]})
         params, opt_state = learner.place(copy_tree(job.state.params), copy_tree(job.state.opt_state))
         learner.state = TrainState(step=0, params=params, opt_state=opt_state)

@@ -11,6 +11,7 @@ compute, 32 prompts x 16 rollouts = 512 rows of 1024 prompt + 8192 response toke
 (16 rows each), log-probs in 1024-position chunks; decode of 512 rows with a 9216-slot cache.
 
     python tools/memory_plan.py [--layouts fsdp8,fsdp4_tp2] [--remat none,full,dots] [--budget-gb 80]
+    python tools/memory_plan.py --packed --rows 288 --micro-batches 18 --attention blocked   # packed buffers
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Plan:
     chunk: int | None
     decode_rows: int
     budget_gb: float
+    packed: bool = False
 
     @property
     def length(self) -> int:
@@ -62,10 +64,14 @@ def _abstract(tree, shardings):
 
 
 def _batch(plan: Plan, mesh, rows: int) -> dict:
+    """Padded rows (an attention mask, one advantage a row) or, with ``plan.packed``, token buffers as
+    ``packing.pack_rows`` makes them (segment ids and positions, advantages per token)."""
     by_rows = sharding.batch_sharding(mesh, rows)
     row = lambda dt, *shape: jax.ShapeDtypeStruct((rows, *shape), dt, sharding=by_rows)
-    batch = {k: row(jnp.int32, plan.length) for k in ("tokens", "attention_mask", "mask")}
-    return {**batch, "old_logp": row(jnp.float32, plan.length), "advantages": row(jnp.float32)}
+    layout = ("segment_ids", "positions") if plan.packed else ("attention_mask",)
+    batch = {k: row(jnp.int32, plan.length) for k in ("tokens", "mask", *layout)}
+    advantages = row(jnp.float32, plan.length) if plan.packed else row(jnp.float32)
+    return {**batch, "old_logp": row(jnp.float32, plan.length), "advantages": advantages}
 
 
 def _stats(compiled) -> dict[str, float]:
@@ -103,7 +109,7 @@ def logprob_pass(config: ModelConfig, mesh, plan: Plan):
     logprobs = distributed.sharded_logprobs(
         config, mesh, chunk_size=plan.chunk, num_micro_batches=plan.logprob_micro_batches
     )
-    return logprobs.lower(params, batch["tokens"], batch["attention_mask"]).compile()
+    return logprobs.lower(params, batch).compile()
 
 
 def decode(config: ModelConfig, mesh, plan: Plan):
@@ -153,6 +159,13 @@ def main() -> None:
     parser.add_argument("--decode-rows", type=int, default=512)
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--programs", default="train,logprob,decode")
+    parser.add_argument("--attention", default="einsum", help="model.attention of the train and log-prob programs")
+    parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="token buffers (segment ids, positions) instead of padded rows; pair with the packed row count and "
+        "micro-batches of tools/bench_packing.py (e.g. --rows 288 --micro-batches 18)",
+    )
     args = parser.parse_args()
     plan = Plan(
         args.rows,
@@ -163,8 +176,11 @@ def main() -> None:
         args.chunk or None,
         args.decode_rows,
         args.budget_gb,
+        args.packed,
     )
-    base = ModelConfig.preset("deepseek-r1-distill-qwen-1.5b", param_dtype="float32", compute_dtype="bfloat16")
+    base = ModelConfig.preset(
+        "deepseek-r1-distill-qwen-1.5b", param_dtype="float32", compute_dtype="bfloat16", attention=args.attention
+    )
     devices = _devices()
     print(
         f"jax {jax.__version__} on {len(devices)} x {devices[0].device_kind} ({platform.machine()}), "
