@@ -31,6 +31,10 @@ train    the learner's RL program (``distributed.sharded_rl_step``: ``optim.rl_s
          x head_dim, T the sequence length), halved because the causal mask leaves half the score matrix
          useful. peak = ``--peak-tflops`` (989, dense bf16 of an H100/H200). Recomputation under remat is not
          counted: MFU counts the model's FLOPs, not the hardware's.
+         Then the packed step (``train_packed``): rows of the paper's relative lengths (a ninth of the row for the
+         prompt part, responses log-normal as ``tools/bench_packing.py``), padded with the fastest kernel and
+         remat above, against the same rows packed into token buffers (``packing.pack_rows``) through ``pallas``
+         (Pallas GPU attention with segment ids, first checked against einsum) and ``blocked``.
 lspo     ``train.train_step`` at a reduced shape (4 prompts x 16 rollouts, 64 prompt + 512 new tokens, 512-token
          worked solutions): a warm-up step compiles every program, a timed LSPO step, then a timed DAPO step
          (``scaffold.enabled: false``, the same compiled programs). A fake verifier makes every other group a
@@ -98,7 +102,7 @@ import jax.numpy as jnp
 import numpy as np
 import trace_summary  # benchmarks/trace_summary.py, beside this script
 
-from lspo_jax import distributed, logprobs, optim, sampler, sharding, train
+from lspo_jax import distributed, logprobs, optim, packing, sampler, sharding, train
 from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.data import Example
 from lspo_jax.kv_cache import cache_nbytes
@@ -125,6 +129,7 @@ ESTIMATE_S = {
     "hf_train": 40,
     "train": 80,
     "attention_check": 30,
+    "train_packed": 150,  # the padded step and two packed ones, each compiled once
     "lspo": 180,
     "dapo_step": 20,
     "profile": 40,  # one more call under jax.profiler, and reading its trace
@@ -575,12 +580,14 @@ def synthetic_rl_batch(config: ModelConfig, rows: int, seq: int, seed: int) -> d
     return committed(batch)
 
 
-def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig) -> tuple[dict, Any]:
+def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig, batch: dict | None = None) -> tuple[dict, Any]:
+    """The RL step on ``batch`` (default: ``synthetic_rl_batch``, every slot a real token), timed."""
     shapes = ctx.shapes
     mesh, tx = sharding.local_mesh(), optim.make_optimizer()
     params = sharding.shard_params(init_committed(config, ctx.args.seed), sharding.param_shardings(config, mesh))
     opt_state = jax.jit(tx.init, out_shardings=sharding.opt_state_shardings(config, mesh, tx))(params)
-    batch = synthetic_rl_batch(config, shapes.train_rows, shapes.train_seq, ctx.args.seed)
+    if batch is None:
+        batch = synthetic_rl_batch(config, shapes.train_rows, shapes.train_seq, ctx.args.seed)
     step = distributed.sharded_rl_step(
         config, mesh, eps_low=loss.eps_low, eps_high=loss.eps_high, clip_c=loss.clip_c,
         num_micro_batches=loss.micro_batches, chunk_size=loss.chunk_size, skip_nonfinite=True,
@@ -680,6 +687,65 @@ def section_train(ctx: Context) -> None:
         if attention in variants:
             ctx.profile_call(f"train_{attention}", profile)
             del profile  # the variant's params and optimizer state, before the next variant
+    if variants:
+        section_train_packed(ctx, max(variants.values(), key=lambda v: v["tokens_per_s"]), loss)
+
+
+def length_distributed_rows(config: ModelConfig, rows: int, seq: int, seed: int) -> dict:
+    """Rollout rows of ``seq`` slots with the paper's relative lengths (``tools/bench_packing.py``'s default): the
+    prompt part a ninth of the row with prompts of about 7% of it, responses log-normal with median 4400/8192 and
+    p90 10000/8192 of the response part, cut at its end."""
+    rng = np.random.default_rng(seed)
+    prompt_slots = seq // 9
+    response = packing.lognormal_lengths(rows, 4400 / 8192 * (seq - prompt_slots), 10000 / 8192 * (seq - prompt_slots),
+                                         seq - prompt_slots, rng)  # fmt: skip
+    prompt = np.clip(np.round(rng.uniform(0.04, 0.1, rows) * prompt_slots), 1, prompt_slots).astype(np.int64)
+    slots = np.arange(seq)[None, :]
+    real = (slots >= prompt_slots - prompt[:, None]) & (slots < prompt_slots + response[:, None])
+    mask = real & (slots >= prompt_slots)
+    return {
+        "tokens": np.where(real, random_ids(config, rng, rows, seq), 0).astype(np.int32),
+        "attention_mask": real.astype(np.int32),
+        "mask": mask.astype(np.int32),
+        "old_logp": np.where(mask, -math.log(config.vocab_size), 0.0).astype(np.float32),
+        "advantages": np.where(np.arange(rows) % 2 == 0, 1.0, -1.0).astype(np.float32),
+    }
+
+
+def packed_kernels() -> list[str]:
+    """Attentions of the packed step: the Pallas kernel (checked against einsum first) and the blocked one on a
+    GPU; einsum elsewhere (the smoke run: Pallas's interpreter is for the tests, not for timing)."""
+    return ["pallas", "blocked"] if jax.default_backend() == "gpu" else ["einsum"]
+
+
+def section_train_packed(ctx: Context, best: dict, loss: LossConfig) -> None:
+    """The RL step on rows of the paper's relative lengths: padded (the fastest kernel above, its remat) against
+    packed token buffers (``packing.pack_rows``) through each packing attention, in one run."""
+    shapes, rec = ctx.shapes, ctx.rec
+    why = ctx.room_for("train_packed")
+    if why:
+        rec.skip("train_packed", why)
+        return
+    with rec.part("train_packed"):
+        config = model_config(shapes, "float32", best["remat"], best["attention"])
+        rows = length_distributed_rows(config, shapes.train_rows, shapes.train_seq, ctx.args.seed)
+        packed = packing.pack_rows(rows, ("mask", "old_logp", "advantages"), shapes.train_seq)
+        result = {"real_tokens": packed.real_tokens, "padded_slots": rows["tokens"].size, "packed_slots": packed.slots}
+        padded, _ = time_rl_update(ctx, config, loss, committed(rows))
+        result["padded"] = {**padded, "attention": best["attention"], "remat": best["remat"]}
+        for attention in packed_kernels():
+            cfg = dataclasses.replace(config, attention=attention)
+            if attention == "pallas":
+                check = attention_check(cfg, ctx.args.seed)
+                result["attention_check_pallas"] = check
+                if not check["ok"]:
+                    result["pallas"] = {"skipped": f"disagrees with einsum: {check}"}
+                    continue
+            timed, _ = time_rl_update(ctx, cfg, loss, committed(packed.arrays))
+            result[attention] = {**timed, "speedup": padded["step_s"] / timed["step_s"]}
+        rec.set(train_packed=result)
+        speedups = [v["speedup"] for v in result.values() if isinstance(v, dict) and "speedup" in v]
+        rec.headline(train_packed_speedup=max(speedups))
 
 
 def record_best_train(rec: Recorder, variants: dict[str, dict]) -> None:

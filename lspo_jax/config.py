@@ -18,7 +18,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 # Attention of cache-free passes: the written-out einsums, jax.nn.dot_product_attention with XLA or cuDNN, or
 # the blocked attention of ``flash`` (pure JAX, never a [T, T] score matrix).
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "blocked")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "blocked", "pallas", "splash")
 
 
 def _check(ok: bool, cls: str, field: str, message: str) -> None:
@@ -66,7 +66,8 @@ class ModelConfig:
     trades compute for activation memory in differentiated passes (one of ``REMAT_POLICIES``). ``attention``
     picks the kernel of cache-free passes (training, log-probs): ``einsum`` (written out, any backend),
     ``xla`` or ``cudnn`` (``jax.nn.dot_product_attention``; cuDNN's fused kernel needs a CUDA GPU and bf16), or
-    ``blocked`` (``flash.blocked_attention``: online softmax over blocks, any backend, O(T x block) memory).
+    ``blocked`` (``flash.blocked_attention``: online softmax over blocks, any backend, O(T x block) memory), or
+    the vendor kernels with segment ids ``pallas`` (GPU) and ``splash`` (TPU), see ``kernels``.
     """
 
     vocab_size: int

@@ -16,7 +16,8 @@ layer's slice of the stacked weights and cache before reading it (``_cached_laye
 Attention in cache-free passes is ``config.attention``: the written-out einsums (``attend``, any backend) or
 ``jax.nn.dot_product_attention`` (``xla``, or ``cudnn``'s fused flash kernel on a GPU), which takes
 right-padded rows of given lengths, so each row is rotated to right padding and back (``_fused_hidden_states``),
-or ``blocked`` (``flash.blocked_attention``, pure JAX, flash-style, over segment ids: a row's real tokens).
+or ``blocked`` (``flash.blocked_attention``, pure JAX, flash-style, over segment ids: a row's real tokens), or a
+vendor kernel over segment ids (``kernels``: ``pallas`` on GPUs, ``splash`` on TPUs).
 
 LoRA on a projection ``y = x W`` adds ``c * (x A) B`` with ``c = (alpha / rank) * lora_scale``; A has
 the input dims of W followed by R, B has R followed by the output dims of W, so ``A B`` has W's shape.
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from lspo_jax.axes import constrain, logical_spec
 from lspo_jax.config import ModelConfig
 from lspo_jax.flash import blocked_attention
+from lspo_jax.kernels import KERNELS, segment_attention
 
 Params = dict[str, Any]
 
@@ -299,7 +301,8 @@ def block(
     values are written at slot ``cache_index`` and the queries attend over all S slots; ``mask_BTS`` must
     then hide the unwritten slots. With ``seq_lengths_B`` (no cache, right-padded rows) attention is
     ``config.attention``'s fused kernel and ``mask_BTS`` is unused; with ``segment_ids_BT`` (no cache) it is
-    ``flash.blocked_attention`` over those segments, ``mask_BTS`` unused. Returns ``(x, updated kv_cache or None)``.
+    ``flash.blocked_attention`` (or ``config.attention``'s vendor kernel) over those segments, ``mask_BTS``
+    unused. Returns ``(x, updated kv_cache or None)``.
     """
     lora = lora or {}
     dt = x_BTD.dtype
@@ -315,6 +318,8 @@ def block(
         k_BTKE = rotary(k_BTKE, positions_BT, config.rope_theta)
         if seq_lengths_B is not None:
             out_BTHE = fused_attend(q_BTHE, k_BTKE, v_BTKE, seq_lengths_B, config.attention)
+        elif segment_ids_BT is not None and config.attention in KERNELS:
+            out_BTHE = segment_attention(config.attention, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
         elif segment_ids_BT is not None:
             out_BTHE = blocked_attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
         elif kv_cache is None:
@@ -466,7 +471,7 @@ def hidden_states(
     if config.attention in ("xla", "cudnn"):
         return _fused_hidden_states(config, params, tokens_BT, attention_mask_BT, lora_scale)
     positions_BT = attention_positions(attention_mask_BT)
-    if config.attention == "blocked":  # one segment per row (its real tokens), no [B, T, S] mask
+    if config.attention in ("blocked", *KERNELS):  # one segment per row (its real tokens), no [B, T, S] mask
         x_BTD = embed(config, params, tokens_BT)
         segments_BT = attention_mask_BT.astype(jnp.int32)
         return decoder(config, params, x_BTD, positions_BT, None, lora_scale=lora_scale, segment_ids_BT=segments_BT)[0]
@@ -486,14 +491,15 @@ def packed_hidden_states(
 ) -> jax.Array:
     """``hidden_states`` of packed rows: each segment attends causally to itself only, at its own positions.
 
-    ``einsum`` masks with ``segment_mask``; ``blocked`` skips the blocks between segments. The fused attentions
-    (``packs_segments`` False) take rows of one segment starting at slot 0: each row's length is its segment's.
+    ``einsum`` masks with ``segment_mask``; ``blocked`` and the vendor kernels (``kernels``) take the segment ids.
+    The fused attentions (``packs_segments`` False) take rows of one segment starting at slot 0: each row's length
+    is its segment's.
     """
     x_BTD = embed(config, params, tokens_BT)
     segment_ids_BT = segment_ids_BT.astype(jnp.int32)
     kw: dict[str, Any] = dict(lora_scale=lora_scale)
     mask_BTS = None
-    if config.attention == "blocked":
+    if config.attention in ("blocked", *KERNELS):
         kw["segment_ids_BT"] = segment_ids_BT
     elif not packs_segments(config):
         if config.attention == "cudnn" and jax.default_backend() != "gpu":

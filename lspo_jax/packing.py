@@ -147,6 +147,13 @@ class Packed:
         return np.where(self.where >= 0, flat[np.maximum(self.where, 0)], 0).astype(flat.dtype)
 
 
+def lognormal_lengths(n: int, median: float, p90: float, cap: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` lengths in ``[1, cap]`` from the log-normal with that median and 90th percentile (benchmarks' inputs:
+    R1's response lengths are reported so, with a long tail cut at the cap)."""
+    sigma = np.log(p90 / median) / 1.2815515655446004  # the standard normal's 90th percentile
+    return np.clip(np.round(np.exp(np.log(median) + sigma * rng.standard_normal(n))), 1, cap).astype(np.int64)
+
+
 def plan_rows(lengths: np.ndarray, length: int, one_per_row: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
     """``(row [n], offset [n], rows)``: where each sequence of ``lengths`` goes in buffers of ``length`` slots.
 

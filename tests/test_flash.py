@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import assert_close_relative
 
-from lspo_jax import flash, logprobs, model
+from lspo_jax import flash, kernels, logprobs, model
 from lspo_jax.config import ModelConfig
 
 B, T, H, K, E = 5, 37, 4, 2, 16  # T is no multiple of the blocks below: the last block is padded inside
@@ -108,3 +108,21 @@ def test_the_model_through_the_blocked_attention_equals_einsum():
     want, got = jax.grad(summed(config))(params), jax.jit(jax.grad(summed(blocked)))(params)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_close_relative(g, r, 1e-4)
+
+
+@pytest.mark.parametrize("kernel", kernels.KERNELS)
+def test_vendor_kernels_equal_einsum_in_the_interpreter(kernel):
+    """Pallas GPU attention and TPU splash attention (``kernels``), run by Pallas's interpreter on the CPU, against
+    the einsum path on every query that sees a key: segments, left padding, one-token segments, an empty row.
+    Padding queries are left out: the kernels let them attend to other padding, and no result reads them."""
+    seg = segments()
+    q, k, v, w = qkv(seed=3)
+    seen = jnp.asarray(visible(seg).any(axis=-1))[:, :, None, None]
+    got_fn = lambda q, k, v: kernels.segment_attention(kernel, q, k, v, jnp.asarray(seg))
+    want_fn = einsum_attention(seg)
+    assert_close_relative(got_fn(q, k, v) * seen, want_fn(q, k, v) * seen, 2e-5)
+    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) * w * seen)
+    got = jax.grad(loss(got_fn), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(want_fn), argnums=(0, 1, 2))(q, k, v)
+    for name, g, r in zip("qkv", got, want, strict=True):
+        assert_close_relative(g, r, 1e-4, err_msg=f"{kernel} d{name}")

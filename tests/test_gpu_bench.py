@@ -28,6 +28,7 @@ REQUIRED = (
     "sampler_floor_fraction_b256",
     "sampler_floor_fraction_b64",
     "train_mfu",
+    "train_packed_speedup",
     "hf_train_mfu",
     "lspo_step_seconds",
     "scaffold_share",

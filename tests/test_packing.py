@@ -161,3 +161,13 @@ def test_demo_agrees_with_packing_on_and_off(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         assert a["pad_fraction"] < 0.5 * b["pad_fraction"]  # and packing removed most of the padding
+
+
+def test_packed_log_probs_through_the_splash_kernel_equal_padded_einsum(tiny_params):
+    """``model.attention: splash`` (TPU splash attention, Pallas's interpreter here) over packed buffers."""
+    config = dataclasses.replace(CONFIG, attention="splash")
+    rows = _rows(seed=3)
+    packed = packing.pack_rows(rows, ("mask",), PROMPT + RESPONSE)
+    want = np.where(rows["mask"] > 0, logprobs.grouped_logprobs(CONFIG, tiny_params, rows), 0.0)
+    got = logprobs.grouped_logprobs(config, tiny_params, packed.arrays)
+    assert _close(np.where(rows["mask"] > 0, packed.unpack(np.asarray(got)), 0.0), want)

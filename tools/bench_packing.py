@@ -58,13 +58,10 @@ def response_lengths(spec: str, n: int, cap: int, rng: np.random.Generator) -> n
     except ValueError:
         raise SystemExit(f"--responses {spec!r}: expected lognormal:MEDIAN:P90 or uniform:LOW:HIGH") from None
     if kind == "lognormal" and 0 < a < b:
-        sigma = np.log(b / a) / 1.2815515655446004  # the standard normal's 90th percentile
-        x = np.exp(np.log(a) + sigma * rng.standard_normal(n))
-    elif kind == "uniform" and 0 < a <= b:
-        x = rng.uniform(a, b, n)
-    else:
-        raise SystemExit(f"--responses {spec!r}: expected lognormal:MEDIAN:P90 (0 < MEDIAN < P90) or uniform:LOW:HIGH")
-    return np.clip(np.round(x), 1, cap).astype(np.int64)
+        return packing.lognormal_lengths(n, a, b, cap, rng)
+    if kind == "uniform" and 0 < a <= b:
+        return np.clip(np.round(rng.uniform(a, b, n)), 1, cap).astype(np.int64)
+    raise SystemExit(f"--responses {spec!r}: expected lognormal:MEDIAN:P90 (0 < MEDIAN < P90) or uniform:LOW:HIGH")
 
 
 def r1_prompt_lengths(data_dir: str, name: str) -> np.ndarray:
@@ -121,7 +118,7 @@ def counts(prompt: np.ndarray, response: np.ndarray, prompt_slots: int, new_toke
         "real_tokens": real,
         "padded": {"rows": padded_rows, "slots_per_real_token": padded_rows * length / real,
                    "einsum_entries_per_causal": padded_rows * length**2 / causal},
-        "packed": {"rows": buffers, "micro_batches": micro, "slots_per_real_token": buffers * length / real,
+        "packed": {"rows": buffers, "rows_needed": needed, "micro_batches": micro, "slots_per_real_token": buffers * length / real,
                    "einsum_entries_per_causal": buffers * length**2 / causal,
                    "blocked_entries_per_causal": blocked_entries(segment_ids) / causal},
     }  # fmt: skip

@@ -1,0 +1,91 @@
+"""Vendor attention kernels with segment ids, behind ``model.attention``: packed rows on GPU and TPU.
+
+    pallas   ``jax.experimental.pallas.ops.gpu.attention.mha``: the Pallas (Triton) flash attention for CUDA GPUs,
+             causal, with segment ids, and its own backward kernels.
+    splash   ``jax.experimental.pallas.ops.tpu.splash_attention``: TPU splash attention, a causal mask per head
+             with segment ids; it skips the blocks the mask leaves empty.
+
+Both take the same inputs as ``flash.blocked_attention`` (``q [B, T, H, E]``, ``k, v [B, T, K, E]``, segment ids
+``[B, T]``, 0 on padding) and give the same result on every query that sees a key. Neither kernel takes grouped
+KV heads, so each query head gets its KV head's copy (``h`` reads ``h // G``); rows are padded to a multiple of
+the kernels' 128-token blocks (padding is segment 0). Off their own hardware both run in Pallas's interpreter:
+correct and slow, which is how the CPU tests check them against the einsum path; ``benchmarks/gpu.py`` checks
+``pallas`` against ``einsum`` on a GPU before timing it. On a mesh the kernel runs per shard (``shard_map``):
+rows split as the batch, heads as ``tp``, each shard its own kernel call.
+
+Query slots of segment 0 attend to the other padding slots (the kernels compare segment ids for equality only):
+finite values nobody reads, as a padding query's output is never used.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from lspo_jax.axes import logical_spec
+
+BLOCK = 128
+KERNELS = ("pallas", "splash")
+_BACKEND = {"pallas": "gpu", "splash": "tpu"}
+
+
+def segment_attention(
+    kernel: str, q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, segment_ids_BT: jax.Array
+) -> jax.Array:
+    """Causal attention within segments through ``kernel`` (``pallas`` or ``splash``): ``[B, T, H, E]``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; known: {KERNELS}")
+    b, t, h, e = q_BTHE.shape
+    groups = h // k_BTKE.shape[2]
+    k_BTHE, v_BTHE = (jnp.repeat(x, groups, axis=2) for x in (k_BTKE, v_BTKE))
+    pad = -t % BLOCK
+    if pad:
+        widen = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        q_BTHE, k_BTHE, v_BTHE, segment_ids_BT = map(widen, (q_BTHE, k_BTHE, v_BTHE, segment_ids_BT))
+    interpret = jax.default_backend() != _BACKEND[kernel]
+    call = functools.partial(_pallas if kernel == "pallas" else _splash, interpret=interpret)
+    out_BTHE = _per_shard(call, q_BTHE, k_BTHE, v_BTHE, segment_ids_BT.astype(jnp.int32))
+    return out_BTHE[:, :t]
+
+
+def _per_shard(call, q_BTHE, k_BTHE, v_BTHE, segment_ids_BT):
+    """``call`` on each shard of the context mesh (rows as ``batch``, heads as ``heads``), or whole without one: a
+    Pallas kernel is one device's program and cannot be split by the partitioner."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return call(q_BTHE, k_BTHE, v_BTHE, segment_ids_BT)
+    heads = logical_spec(q_BTHE.shape, ("batch", None, "heads", None), mesh)
+    rows = PartitionSpec(heads[0], None)
+    return jax.shard_map(call, mesh=mesh, in_specs=(heads, heads, heads, rows), out_specs=heads, check_vma=False)(
+        q_BTHE, k_BTHE, v_BTHE, segment_ids_BT
+    )
+
+
+def _pallas(q_BTHE, k_BTHE, v_BTHE, segment_ids_BT, *, interpret: bool):
+    from jax.experimental.pallas.ops.gpu import attention
+
+    scale = q_BTHE.shape[-1] ** -0.5
+    return attention.mha(
+        q_BTHE, k_BTHE, v_BTHE, segment_ids_BT, sm_scale=scale, causal=True, interpret=interpret
+    ).astype(q_BTHE.dtype)
+
+
+def _splash(q_BTHE, k_BTHE, v_BTHE, segment_ids_BT, *, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    _, t, h, e = q_BTHE.shape
+    mask = masks.MultiHeadMask([masks.CausalMask((t, t)) for _ in range(h)])
+    kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, H, T, E]: the kernel's layout, one row at a time
+
+    def one_row(q_HTE, k_HTE, v_HTE, seg_T):
+        return kernel(q_HTE, k_HTE, v_HTE, segment_ids=splash.SegmentIds(q=seg_T, kv=seg_T))
+
+    # splash does not scale the scores: the queries are scaled on the way in.
+    q_BHTE = heads_first(q_BTHE) * jnp.asarray(e**-0.5, q_BTHE.dtype)
+    out_BHTE = jax.vmap(one_row)(q_BHTE, heads_first(k_BTHE), heads_first(v_BTHE), segment_ids_BT)
+    return heads_first(out_BHTE).astype(q_BTHE.dtype)
