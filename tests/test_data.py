@@ -98,14 +98,14 @@ def test_load_examples_sft_targets_length_policy_and_golds(tmp_path):
     assert [ex.id for ex in examples] == ["0", "2"] and report.gold_unparseable == ["1"]
     assert (report.rows, report.rows_invalid, report.kept, report.solution_skipped) == (4, 1, 2, 1)
     # The SFT target is the trace as given (the prompt's template already opened the thought) + EOS.
-    assert examples[0].solution_ids == (*tokenizer.encode(TRACE, add_special_tokens=False), toy.EOS_ID)
+    assert tuple(examples[0].solution_ids) == (*tokenizer.encode(TRACE, add_special_tokens=False), toy.EOS_ID)
     assert examples[0].prompt_ids == (toy.BOS_ID, *tokenizer.encode("What is 0+0?", add_special_tokens=False))
     assert examples[1].solution_ids is None
     # Truncation keeps the head of the trace, counted, with no EOS (test_a_truncated_solution_gets_no_eos).
     config = DataConfig(instruction_position="none", max_solution_tokens=64)
     examples, report = data.load_examples(path, tokenizer, config)
     x = tokenizer.convert_tokens_to_ids("x")
-    assert report.solution_truncated == 1 and examples[1].solution_ids == (x,) * 64
+    assert report.solution_truncated == 1 and tuple(examples[1].solution_ids) == (x,) * 64
     # Prompt tokens are masked in the SFT rows, the target tokens (EOS included) are not.
     sft = packing.pack_sft([examples[0].prompt_ids], [examples[0].solution_ids], 16, 64)
     assert sft["mask"][0, :16].sum() == 0 and sft["mask"][0, 16:].sum() == len(examples[0].solution_ids)
@@ -330,13 +330,13 @@ def test_a_truncated_solution_gets_no_eos():
     config = DataConfig(max_solution_tokens=8)
     examples, report = data.encode_rows(rows, tokenizer, config, instruction=False)
     assert report.solution_truncated == 2
-    assert [ex.solution_ids for ex in examples] == [(*ids("1234567"), toy.EOS_ID), ids("12345678"), ids("9" * 8)]
+    assert [tuple(ex.solution_ids) for ex in examples] == [(*ids("1234567"), toy.EOS_ID), ids("12345678"), ids("9" * 8)]
     # The loss mask covers exactly the target's tokens, with or without its EOS.
     sft = packing.pack_sft([ex.prompt_ids for ex in examples], [ex.solution_ids for ex in examples], 8, 16)
     assert sft["mask"][:, :8].sum() == 0 and sft["mask"][:, 8:].sum(axis=1).tolist() == [8, 8, 8]
     # The old behaviour, a cut target that ends in EOS, is a config key.
     examples, _ = data.encode_rows(rows, tokenizer, DataConfig(max_solution_tokens=8, eos_after_truncated=True),
                                    instruction=False)  # fmt: skip
-    assert [ex.solution_ids for ex in examples] == [
+    assert [tuple(ex.solution_ids) for ex in examples] == [
         (*ids("1234567"), toy.EOS_ID), (*ids("1234567"), toy.EOS_ID), (*ids("9" * 7), toy.EOS_ID)
     ]  # fmt: skip

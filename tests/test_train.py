@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lspo_jax import cli, evaluation, logprobs, losses, model, toy, toy_model, train
+from lspo_jax import cli, evaluation, logprobs, losses, model, packing, toy, toy_model, train
 from lspo_jax import run as run_module
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.cli import format_summary
@@ -601,6 +601,29 @@ def test_more_micro_batches_than_rows_pads_with_masked_rows(trained_run, make_co
     # Adam normalises each element, so where a gradient nearly cancels, float32 rounding becomes a visible share
     # of its lr-sized step (lr 1e-3; 1.8e-7 measured): 1e-5 is 1% of a step, far below a wrong update's change.
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs) < 1e-5
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_sft_step_runs_in_micro_batches_of_the_rl_steps_size(trained_run, make_config, packed):
+    # K = 2 rollouts of 8 prompts in 16 micro-batches: one RL row of 16 + 12 slots a micro-batch, so an SFT row of 64
+    # slots is a micro-batch of its own. In one RL micro-batch (16 rows, 448 slots) the SFT rows fit one micro-batch
+    # too, and give the same loss and gradient: the SFT token-mean is over the whole batch, as the RL step's.
+    job = trained_run["job"]
+    examples = [ex for ex in job.examples if ex.solution_ids is not None][:4]
+    prompts, solutions = [ex.prompt_ids for ex in examples], [ex.solution_ids for ex in examples]
+    batch = packing.pack_sft(prompts, solutions, *packing.sft_slots(prompts, solutions, 16, 48))
+    results = {}
+    for micro_batches in (1, 16):
+        config = make_config(loss__micro_batches=micro_batches, loss__packing=packed, rollout__prompts_per_step=8)
+        learner = Learner(config, job.policy, {"base": job.state.params["base"]})
+        params, opt_state = learner.place(copy_tree(job.state.params), copy_tree(job.state.opt_state))
+        learner.state = TrainState(step=0, params=params, opt_state=opt_state)
+        results[micro_batches] = jax.device_get(learner.sft_step(dict(batch)))
+    assert results[1]["sft_micro_batches"] == 1 and results[16]["sft_micro_batches"] > 1
+    # A cross-entropy of about 4 over some 100 tokens, and its gradient norm: float32 rounding of sums in another
+    # grouping (<= 1e-6 of them measured); a micro-batch weighted by its own token count would move them by >= 1%.
+    for name in ("sft_loss", "sft_grad_norm", "num_tokens"):
+        assert float(results[16][name]) == pytest.approx(float(results[1][name]), rel=1e-5), name
 
 
 def test_an_unusable_data_file_is_one_line_and_leaves_no_run(model_dir, tmp_path, capsys):

@@ -118,7 +118,8 @@ def counts(prompt: np.ndarray, response: np.ndarray, prompt_slots: int, new_toke
         "real_tokens": real,
         "padded": {"rows": padded_rows, "slots_per_real_token": padded_rows * length / real,
                    "einsum_entries_per_causal": padded_rows * length**2 / causal},
-        "packed": {"rows": buffers, "rows_needed": needed, "micro_batches": micro, "slots_per_real_token": buffers * length / real,
+        "packed": {"rows": buffers, "rows_needed": needed, "micro_batches": micro,
+                   "slots_per_real_token": buffers * length / real,
                    "einsum_entries_per_causal": buffers * length**2 / causal,
                    "blocked_entries_per_causal": blocked_entries(segment_ids) / causal},
     }  # fmt: skip
