@@ -735,8 +735,8 @@ def section_train_packed(ctx: Context, best: dict, loss: LossConfig) -> None:
         result["padded"] = {**padded, "attention": best["attention"], "remat": best["remat"]}
         for attention in packed_kernels():
             cfg = dataclasses.replace(config, attention=attention)
-            if attention == "pallas":
-                check = attention_check(cfg, ctx.args.seed)
+            if attention == "pallas":  # over packed buffers: several segments a row, as the step runs it
+                check = attention_check(cfg, ctx.args.seed, packed=True)
                 result["attention_check_pallas"] = check
                 if not check["ok"]:
                     result["pallas"] = {"skipped": f"disagrees with einsum: {check}"}
@@ -796,8 +796,9 @@ def time_train_variant(ctx: Context, attention: str, loss: LossConfig) -> tuple[
     raise RuntimeError(f"every remat policy failed: {failed}")
 
 
-def attention_check(config: ModelConfig, seed: int) -> dict:
-    """``config.attention`` against the einsum path: log-probs, and the gradient of their sum, on padded rows.
+def attention_check(config: ModelConfig, seed: int, *, packed: bool = False) -> dict:
+    """``config.attention`` against the einsum path: log-probs, and the gradient of their sum, on padded rows (or,
+    ``packed``, the same rows packed into token buffers: several segments a row) against einsum on the padded rows.
 
     Two layers at the model's widths (head dim, GQA, bf16) keep the compile short. Rows: a full one, a
     left-padded prompt with a right-padded response, a short run in the middle, and an empty row (mesh padding).
@@ -809,15 +810,19 @@ def attention_check(config: ModelConfig, seed: int) -> dict:
     for row, (start, stop) in enumerate([(0, seq), (37, seq), (11, 180), (0, 0)]):
         mask[row, start:stop] = True
     scored = np.pad(mask[:, 1:] & mask[:, :-1], ((0, 0), (1, 0)))  # token t predicted from a real t - 1
+    padded = {"tokens": tokens, "attention_mask": mask.astype(np.int32), "mask": scored.astype(np.int32)}
+    buffers = packing.pack_rows(padded, ("mask",), seq) if packed else None
 
-    def logp_sum(cfg: ModelConfig, base):
-        logp = jnp.where(scored, logprobs.sequence_logprobs(cfg, {"base": base}, tokens, mask)[0], 0.0)
+    def logp_sum(cfg: ModelConfig, base, rows):
+        logp = logprobs.sequence_logprobs(cfg, {"base": base}, rows["tokens"], **logprobs.layout(rows))[0]
+        logp = jnp.where(rows["mask"] > 0, logp, 0.0)
         return jnp.sum(logp), logp
 
     grad = jax.jit(jax.grad(logp_sum, argnums=1, has_aux=True), static_argnums=0)
     base = init_committed(small, seed)["base"]
-    want_grad, want = grad(dataclasses.replace(small, attention="einsum"), base)
-    got_grad, got = grad(small, base)
+    want_grad, want = grad(dataclasses.replace(small, attention="einsum"), base, padded)
+    got_grad, got = grad(small, base, buffers.arrays if packed else padded)
+    got = buffers.unpack(np.asarray(got)) if packed else got
     flat = lambda tree: jnp.concatenate([x.ravel() for x in jax.tree.leaves(tree)])
     grad_rel = float(jnp.linalg.norm(flat(got_grad) - flat(want_grad)) / jnp.linalg.norm(flat(want_grad)))
     logp_diff = float(jnp.max(jnp.abs(got - want)))

@@ -16,8 +16,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # Rematerialisation of the layer scan: "full" saves only each layer's input and recomputes the rest in the
 # backward pass; "dots" also saves the outputs of the weight matmuls (not the attention scores).
 REMAT_POLICIES = ("none", "full", "dots")
-# Attention of cache-free passes: the written-out einsums, jax.nn.dot_product_attention with XLA or cuDNN, or
-# the blocked attention of ``flash`` (pure JAX, never a [T, T] score matrix).
+# Attention of cache-free passes: the written-out einsums, jax.nn.dot_product_attention with XLA or cuDNN, the
+# blocked attention of ``flash`` (pure JAX, never a [T, T] score matrix), or a vendor kernel with segment ids
+# (``kernels``: Pallas on GPUs, splash on TPUs).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "blocked", "pallas", "splash")
 
 

@@ -310,7 +310,8 @@ ENCODE_CHUNK = 512
 def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text, no special tokens added: one batch call where the tokenizer is a fast one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
+    # transformers clears a backend's own padding and truncation on each call; a batch call here would apply them.
+    if backend is not None and backend.padding is None and backend.truncation is None:
         return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=False)]
     return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
 

@@ -378,7 +378,7 @@ def decoder(
     ``kv_cache``, when given, holds one ``{"k": [B, K, S, E], "v": [B, K, S, E]}`` per layer (a tuple of L);
     the cached path runs the layers unrolled (see ``_cached_layers``), the cache-free one as a scan.
     ``seq_lengths_B`` (cache-free, right-padded rows only) selects the fused attention, ``segment_ids_BT``
-    (cache-free) the blocked one; see ``block``.
+    (cache-free) the blocked one or ``config.attention``'s vendor kernel; see ``block``.
     """
     lora, lora_c = _effective_lora(config, params, lora_scale)
     layers = params["base"]["layers"]
@@ -504,10 +504,18 @@ def packed_hidden_states(
     elif not packs_segments(config):
         if config.attention == "cudnn" and jax.default_backend() != "gpu":
             raise ValueError(f"model attention 'cudnn' needs a CUDA GPU; JAX's backend is {jax.default_backend()!r}")
-        kw["seq_lengths_B"] = jnp.maximum(jnp.sum(segment_ids_BT > 0, axis=1, dtype=jnp.int32), 1)
+        lengths_B = jnp.sum(segment_ids_BT > 0, axis=1, dtype=jnp.int32)
+        kw["seq_lengths_B"] = jnp.maximum(lengths_B, 1)
+        # A row that is not one segment from slot 0 cannot be expressed so: NaN, never silently wrong.
+        slots_T = jnp.arange(segment_ids_BT.shape[1])
+        one_run_B = jnp.all((segment_ids_BT > 0) == (slots_T < lengths_B[:, None]), axis=1)
+        one_run_B &= jnp.max(segment_ids_BT, axis=1) <= 1
     else:
         mask_BTS = segment_mask(segment_ids_BT)
-    return decoder(config, params, x_BTD, positions_BT, mask_BTS, **kw)[0]
+    h_BTD = decoder(config, params, x_BTD, positions_BT, mask_BTS, **kw)[0]
+    if "seq_lengths_B" in kw:
+        h_BTD = jnp.where(one_run_B[:, None, None], h_BTD, jnp.nan).astype(h_BTD.dtype)
+    return h_BTD
 
 
 def _fused_hidden_states(

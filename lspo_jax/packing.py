@@ -1,9 +1,10 @@
-"""Packing: rollouts and worked solutions as fixed-shape training rows, and the buckets they use.
+"""Packing: rollouts and worked solutions as fixed-shape rows, their real tokens as token buffers, the buckets.
 
 A row is ``[left pad | prompt | response | right pad]`` with the prompt left-padded to ``P`` slots and
-the response right-padded to ``R`` slots, so every RL batch of a run has the shape ``[B * K, P + R]`` and
-the update compiles once. ``mask`` is 1 on response tokens; ``old_logp[:, t]`` is the log-prob of
-``tokens[:, t]`` given the tokens before it (``logprobs.sequence_logprobs``), so the two align.
+the response right-padded to ``R`` slots, so every rollout batch of a run has the shape ``[B * K, P + R]``: the
+step's host-side record. ``mask`` is 1 on response tokens; ``old_logp[:, t]`` is the log-prob of
+``tokens[:, t]`` given the tokens before it (``logprobs.sequence_logprobs``), so the two align. With
+``loss.packing`` the passes take ``pack_rows``' token buffers instead, which hold the rows' real tokens only.
 The sampler buckets and left-pads its prompts with the same helpers.
 """
 
@@ -188,8 +189,10 @@ def micro_batching(needed: int, row_multiple: int, rows_per_micro: int | None = 
     """``(buffer rows, micro-batches)`` for ``needed`` buffer rows with at most ``rows_per_micro`` (a multiple of
     ``row_multiple``) in a micro-batch: one micro-batch of ``row_bucket(needed, row_multiple)`` rows while they fit,
     else a ``row_bucket`` count of full micro-batches. Either way the row count divides by ``row_multiple``."""
-    if rows_per_micro is None or needed <= rows_per_micro:
+    if rows_per_micro is None:
         return row_bucket(needed, row_multiple), 1
+    if needed <= rows_per_micro:  # the bucket, unless it would exceed one micro-batch (a 5-bit rows_per_micro)
+        return min(row_bucket(needed, row_multiple), rows_per_micro), 1
     micro = row_bucket(-(-needed // rows_per_micro))
     return micro * rows_per_micro, micro
 

@@ -233,8 +233,8 @@ def test_remat_gives_the_same_gradient(remat):
 
 
 def test_learner_logprobs_in_micro_batches_and_chunks_equal_one_pass():
-    """The learner's log-prob pass over 3 rows, in 2 micro-batches (rows padded to 4) with a 5-token head
-    chunk, equals the plain pass; positions off the response mask are 0."""
+    """The learner's log-prob pass over 3 padded rows, in 2 micro-batches (rows padded to 4) with a 5-token head
+    chunk, equals the plain pass; so does the packed pass; positions off the response mask are 0."""
     from lspo_jax.learner import Learner, Policy
     from lspo_jax.train_config import LossConfig, RolloutConfig, TrainConfig
 
@@ -245,9 +245,11 @@ def test_learner_logprobs_in_micro_batches_and_chunks_equal_one_pass():
     def learner(loss: LossConfig) -> Learner:
         return Learner(TrainConfig(rollout=rollout, loss=loss), Policy(CONFIG, None, ()), _params())
 
-    plain = learner(LossConfig()).logprobs(rows, lora_scale=0.0)
-    split = learner(LossConfig(micro_batches=2, chunk_size=5)).logprobs(rows, lora_scale=0.0)
+    plain = learner(LossConfig(packing=False)).logprobs(rows, lora_scale=0.0)
+    split = learner(LossConfig(micro_batches=2, chunk_size=5, packing=False)).logprobs(rows, lora_scale=0.0)
     assert_close_relative(split, plain, 2e-5)  # other batch and chunk shapes of the same float32 ops
+    packed = learner(LossConfig(chunk_size=5)).logprobs(rows, lora_scale=0.0)
+    assert_close_relative(packed, plain, 2e-5)
     assert np.all(plain[rows["mask"] == 0] == 0) and np.all(plain[rows["mask"] > 0] < 0)
 
 

@@ -27,6 +27,14 @@ def test_row_bucket_keeps_four_significant_bits():
     assert packing.row_bucket(9, multiple=8) == 16 and packing.row_bucket(568, multiple=24) == 576
 
 
+def test_micro_batching_sizes_by_rows_per_micro_batch():
+    # 130 rows fit one micro-batch of 136, whose 4-bit bucket (144) would not: capped at 136. 300 rows: 3 micro-
+    # batches of 136 (ceil(300 / 136) = 3). Without a micro-batch size: the bucket, a multiple of 8.
+    assert packing.micro_batching(130, 8, 136) == (136, 1)
+    assert packing.micro_batching(300, 8, 136) == (3 * 136, 3)
+    assert packing.micro_batching(130, 8) == (144, 1) and packing.micro_batching(9, 8, 16) == (16, 1)
+
+
 def test_best_fit_decreasing_fills_rows_before_opening_new_ones():
     # Length 8: 5 opens row 0, 4 opens row 1, 3 fits row 0 (3 free, the tighter fit), 3 goes to row 1 (4 free),
     # 1 into row 1's last free slot. Two rows, both full; the empty sequence is not placed.
@@ -122,6 +130,16 @@ def test_packed_logprobs_and_sft_gradient_equal_padded(tiny_params):
     loss, grad, _ = sft(tiny_params, rows)
     packed_loss, packed_grad, _ = sft(tiny_params, packed.arrays)
     assert _close(packed_loss, loss) and _trees_close(packed_grad, grad)
+
+
+def test_fused_attention_refuses_a_row_of_several_segments(tiny_params):
+    """The fused path reads one segment from slot 0 per row: any other row is NaN, never a silently wrong value."""
+    config = dataclasses.replace(CONFIG, attention="xla")
+    tokens = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
+    segments = np.array([[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 2, 2, 2, 0, 0]], np.int32)
+    positions = np.array([[0, 1, 2, 3, 4, 0, 0, 0], [0, 1, 2, 0, 1, 2, 0, 0]], np.int32)
+    h = np.asarray(model.packed_hidden_states(config, tiny_params, tokens, segments, positions))
+    assert np.isfinite(h[0]).all() and np.isnan(h[1]).all()
 
 
 def test_fused_attention_packs_one_sequence_per_row(tiny_params):
