@@ -58,10 +58,10 @@ def assert_close_relative(actual, desired, rel: float, err_msg: str = "") -> Non
 # one of them finishing alone at the end while the other worker idles.
 SLOW_FILES_FIRST = (
     "test_sharding.py",
+    "test_packing.py",
     "test_vllm.py",
     "test_gpu_bench.py",
     "test_train.py",
-    "test_packing.py",
     "test_multiprocess.py",
 )
 
