@@ -157,14 +157,12 @@ def rl_step(
     batch: Mapping[str, jax.Array],
     *,
     rl: RLOptimConfig = RLOptimConfig(),
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    clip_c: float | None = None,
-    temperature: float = 1.0,
-    num_micro_batches: int = 1,
-    chunk_size: int | None = None,
+    **loss_options: Any,
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
     """One RL update of the base: ``policy_loss`` token-mean over the whole batch, adapter off.
+
+    ``loss_options`` are ``rl_gradients``' keywords: the clip (``eps_low``, ``eps_high``, ``clip_c``), the sampling
+    ``temperature``, ``num_micro_batches`` and ``chunk_size``.
 
     ``batch``: ``tokens``, ``mask`` (response tokens) and ``old_logp``, all ``[B, T]`` and aligned as in
     ``logprobs.sequence_logprobs``, ``advantages`` ``[B]`` or ``[B, T]``, and the rows' layout: ``attention_mask``
@@ -173,12 +171,8 @@ def rl_step(
     ``chunk_size`` runs the LM head in sequence chunks (see ``logprobs.sequence_logprobs``).
     Jittable with ``config`` and the keyword arguments static.
     """
-
     with jax.named_scope("rl_grad"):
-        loss, grads, metrics = rl_gradients(
-            config, params[BASE], batch, eps_low=eps_low, eps_high=eps_high, clip_c=clip_c, temperature=temperature,
-            num_micro_batches=num_micro_batches, chunk_size=chunk_size,
-        )  # fmt: skip
+        loss, grads, metrics = rl_gradients(config, params[BASE], batch, **loss_options)
     with jax.named_scope("rl_update"):
         params, opt_state = update_subtree(adamw_transform(rl), BASE, grads, params, opt_state)
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
