@@ -15,6 +15,13 @@ sampler  ``sampler.generate_arrays`` and transformers ``generate()`` (torch, bf1
          for P prompt and N new tokens, HBM = ``--hbm-tb-s`` (4.8 TB/s, the H200 data sheet; 4.23 TB/s was
          measured read+write). ``floor_fraction = floor_s / (call time - prompt pass time)``, 1 = the bound.
          HF has no separate prompt pass, so its fraction divides by the whole call (a slight underestimate).
+         Then, at batch 256 (``sampler_mixed_b256``): every other row ends at a sixteenth of the new tokens (32),
+         the rest at 512, as the rollouts of a step end at different lengths; ``sampler_mixed_vs_uniform_cost`` is
+         its call time over the uniform one's (the sampler drops ended rows every ``compact_every`` steps: about
+         0.53 when the cost follows the live rows). ``sampler_pallas_b256`` reruns the uniform batch with
+         ``decode_attention: pallas`` (the Pallas GPU decode kernel), after checking it against ``einsum`` on one
+         decode step's attention at the same cache shape, and ``sampler_pallas_speedup`` is the default's call
+         time over it.
 train    the learner's RL program (``distributed.sharded_rl_step``: ``optim.rl_step`` with the project's AdamW,
          ``optim.make_optimizer``), float32 master weights, bf16 compute, params and optimizer state donated, on
          8 x 2048 tokens, for each
@@ -107,7 +114,7 @@ from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.data import Example
 from lspo_jax.kv_cache import cache_nbytes
 from lspo_jax.learner import Learner, Policy
-from lspo_jax.model import count_params, init_params
+from lspo_jax.model import count_params, decode_attend, init_params
 from lspo_jax.prompts import Draw
 from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig, TrainConfig
 
@@ -126,6 +133,8 @@ ESTIMATE_S = {
     "hf_generate_b256": 60,
     "sampler_b64": 60,
     "hf_generate_b64": 45,
+    "sampler_mixed_b256": 60,  # the uniform call's programs plus those of the smaller row buckets
+    "sampler_pallas_b256": 120,
     "hf_train": 40,
     "train": 80,
     "attention_check": 30,
@@ -449,19 +458,24 @@ def decode_floor_s(config: ModelConfig, params, batch: int, prompt_len: int, new
     return (steps * weights + batch * kv_per_token * context_sum) / hbm
 
 
-def sampler_kwargs(ctx: Context) -> dict:
-    n_new = ctx.shapes.sampler_new_tokens
+def sampler_kwargs(ctx: Context, lengths: list[int] | None = None) -> dict:
+    n_new = ctx.shapes.sampler_new_tokens if lengths is None else lengths
     return dict(max_new_tokens=n_new, eos_token_ids=(), cache_window=ctx.args.cache_window)
 
 
-def time_our_sampler(ctx: Context, config: ModelConfig, params, prompts: np.ndarray) -> dict:
-    n_new = ctx.shapes.sampler_new_tokens
-    kw = sampler_kwargs(ctx)
+def mixed_lengths(batch: int, new_tokens: int) -> list[int]:
+    """Every other row ends at a sixteenth of ``new_tokens``, the rest at ``new_tokens``."""
+    return [new_tokens if row % 2 else max(1, new_tokens // 16) for row in range(batch)]
+
+
+def time_our_sampler(ctx: Context, config: ModelConfig, params, prompts: np.ndarray, lengths=None) -> dict:
+    expected = np.full(len(prompts), ctx.shapes.sampler_new_tokens) if lengths is None else np.asarray(lengths)
+    kw = sampler_kwargs(ctx, lengths)
     rows = prompts.tolist()
     start = time.perf_counter()
     out = sampler.generate_arrays(config, params, rows, key=jax.random.key(0), **kw)
     first_s = time.perf_counter() - start
-    if not np.all(out.lengths == n_new):
+    if not np.array_equal(out.lengths, expected):
         raise RuntimeError(f"rows ended early: lengths {sorted(set(out.lengths.tolist()))}")
     times = []
     for i in range(ctx.args.repeats):
@@ -552,15 +566,71 @@ def section_sampler(ctx: Context) -> None:
             rec.headline(**{f"hf_generate_tokens_per_s_{label}": theirs["new_tokens_per_s"]})
             if ours is not None:
                 rec.headline(**{f"sampler_ratio_vs_hf_{label}": ours["new_tokens_per_s"] / theirs["new_tokens_per_s"]})
-    rec.set(jax_peak_gb=jax_peak_gb())
     if hf:
         hf.clear()
         release_torch(device)
+    if profile_rows is not None:
+        sampler_variants(ctx, config, params, np.asarray(profile_rows))
+    rec.set(jax_peak_gb=jax_peak_gb())
     if profile_rows is not None:
         kw = sampler_kwargs(ctx)
         ctx.profile_call(
             "sampler_b256", lambda: sampler.generate_arrays(config, params, profile_rows, key=jax.random.key(0), **kw)
         )
+
+
+def sampler_variants(ctx: Context, config: ModelConfig, params, prompts: np.ndarray) -> None:
+    """The mixed-length batch and the Pallas decode kernel, each against the uniform batch-256 call."""
+    rec, uniform_s = ctx.rec, rec_time(ctx.rec, "sampler_b256")
+    part = "sampler_mixed_b256"
+    lengths = mixed_lengths(len(prompts), ctx.shapes.sampler_new_tokens)
+    skip = ctx.room_for(part)
+    if skip:
+        rec.skip(part, skip)
+    else:
+        with rec.part(part):
+            mixed = time_our_sampler(ctx, config, params, prompts, lengths)
+            mixed.update(new_tokens_per_s=sum(lengths) / mixed["time_s"], lengths=sorted(set(lengths)))
+            rec.set(**{part: mixed})
+            rec.headline(sampler_mixed_tokens_per_s_b256=mixed["new_tokens_per_s"])
+            if uniform_s:
+                rec.headline(sampler_mixed_vs_uniform_cost=mixed["time_s"] / uniform_s)
+    part = "sampler_pallas_b256"
+    skip = ctx.room_for(part)
+    if skip:
+        rec.skip(part, skip)
+        return
+    with rec.part(part):
+        pallas = dataclasses.replace(config, decode_attention="pallas")
+        check = check_decode_attention(pallas, len(prompts), prompts.shape[1], ctx.shapes.sampler_new_tokens)
+        rec.set(sampler_pallas_check=check)
+        timed = time_our_sampler(ctx, pallas, params, prompts)
+        rec.set(**{part: timed})
+        if uniform_s:
+            rec.headline(sampler_pallas_speedup=uniform_s / timed["time_s"])
+
+
+def rec_time(rec: Recorder, part: str) -> float | None:
+    return (rec.data.get(part) or {}).get("time_s")
+
+
+def check_decode_attention(config: ModelConfig, rows: int, prompt_len: int, new_tokens: int) -> dict:
+    """``decode_attention: pallas`` against ``einsum`` on one decode step's attention at the benchmark's cache
+    shape (bf16 keys and values, rows seeing ranges of different lengths); raises when they disagree."""
+    slots = prompt_len + new_tokens
+    keys = jax.random.split(jax.random.key(0), 3)
+    dt = jnp.dtype(config.compute_dtype)
+    q = jax.random.normal(keys[0], (rows, 1, config.num_heads, config.head_dim), dt)
+    k, v = (jax.random.normal(x, (rows, config.num_kv_heads, slots, config.head_dim), dt) for x in keys[1:])
+    start = jnp.arange(rows) % prompt_len
+    end = prompt_len + 1 + jnp.arange(rows) % new_tokens
+    mask = ((jnp.arange(slots) >= start[:, None]) & (jnp.arange(slots) < end[:, None]))[:, None]
+    run = jax.jit(decode_attend, static_argnums=0)
+    ref, out = (np.asarray(run(impl, q, k, v, mask), np.float32) for impl in ("einsum", config.decode_attention))
+    error = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    if not error < 2e-2:  # bf16 inputs and outputs: 2^-8 per element, summed in other orders
+        raise RuntimeError(f"decode_attention {config.decode_attention} is off einsum by {error:.3g} (relative)")
+    return {"relative_error": error}
 
 
 # ------------------------------------------------------------------------------------- section: train

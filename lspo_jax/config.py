@@ -20,6 +20,10 @@ REMAT_POLICIES = ("none", "full", "dots")
 # blocked attention of ``flash`` (pure JAX, never a [T, T] score matrix), or a vendor kernel with segment ids
 # (``kernels``: Pallas on GPUs, splash on TPUs).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "blocked", "pallas", "splash")
+# Attention of the sampler's decode step over the KV cache (``model.decode_attend``): the einsums, broadcast
+# multiplies and sums (the default: one pass over the cache on every backend), jax.nn.dot_product_attention,
+# or the Pallas GPU decode kernel (``kernels.decode_attention``).
+DECODE_ATTENTION = ("einsum", "reduce", "xla", "pallas")
 
 
 def _check(ok: bool, cls: str, field: str, message: str) -> None:
@@ -69,6 +73,7 @@ class ModelConfig:
     ``xla`` or ``cudnn`` (``jax.nn.dot_product_attention``; cuDNN's fused kernel needs a CUDA GPU and bf16), or
     ``blocked`` (``flash.blocked_attention``: online softmax over blocks, any backend, O(T x block) memory), or
     the vendor kernels with segment ids ``pallas`` (GPU) and ``splash`` (TPU), see ``kernels``.
+    ``decode_attention`` picks the sampler's decode-step attention over the KV cache (``DECODE_ATTENTION``).
     """
 
     vocab_size: int
@@ -89,6 +94,7 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     remat: str = "none"
     attention: str = "einsum"
+    decode_attention: str = "reduce"
 
     def __post_init__(self) -> None:
         if self.head_dim is None and self.num_heads > 0:
@@ -128,6 +134,12 @@ class ModelConfig:
             "ModelConfig",
             "attention",
             f"must be one of {ATTENTION_IMPLS}, got {self.attention!r}",
+        )
+        _check(
+            self.decode_attention in DECODE_ATTENTION,
+            "ModelConfig",
+            "decode_attention",
+            f"must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}",
         )
         if self.attention == "cudnn":  # the fused kernel's own limits, named here rather than deep in a trace
             _check(self.compute_dtype == "bfloat16", "ModelConfig", "attention", "cudnn needs compute_dtype bfloat16")

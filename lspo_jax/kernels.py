@@ -13,6 +13,10 @@ correct and slow, which is how the CPU tests check them against the einsum path;
 ``pallas`` against ``einsum`` on a GPU before timing it. On a mesh the kernel runs per shard (``shard_map``):
 rows split as the batch, heads as ``tp``, each shard its own kernel call.
 
+``decode_attention`` is the decode step's kernel (``model.decode_attend``, ``decode_attention: pallas``):
+``jax.experimental.pallas.ops.gpu.decode_attention.gqa``, one query per row over the KV cache, split over the
+slots (flash-decoding), reading each row's visible range ``[start, end)`` only.
+
 Query slots of segment 0 attend to the other padding slots (the kernels compare segment ids for equality only):
 finite values nobody reads, as a padding query's output is never used.
 """
@@ -89,3 +93,41 @@ def _splash(q_BTHE, k_BTHE, v_BTHE, segment_ids_BT, *, interpret: bool):
     q_BHTE = heads_first(q_BTHE) * jnp.asarray(e**-0.5, q_BTHE.dtype)
     out_BHTE = jax.vmap(one_row)(q_BHTE, heads_first(k_BTHE), heads_first(v_BTHE), segment_ids_BT)
     return heads_first(out_BHTE).astype(q_BTHE.dtype)
+
+
+def decode_attention(q_B1HE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, mask_B1S: jax.Array) -> jax.Array:
+    """The Pallas GPU decode kernel over the cache (``[B, 1, H, E]``); ``mask_B1S`` must be one contiguous range of
+    visible slots per row, which is passed as its first and one-past-last slot."""
+    slots = k_BKSE.shape[2]
+    visible_BS = mask_B1S[:, 0]
+    start_B = jnp.argmax(visible_BS, axis=-1).astype(jnp.int32)
+    end_B = (slots - jnp.argmax(visible_BS[:, ::-1], axis=-1)).astype(jnp.int32)
+    interpret = jax.default_backend() != "gpu"
+    call = functools.partial(_pallas_decode, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return call(q_B1HE, k_BKSE, v_BKSE, start_B, end_B)
+    q_spec = logical_spec(q_B1HE.shape, ("batch", None, "heads", None), mesh)
+    kv_spec = logical_spec(k_BKSE.shape, ("batch", "kv_heads", None, None), mesh)
+    rows = PartitionSpec(q_spec[0])
+    specs = (q_spec, kv_spec, kv_spec, rows, rows)
+    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(
+        q_B1HE, k_BKSE, v_BKSE, start_B, end_B
+    )
+
+
+def _pallas_decode(q_B1HE, k_BKSE, v_BKSE, start_B, end_B, *, interpret: bool):
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
+    slots = k_BKSE.shape[2]
+    # The kernel splits the slots into k_splits equal parts of at least 16, each a whole number of its blocks.
+    splits = next(k for k in (16, 8, 4, 2, 1) if slots % k == 0 and slots // k >= 16 and _blocks_fit(slots // k))
+    slots_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, S, K, E]: the kernel's layout (it swaps back inside)
+    out_BHE = decode_attention.gqa(
+        q_B1HE[:, 0], slots_first(k_BKSE), slots_first(v_BKSE), start_B, end_B, k_splits=splits, interpret=interpret
+    )
+    return out_BHE[:, None].astype(q_B1HE.dtype)
+
+
+def _blocks_fit(split: int, block: int = 128) -> bool:
+    return split % min(block, split) == 0

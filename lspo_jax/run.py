@@ -54,6 +54,7 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
         compute_dtype=run.model.compute_dtype,
         remat=run.model.remat,
         attention=run.model.attention,
+        decode_attention=run.model.decode_attention,
         lora=run.model.lora,
     )
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id

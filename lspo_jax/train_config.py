@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from lspo_jax.config import ATTENTION_IMPLS, REMAT_POLICIES, LoraConfig
+from lspo_jax.config import ATTENTION_IMPLS, DECODE_ATTENTION, REMAT_POLICIES, LoraConfig
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
 
 
@@ -36,13 +36,15 @@ class ModelSource:
     ``remat`` rematerialises the layer scan in the backward pass (none, full, dots): the paper's shape
     fits in 80 GB per device only with ``full`` (see ``tools/memory_plan.py``). ``attention`` is the kernel of
     the training and log-prob passes: ``einsum``, ``xla``, ``cudnn`` (fused, on a CUDA GPU with bf16) or
-    ``blocked`` (pure JAX, flash-style: no ``[T, T]`` scores on any backend).
+    ``blocked`` (pure JAX, flash-style: no ``[T, T]`` scores on any backend). ``decode_attention`` is the JAX
+    sampler's decode step over the KV cache: ``reduce`` (default), ``einsum``, ``xla`` or ``pallas`` (GPU).
     """
 
     path: str = "toy"
     compute_dtype: str = "float32"
     remat: str = "none"
     attention: str = "einsum"
+    decode_attention: str = "reduce"
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
@@ -50,6 +52,9 @@ class ModelSource:
         _require(self.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype", "float32 or bfloat16")
         _require(self.remat in REMAT_POLICIES, "model.remat", f"must be one of {REMAT_POLICIES}")
         _require(self.attention in ATTENTION_IMPLS, "model.attention", f"must be one of {ATTENTION_IMPLS}")
+        _require(
+            self.decode_attention in DECODE_ATTENTION, "model.decode_attention", f"must be one of {DECODE_ATTENTION}"
+        )
         if self.attention == "cudnn":
             _require(self.compute_dtype == "bfloat16", "model.attention", "cudnn needs model.compute_dtype: bfloat16")
 

@@ -118,6 +118,37 @@ def test_reproducible_and_independent_of_cache_window(tiny_config, tiny_params):
     assert_close_relative(a.logprobs, whole.logprobs, 2e-5)
 
 
+# ------------------------------------------------------------------------------ per-row randomness
+def test_rows_do_not_depend_on_the_other_rows_or_on_compaction(tiny_config, tiny_params):
+    """Row c draws from fold_in(fold_in(key, c), step): its tokens are the same alone or in a batch, and the
+    same whether or not the rows still running are moved into smaller batch buckets on the way."""
+    limits = [10, 3, 5]  # rows end at 10, 3 and 5 tokens: with compact_every=2 the batch shrinks 8 -> 4 -> 2
+    run = lambda prompts, **kw: generate_arrays(
+        tiny_config, tiny_params, prompts, key=jax.random.key(4), **{**SHARED, "max_new_tokens": 10, **kw}
+    )
+    before = collections.Counter(sampler.TRACE_COUNTS)
+    moved = run(PROMPTS, max_new_tokens=limits, compact_every=2)
+    assert (sampler.TRACE_COUNTS - before)["compact"] >= 2  # it did move rows, twice
+    still = run(PROMPTS, max_new_tokens=limits, compact_every=0)
+    np.testing.assert_array_equal(moved.lengths, np.repeat(limits, 2))
+    assert not moved.eos.any() and moved.steps == 10
+    np.testing.assert_array_equal(moved.tokens, still.tokens)
+    # Different batch shapes round the matmuls differently: the log-probs agree to float32 rounding.
+    assert_close_relative(moved.logprobs, still.logprobs, 2e-5)
+    # The first prompt alone (a batch bucket of 1, not 4): its two rows are rows 0 and 1 of the bigger call.
+    alone = run(PROMPTS[:1])
+    np.testing.assert_array_equal(alone.tokens, still.tokens[:2])
+
+
+def test_max_new_tokens_per_prompt(tiny_config, tiny_params):
+    recs = generate(tiny_config, tiny_params, PROMPTS, key=jax.random.key(5), max_new_tokens=[1, 7, 4], **SHARED)
+    assert [len(r.tokens) for r in recs] == [1, 1, 7, 7, 4, 4]
+    assert {r.finish_reason for r in recs} == {"length"}
+    for bad in ([1, 2], [3, 0, 1], [1.5, 2, 3]):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            generate(tiny_config, tiny_params, PROMPTS, key=jax.random.key(0), max_new_tokens=bad)
+
+
 # ------------------------------------------------------------------------------------------ EOS, length
 def test_eos_and_max_new_tokens_end_rows(tiny_config, tiny_params):
     kw = dict(key=jax.random.key(3), **SHARED)
@@ -252,6 +283,24 @@ def test_top_p_keeps_the_smallest_nucleus(top_p, top_k, kept):
     if len(kept) == 3:
         rank = np.argsort(np.argsort(-logits))  # token id -> rank by probability
         assert _chi_square(rank[tokens], probs[:3] / probs[:3].sum()) < CHI2_CRIT[2]
+
+
+def test_inverse_cdf_draw_over_blocks():
+    """A 1000-entry vocabulary (blocks of 32, the last one half padding) with a third of it at -inf: the draw
+    never picks a removed or padding entry, and its frequencies match the distribution.
+
+    Bins: the 5 heavy tokens one each, then the rest in one bin (6 bins, k = 5 degrees of freedom)."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=1000)
+    logits[:5] = 4.0 + np.arange(5) / 4  # five tokens of 3-6% each; the 662 other kept ones share the rest
+    logits[5 + rng.permutation(995)[:333]] = -np.inf
+    tokens, logp = _draw(logits)
+    assert np.all(np.isfinite(logits[tokens]))
+    probs = _softmax(logits)
+    bins = np.minimum(tokens, 5)
+    expected = np.append(probs[:5], probs[5:].sum())
+    assert _chi_square(bins, expected) < CHI2_CRIT[5]
+    np.testing.assert_allclose(logp, np.log(probs[tokens]), rtol=1e-4)
 
 
 def test_greedy_and_key_reproducibility():

@@ -154,11 +154,11 @@ def make_config(model_dir, train_file):
     return make
 
 
-def run_steps(config, out, rule, *, resume=False, prepare=None):
-    """Train ``config`` into ``out`` (re-rolls scored by ``hash_rule``); return the closed ``Run``.
+def run_steps(config, out, rule, *, resume=False, prepare=None, reroll_rule=hash_rule):
+    """Train ``config`` into ``out`` (re-rolls scored by ``reroll_rule``); return the closed ``Run``.
 
     ``prepare(job)`` runs before training, e.g. to ``wrap`` the learner's verbs."""
-    verifier = FakeVerifier(rule, hash_rule)
+    verifier = FakeVerifier(rule, reroll_rule)
     job = Run(config, out, resume=resume, verifier=verifier)
     flag_adapter(job, verifier)
     if prepare is not None:
@@ -393,7 +393,8 @@ def test_bad_rows_are_counted_not_fatal(tmp_path, make_config, train_rows, polic
         *train_rows[1:4],
     ]
     config = make_config(data__train=write_jsonl(tmp_path / "rows.jsonl", rows), data__prompt_policy=policy, steps=1)
-    job = run_steps(config, str(tmp_path / "run"), lambda response, gold, slot: False)  # every group a cliff
+    # Every group a cliff; re-roll 1 of each passes, whatever was sampled.
+    job = run_steps(config, str(tmp_path / "run"), lambda *_: False, reroll_rule=lambda response, gold, slot: slot == 1)
     report = job.summary["data"]
     assert (report["rows"], report["solution_missing"]) == (5, 1)
     if policy == "skip":
