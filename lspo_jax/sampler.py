@@ -72,6 +72,9 @@ MIN_PROMPT_BUCKET = 16
 DEFAULT_CACHE_WINDOW = 256
 # Decode segments end every this many steps: the host then drops the rows that have ended (``_Call._compact``).
 DEFAULT_COMPACT_EVERY = 16
+# No bucket below this many rows: a step of so few rows costs about the same as of half as many (reading the
+# weights dominates), so a smaller bucket would only add compiled programs.
+MIN_COMPACT_ROWS = 8
 
 # Incremented inside the traced functions, so it counts traces (= compilations) per program kind.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
@@ -545,10 +548,10 @@ class _Call(NamedTuple):
         return state, out
 
     def _compact(self, state: _State, out: _Out | None, done_C: np.ndarray) -> tuple[_State, _Out | None]:
-        """Move the live rows into the smallest row bucket that holds them (ended rows fill it up); their
-        results so far go to ``out`` first. Rows stay split evenly over the mesh's data axes."""
+        """Move the live rows into the smallest row bucket that holds them, of at least ``MIN_COMPACT_ROWS`` (ended
+        rows fill it up); their results so far go to ``out`` first. Rows stay split evenly over the data axes."""
         live = np.flatnonzero(~done_C)
-        rows = pow2_bucket(len(live), sharding.batch_shards(self.mesh))
+        rows = pow2_bucket(len(live), max(MIN_COMPACT_ROWS, sharding.batch_shards(self.mesh)))
         if rows >= len(done_C):
             return state, out
         index = np.concatenate([live, np.flatnonzero(done_C)])[:rows].astype(np.int32)
