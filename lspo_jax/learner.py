@@ -45,10 +45,12 @@ class Policy:
 
 class Generator:
     """Sampling from a policy: the run's vLLM engine when one is set and its context holds the call, else the JAX
-    sampler on ``mesh`` (the first device when None). Evaluation and the training step sample through it."""
+    sampler on ``mesh`` (the first device when None). Evaluation and the training step sample through it.
+    ``compact_every`` goes to the JAX sampler (``rollout.compact_every``; None: the sampler's default)."""
 
-    def __init__(self, policy: Policy, mesh: Mesh | None = None, vllm: Any = None):
+    def __init__(self, policy: Policy, mesh: Mesh | None = None, vllm: Any = None, compact_every: int | None = None):
         self.policy, self.mesh, self.vllm = policy, sharding.mesh_or_local(mesh), vllm
+        self.jax_options = {} if compact_every is None else {"compact_every": compact_every}
 
     @property
     def tokenizer(self) -> Any:
@@ -66,7 +68,7 @@ class Generator:
         options = dict(key=key, n=n, lora_scale=lora_scale, **decoding.kwargs())
         if self.vllm is not None and not (fallback and self._too_long(prompts, decoding)):
             return self.vllm.generate_arrays(params, prompts, **options)
-        return generate_arrays(self.policy.config, params, prompts, mesh=self.mesh, **options)
+        return generate_arrays(self.policy.config, params, prompts, mesh=self.mesh, **options, **self.jax_options)
 
     def _too_long(self, prompts: Sequence[Sequence[int]], decoding: Decoding) -> bool:
         return max(map(len, prompts)) + decoding.max_new_tokens > self.vllm.max_model_len
@@ -110,7 +112,7 @@ class Learner:
         # Attached by the run once it has built them, the engine last (nothing after it can fail and leave it
         # running): the verifier (``score``), the judge, the L2RR target's scorer and the vLLM engine.
         self.verifier, self.judge, self.target = None, None, None
-        self.generator = Generator(policy, self.mesh)
+        self.generator = Generator(policy, self.mesh, compact_every=run.rollout.compact_every)
         config = policy.config
         self.decoding = self.generator.decoding(
             run.rollout.max_new_tokens, run.rollout.temperature, run.rollout.top_p, run.rollout.top_k

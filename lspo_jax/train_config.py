@@ -118,6 +118,9 @@ class RolloutConfig:
     ``jax`` (our sampler) or ``vllm`` (one ``vllm_sampler.VLLMSampler`` per run, fed the current params
     before each call; ``vllm_kv_cache_gib`` is its CPU KV-cache space in whole GiB). Held-out evaluation
     samples with our sampler either way, and ``old_logp`` is always the trainer's own forward pass.
+    ``compact_every`` (our sampler only): every this many decode steps the rows still running move into a
+    smaller batch bucket when they fit one (``sampler.generate``); 0 never, which saves compiled programs where
+    those dominate (a tiny model on a CPU).
     """
 
     prompts_per_step: int = 32
@@ -128,6 +131,7 @@ class RolloutConfig:
     top_k: int = 0
     engine: str = "jax"
     vllm_kv_cache_gib: int = 1
+    compact_every: int = 16  # sampler.DEFAULT_COMPACT_EVERY
 
     def __post_init__(self) -> None:
         _require(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be positive")
@@ -138,6 +142,7 @@ class RolloutConfig:
         _require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 disables it)")
         _require(self.engine in ROLLOUT_ENGINES, "rollout.engine", f"must be one of {ROLLOUT_ENGINES}")
         _require(self.vllm_kv_cache_gib > 0, "rollout.vllm_kv_cache_gib", "must be a positive number of GiB")
+        _require(self.compact_every >= 0, "rollout.compact_every", "must be >= 0 (0 never compacts)")
 
 
 @dataclasses.dataclass(frozen=True)

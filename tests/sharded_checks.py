@@ -213,6 +213,22 @@ def check_sampler(params) -> dict:
             "lengths_equal": bool(np.array_equal(got.lengths, reference.lengths)),
             "logprobs": _max_diff([got.logprobs], [reference.logprobs]),
         }
+    # Rows ending at 10, 3 and 5 tokens: on the mesh the 8 rows move into a bucket of 4 (one row per fsdp shard)
+    # at step 4; the single-device call without compaction is the reference.
+    limits = dict(kwargs, max_new_tokens=[10, 3, 5])
+    still = sampler.generate_arrays(CONFIG, params, prompts, **limits, compact_every=0)
+    before = sampler.TRACE_COUNTS["compact"]
+    sampler.MIN_COMPACT_ROWS, floor = 1, sampler.MIN_COMPACT_ROWS
+    try:
+        moved = sampler.generate_arrays(CONFIG, params, prompts, mesh=mesh, **limits, compact_every=2)
+    finally:
+        sampler.MIN_COMPACT_ROWS = floor
+    out["compacted"] = {
+        "compactions": sampler.TRACE_COUNTS["compact"] - before,
+        "tokens_equal": bool(np.array_equal(moved.tokens, still.tokens)),
+        "lengths_equal": bool(np.array_equal(moved.lengths, still.lengths)),
+        "logprobs": _max_diff([moved.logprobs], [still.logprobs]),
+    }
     return out
 
 

@@ -80,6 +80,10 @@ def test_sampler_on_a_mesh_equals_single_device(checks):
     got = checks["sampler"]["fsdp4_tp2"]
     assert got["tokens_equal"] and got["lengths_equal"]
     assert got["logprobs"] < TOL
+    # Rows moved into a smaller bucket on the mesh: the same samples as one device without moving them.
+    moved = checks["sampler"]["compacted"]
+    assert moved["compactions"] >= 1 and moved["tokens_equal"] and moved["lengths_equal"]
+    assert moved["logprobs"] < TOL
 
 
 def test_fsdp8_holds_an_eighth_of_the_parameters_per_device(checks):

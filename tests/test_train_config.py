@@ -20,6 +20,7 @@ def test_defaults_are_the_papers_recipe():
     assert (config.model.lora.rank, config.model.lora.alpha) == (16, 64.0)
     assert config.scaffold.enabled and config.model.path == "toy"
     assert (config.rollout.engine, config.rollout.vllm_kv_cache_gib) == ("jax", 1)
+    assert (config.rollout.compact_every, config.model.decode_attention) == (16, "reduce")
 
 
 def test_demo_config_loads():
@@ -48,6 +49,8 @@ def test_demo_config_loads():
         ("eval.n=0", "eval.n"),
         ("rollout.engine=sglang", "rollout.engine"),
         ("rollout.vllm_kv_cache_gib=0", "rollout.vllm_kv_cache_gib"),
+        ("rollout.compact_every=-1", "rollout.compact_every"),
+        ("model.decode_attention=flash", "model.decode_attention"),
     ],
 )
 def test_bad_keys_and_values_name_the_dotted_key(override, key):
@@ -168,3 +171,17 @@ def test_pairs_that_contradict_each_other_name_the_key():
 def test_every_shipped_config_loads():
     for path in sorted(DEMO.parent.glob("*.yaml")):
         assert load_config(path).steps > 0, path
+
+
+def test_rollout_compact_every_reaches_the_jax_sampler(monkeypatch):
+    from lspo_jax import learner
+    from lspo_jax.config import ModelConfig
+
+    seen = {}
+    monkeypatch.setattr(learner, "generate_arrays", lambda *args, **kw: seen.update(kw))
+    policy = learner.Policy(config=ModelConfig.preset("tiny"), tokenizer=None, eos_ids=(1,))
+    for value, expected in ((0, 0), (None, None)):
+        seen.clear()
+        generator = learner.Generator(policy, compact_every=value)
+        generator.generate({}, [[5]], generator.decoding(4, 1.0, 1.0, 0), key=None)
+        assert seen.get("compact_every") == expected  # None: not passed, the sampler's default applies
