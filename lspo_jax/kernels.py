@@ -109,6 +109,8 @@ def decode_attention(q_B1HE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, ma
         return call(q_B1HE, k_BKSE, v_BKSE, start_B, end_B)
     q_spec = logical_spec(q_B1HE.shape, ("batch", None, "heads", None), mesh)
     kv_spec = logical_spec(k_BKSE.shape, ("batch", "kv_heads", None, None), mesh)
+    if kv_spec[1] is None:  # KV heads whole (tp does not divide them): each shard needs every query head of them
+        q_spec = PartitionSpec(q_spec[0], None, None, None)
     rows = PartitionSpec(q_spec[0])
     specs = (q_spec, kv_spec, kv_spec, rows, rows)
     return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(

@@ -181,7 +181,8 @@ def sample_token(
     if greedy:
         token_B, lse_B = jnp.argmax(logits_BV, axis=-1), jax.nn.logsumexp(scaled_BV, axis=-1)
     else:
-        keys_B = key if key.ndim else jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(scaled_BV.shape[0]))
+        per_row = key.ndim == (1 if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else 2)  # legacy: [2]
+        keys_B = key if per_row else jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(scaled_BV.shape[0]))
         u_B2 = jax.vmap(lambda k: jax.random.uniform(k, (2,)))(keys_B)
         if top_k == 0 and top_p >= 1.0:
             token_B, lse_B = _inverse_cdf(scaled_BV, u_B2)
@@ -539,7 +540,8 @@ class _Call(NamedTuple):
                 done_C = sharding.fetch(state.done_C)
                 if done_C.all():
                     break
-                state, out = self._compact(state, out, done_C)
+                if self.compact_every:
+                    state, out = self._compact(state, out, done_C)
             window = next(end for end in self.ends if end >= stop)
             if state.cache[0]["k"].shape[2] < prompt_slots + window:
                 state = state._replace(cache=_grow(state.cache, length=prompt_slots + window))

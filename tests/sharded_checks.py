@@ -232,6 +232,22 @@ def check_sampler(params) -> dict:
     return out
 
 
+def check_decode_kernel() -> dict:
+    """The Pallas decode kernel (interpreted) on fsdp4 x tp2 with 6 query heads over 3 KV heads, which tp cannot
+    split: each shard must then keep every query head of its rows (split 3 and 3, query heads 0-2 would be paired
+    with KV heads 0-2 instead of 0, 0, 1). Against ``model.attend`` on one device."""
+    rng = np.random.default_rng(5)
+    rows, heads, kv_heads, head_dim, slots = 4, 6, 3, 16, 48
+    q = rng.normal(size=(rows, 1, heads, head_dim)).astype(np.float32)
+    k, v = (rng.normal(size=(rows, kv_heads, slots, head_dim)).astype(np.float32) for _ in range(2))
+    start, end = np.array([0, 5, 16, 31]), np.array([48, 40, 17, 35])
+    mask = ((np.arange(slots) >= start[:, None]) & (np.arange(slots) < end[:, None]))[:, None]
+    ref = np.asarray(model.attend(q, k, v, mask))
+    with jax.set_mesh(sharding.make_mesh(sharding.MeshConfig(*LAYOUTS["fsdp4_tp2"]))):
+        got = np.asarray(jax.jit(model.decode_attend, static_argnums=0)("pallas", q, k, v, mask))
+    return {"max_abs_diff": float(np.abs(got - ref).max()), "scale": float(np.abs(ref).max())}
+
+
 def check_param_bytes(params) -> dict:
     """Per-device share of the parameters under fsdp = 8: measured on the tiny model, from shapes for 1.5B.
 
@@ -394,6 +410,7 @@ def main() -> None:
         ("steps", check_steps),
         ("packed", check_packed),
         ("sampler", check_sampler),
+        ("decode_kernel", lambda _: check_decode_kernel()),
         ("param_bytes", check_param_bytes),
         ("checkpoint", check_checkpoint),
         ("train_loop", check_train_loop),

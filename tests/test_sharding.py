@@ -86,6 +86,11 @@ def test_sampler_on_a_mesh_equals_single_device(checks):
     assert moved["logprobs"] < TOL
 
 
+def test_pallas_decode_kernel_on_a_mesh_whose_tp_cannot_split_the_kv_heads(checks):
+    got = checks["decode_kernel"]
+    assert got["max_abs_diff"] < 1e-5 * max(1.0, got["scale"])  # float32 sums of <= 48 terms, values of O(1)
+
+
 def test_fsdp8_holds_an_eighth_of_the_parameters_per_device(checks):
     got = checks["param_bytes"]
     assert got["batch_placed"]  # sharding.global_batch and host_local_batch: rows split over fsdp
