@@ -1,4 +1,5 @@
-"""The decoder's key/value cache as a plain pytree value: per layer ``{"k": [B, K, S, E], "v": [B, K, S, E]}``.
+"""The decoder's key/value cache as a plain pytree value: per layer ``{"k": [B, K, S, E], "v": [B, K, S, E]}``,
+or with the keys slots-last as ``"kT": [B, K, E, S]`` (``model.cache_key_name``: the leaf's name is its layout).
 
 A tuple of L such dicts, one buffer per layer, so the unrolled decode step reads and writes each in place.
 Letters as in ``model.py`` (L layers, B rows, S cache slots, K key/value heads, E head dim). The cache is
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 from lspo_jax import axes
 from lspo_jax.config import ModelConfig
-from lspo_jax.model import CACHE_AXES, Params
+from lspo_jax.model import CACHE_LEAF_AXES, Params, cache_key_name
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype: str | None = None) -> Params:
@@ -23,9 +24,11 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype: str | None =
     Keeping it in the compute dtype (bf16 on accelerators) halves the bytes every decode step reads.
     """
     shape = (batch, config.num_kv_heads, length, config.head_dim)
+    keys = cache_key_name(config)
+    key_shape = shape if keys == "k" else (batch, config.num_kv_heads, config.head_dim, length)
     dtype = jnp.dtype(dtype or config.compute_dtype)
-    layers = tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(config.num_layers))
-    return constrain(layers)
+    layer = lambda: {keys: jnp.zeros(key_shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return constrain(tuple(layer() for _ in range(config.num_layers)))
 
 
 def repeat_rows(cache: Params, n: int) -> Params:
@@ -35,12 +38,19 @@ def repeat_rows(cache: Params, n: int) -> Params:
 
 def grow_cache(cache: Params, length: int) -> Params:
     """The same cache with empty slots appended up to ``length`` (written slots keep their indices)."""
-    return constrain(jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0))), cache))
+
+    def grow(name: str, x: jax.Array) -> jax.Array:
+        slots = CACHE_LEAF_AXES[name].index("length")
+        widths = [(0, 0)] * x.ndim
+        widths[slots] = (0, length - x.shape[slots])
+        return jnp.pad(x, widths)
+
+    return constrain(tuple({name: grow(name, x) for name, x in layer.items()} for layer in cache))
 
 
 def constrain(cache: Params) -> Params:
     """Pin the cache's layout under a mesh: rows over the data axes, KV heads over ``tp`` (``sharding``)."""
-    return jax.tree.map(lambda x: axes.constrain(x, CACHE_AXES), cache)
+    return tuple({name: axes.constrain(x, CACHE_LEAF_AXES[name]) for name, x in layer.items()} for layer in cache)
 
 
 def cache_nbytes(config: ModelConfig, batch: int, length: int, dtype: str | None = None) -> int:

@@ -171,6 +171,17 @@ def logical_axes(config: ModelConfig) -> Params:
 # sit before the slots so that a decode step's ``q k^T`` and ``p v`` are batched over leading (B, K) dims:
 # with slots first, XLA copied every layer's whole cache into that order at every step (seen in the CPU HLO).
 CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
+# With ``decode_attention: reduce`` the keys are stored slots-last, as ``"kT": [B, K, E, S]``: the decode
+# step's q k^T then sums over E across vectors of S contiguous slots, which XLA's CPU backend vectorizes, where
+# summing each slot's E values is a horizontal reduction per slot. The other implementations take slots-first
+# keys (``"k"``); the name says the layout, so the cache functions need no config.
+KEYS_T_AXES = ("batch", "kv_heads", "head_dim", "length")
+CACHE_LEAF_AXES = {"k": CACHE_AXES, "kT": KEYS_T_AXES, "v": CACHE_AXES}
+
+
+def cache_key_name(config: ModelConfig) -> str:
+    """The cache leaf that holds the keys: ``"kT"`` (``[B, K, E, S]``) for ``reduce``, ``"k"`` otherwise."""
+    return "kT" if config.decode_attention == "reduce" else "k"
 
 
 def count_params(tree: Any) -> int:
@@ -248,9 +259,11 @@ def decode_attend(
 ) -> jax.Array:
     """One query per row over the KV cache: ``attend``'s result through ``implementation`` (``DECODE_ATTENTION``).
 
-    ``einsum`` is ``attend``. ``reduce`` writes the two products as broadcast multiplies and sums over the head
-    dim and over the slots: one pass over each cache buffer, where XLA's CPU backend lowers the einsums to many
-    small batched matmuls (measured 5x slower at 32 rows of 256 slots). ``xla`` is
+    Keys come in the cache's layout for ``implementation`` (``cache_key_name``): ``[B, K, E, S]`` for
+    ``reduce``, ``[B, K, S, E]`` for the others. ``einsum`` is ``attend``. ``reduce`` writes the two products
+    as broadcast multiplies and sums, over the head dim (across slots-last keys) and over the slots: one pass
+    over each cache buffer, where XLA's CPU backend lowers the einsums to many small batched matmuls
+    (measured 5x slower at 32 rows of 256 slots). ``xla`` is
     ``jax.nn.dot_product_attention``; ``pallas`` the Pallas GPU decode kernel (``kernels.decode_attention``),
     which needs each row's visible slots to be one contiguous range, as the sampler's are (the left-padded
     prompt, then the generated slots).
@@ -268,7 +281,8 @@ def decode_attend(
     k_heads = k_BKSE.shape[1]
     f32 = jnp.float32
     q_BKGE = q_B1HE.reshape(b, k_heads, h // k_heads, e).astype(f32) * (e**-0.5)
-    scores_BKGS = jnp.sum(q_BKGE[:, :, :, None, :] * k_BKSE[:, :, None].astype(f32), axis=-1)
+    k_BKES = k_BKSE  # slots-last for this implementation
+    scores_BKGS = jnp.sum(q_BKGE[..., None] * k_BKES[:, :, None].astype(f32), axis=-2)
     scores_BKGS = jnp.where(mask_B1S[:, None], scores_BKGS, _MASKED)
     probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1)
     out_BKGE = jnp.sum(probs_BKGS[..., None] * v_BKSE[:, :, None].astype(f32), axis=-2)
@@ -309,7 +323,10 @@ def _write_cache(cache: Params, k_BTKE: jax.Array, v_BTKE: jax.Array, index: jax
         new_BKTE = jnp.swapaxes(new_BTKE, 1, 2).astype(c_BKSE.dtype)
         return jax.lax.dynamic_update_slice(c_BKSE, new_BKTE, (0, 0, index, 0))
 
-    return {"k": put(cache["k"], k_BTKE), "v": put(cache["v"], v_BTKE)}
+    if "k" in cache:
+        return {"k": put(cache["k"], k_BTKE), "v": put(cache["v"], v_BTKE)}
+    new_BKET = jnp.transpose(k_BTKE, (0, 2, 3, 1)).astype(cache["kT"].dtype)
+    return {"kT": jax.lax.dynamic_update_slice(cache["kT"], new_BKET, (0, 0, 0, index)), "v": put(cache["v"], v_BTKE)}
 
 
 def block(
@@ -329,7 +346,8 @@ def block(
     """One pre-norm decoder layer: ``x += attn(norm(x)); x += mlp(norm(x))``, mlp = ``down(silu(gate) * up)``.
 
     ``layer``/``lora`` are this layer's slices (no L axis); ``lora_c = (alpha / rank) * lora_scale``.
-    Without a cache, S = T. With this layer's ``kv_cache = {"k": [B, K, S, E], "v": ...}`` the new keys and
+    Without a cache, S = T. With this layer's ``kv_cache = {"k": [B, K, S, E], "v": ...}`` (keys as ``"kT":
+    [B, K, E, S]`` where ``cache_key_name`` says so) the new keys and
     values are written at slot ``cache_index`` and the queries attend over all S slots; ``mask_BTS`` must
     then hide the unwritten slots. With ``seq_lengths_B`` (no cache, right-padded rows) attention is
     ``config.attention``'s fused kernel and ``mask_BTS`` is unused; with ``segment_ids_BT`` (no cache) it is
@@ -358,11 +376,12 @@ def block(
             out_BTHE = attend(q_BTHE, jnp.swapaxes(k_BTKE, 1, 2), jnp.swapaxes(v_BTKE, 1, 2), mask_BTS)
         else:
             kv_cache = _write_cache(kv_cache, k_BTKE, v_BTKE, cache_index)
-            keys, values = kv_cache["k"].astype(dt), kv_cache["v"].astype(dt)
-            if q_BTHE.shape[1] == 1:  # a decode step
+            values = kv_cache["v"].astype(dt)
+            keys = (kv_cache["k"] if "k" in kv_cache else kv_cache["kT"]).astype(dt)
+            if q_BTHE.shape[1] == 1:  # a decode step: keys in the cache's layout (``cache_key_name``)
                 out_BTHE = decode_attend(config.decode_attention, q_BTHE, keys, values, mask_BTS)
-            else:
-                out_BTHE = attend(q_BTHE, keys, values, mask_BTS)
+            else:  # the prompt pass, once a call
+                out_BTHE = attend(q_BTHE, keys if "k" in kv_cache else jnp.swapaxes(keys, 2, 3), values, mask_BTS)
         x_BTD = x_BTD + _linear(out_BTHE, layer["o"], lora.get("o"), lora_c, n_in=2)
     with jax.named_scope("mlp"):
         h_BTD = rms_norm(x_BTD, layer["mlp_norm"], config.rms_norm_eps)
@@ -411,7 +430,8 @@ def decoder(
 ) -> tuple[jax.Array, Params | None]:
     """All layers then the final RMSNorm: ``(h [B, T, D], kv_cache)``.
 
-    ``kv_cache``, when given, holds one ``{"k": [B, K, S, E], "v": [B, K, S, E]}`` per layer (a tuple of L);
+    ``kv_cache``, when given, holds one ``{"k": [B, K, S, E], "v": [B, K, S, E]}`` per layer (a tuple of L;
+    keys as ``"kT": [B, K, E, S]`` where ``cache_key_name`` says so);
     the cached path runs the layers unrolled (see ``_cached_layers``), the cache-free one as a scan.
     ``seq_lengths_B`` (cache-free, right-padded rows only) selects the fused attention, ``segment_ids_BT``
     (cache-free) the blocked one or ``config.attention``'s vendor kernel; see ``block``.
@@ -457,7 +477,7 @@ def _cached_layers(config, layers, lora, lora_c, x_BTD, positions_BT, mask_BTS, 
         x_BTD = constrain(x_BTD, _RESIDUAL_AXES)
         kw = dict(lora=lora[i] if lora else None, lora_c=lora_c, kv_cache=kv_cache[i], cache_index=cache_index)
         x_BTD, layer_cache = block(config, layer, x_BTD, positions_BT, mask_BTS, **kw)
-        new_cache.append(jax.tree.map(lambda c: constrain(c, CACHE_AXES), layer_cache))
+        new_cache.append({name: constrain(c, CACHE_LEAF_AXES[name]) for name, c in layer_cache.items()})
     return x_BTD, tuple(new_cache)
 
 

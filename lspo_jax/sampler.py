@@ -353,7 +353,7 @@ def _decode_segment(
     """
     TRACE_COUNTS["decode"] += 1
     p = state.prompt_valid_CP.shape[1]
-    s = state.cache[0]["k"].shape[2]
+    s = state.cache[0]["v"].shape[2]
     slots_S = jnp.arange(s)
     prompt_valid_CS = jnp.pad(state.prompt_valid_CP, ((0, 0), (0, s - p)))
 
@@ -543,7 +543,7 @@ class _Call(NamedTuple):
                 if self.compact_every:
                     state, out = self._compact(state, out, done_C)
             window = next(end for end in self.ends if end >= stop)
-            if state.cache[0]["k"].shape[2] < prompt_slots + window:
+            if state.cache[0]["v"].shape[2] < prompt_slots + window:
                 state = state._replace(cache=_grow(state.cache, length=prompt_slots + window))
             args = (key, self.temperature, self.scale, self.eos_E, jnp.asarray(stop, jnp.int32))
             state = _decode_segment(self.config, self.tree, state, *args, options=self.options)
@@ -630,10 +630,9 @@ def lower_decode(
     """
     dtype = jnp.dtype(config.compute_dtype)
     params = {"base": jax.tree.map(lambda a: a.update(dtype=dtype), abstract_params(config)["base"])}
-    layer_cache = jax.ShapeDtypeStruct((rows, config.num_kv_heads, cache_slots, config.head_dim), dtype)
     row = lambda shape, dt: jax.ShapeDtypeStruct((rows, *shape), dt)
     state = _State(
-        cache=tuple({"k": layer_cache, "v": layer_cache} for _ in range(config.num_layers)),
+        cache=jax.eval_shape(lambda: init_cache(config, rows, cache_slots, dtype)),
         step=jax.ShapeDtypeStruct((), jnp.int32),
         row_C=row((), jnp.int32),
         limit_C=row((), jnp.int32),

@@ -187,7 +187,7 @@ def batch_shards(mesh: Mesh) -> int:
 
 def kv_cache_sharding(config: ModelConfig, mesh: Mesh, rows: int) -> NamedSharding:
     """Layout of a layer's ``[B, K, S, E]`` cache leaf: rows over ``data`` + ``fsdp``, KV heads over ``tp``
-    if they divide.
+    if they divide. Slots and head dim are never split, so it is also the layout of slots-last keys ``"kT"``.
 
     ``rows`` is the cache's row count: a count that does not divide leaves the rows whole.
     """

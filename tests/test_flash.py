@@ -140,7 +140,9 @@ def test_decode_attention_equals_einsum(implementation):
     start, end = np.array([0, 5, 16, 31]), np.array([48, 40, 17, 35])
     mask = jnp.asarray((np.arange(slots) >= start[:, None]) & (np.arange(slots) < end[:, None]))[:, None]
     ref = model.attend(q, k, v, mask)
-    out = jax.jit(model.decode_attend, static_argnums=0)(implementation, q, k, v, mask)
+    config = ModelConfig.preset("tiny", decode_attention=implementation)
+    keys = k if model.cache_key_name(config) == "k" else jnp.swapaxes(k, 2, 3)  # the cache's layout for it
+    out = jax.jit(model.decode_attend, static_argnums=0)(implementation, q, keys, v, mask)
     # A weighted mean of unit normals: float32 sums of <= 48 terms in another order differ by about
     # sqrt(48) * 6e-8 = 4e-7 of the values at worst, so 1e-6 of the norm holds on any x86 build.
     assert_close_relative(out, ref, 1e-6)

@@ -8,6 +8,7 @@ T = 0.7, cache_window 8 so that a call of 9 or 10 new tokens grows the cache onc
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +39,15 @@ def _left_pad(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 # --------------------------------------------------------------------------------- parity and log-probs
-def test_greedy_matches_transformers_generate(hf_untied_dir):
+@pytest.mark.parametrize("decode_attention", ["reduce", "einsum"])  # the two cache layouts: keys slots-last, first
+def test_greedy_matches_transformers_generate(hf_untied_dir, decode_attention):
     import torch
     from transformers import Qwen2ForCausalLM
 
     from lspo_jax.hf import load_pretrained
 
     config, params = load_pretrained(hf_untied_dir)
+    config = dataclasses.replace(config, decode_attention=decode_attention)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 96, size=length).tolist() for length in (7, 3, 11)]
     ours = generate(
