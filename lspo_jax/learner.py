@@ -150,12 +150,19 @@ class Learner:
         state.params, state.opt_state = self.place(params, opt_state)
 
     # -------------------------------------------------------------------------------------- rollouts
-    def sample(self, prompts: Sequence[Sequence[int]], key, *, lora_scale: float, n: int | None = None) -> Rows:
-        """``n`` (default ``group_size``) rollouts per prompt, packed into fixed-shape rows, with ``sampler_logp``
-        (the engine's own log-prob of each sampled token, 0 on prompt slots)."""
+    def sample(
+        self, prompts: Sequence[Sequence[int]], key, *, lora_scale: float, n: int | None = None,
+        temperature: float | None = None,
+    ) -> Rows:  # fmt: skip
+        """``n`` (default ``group_size``) rollouts per prompt at ``temperature`` (default the rollout's), packed into
+        fixed-shape rows, with ``sampler_logp`` (the engine's own log-prob of each sampled token, 0 on prompt
+        slots)."""
         n = n or self.run.rollout.group_size
+        decoding = self.decoding
+        if temperature is not None and temperature != decoding.temperature:
+            decoding = dataclasses.replace(decoding, temperature=temperature)
         sample = self.generator.generate(
-            self.state.params, prompts, self.decoding, key=key, n=n, lora_scale=lora_scale, fallback=False
+            self.state.params, prompts, decoding, key=key, n=n, lora_scale=lora_scale, fallback=False
         )
         prompt_slots = self.run.data.max_prompt_tokens
         rows = packing.pack_samples(prompts, sample, prompt_slots)
@@ -209,8 +216,10 @@ class Learner:
         )  # fmt: skip
         return Placed(packing.mesh_rows(self.mesh, packed.arrays), packed.micro_batches, packed)
 
-    def logprobs(self, rows: Rows, *, lora_scale: float, min_rows: int = 1) -> np.ndarray:
-        """``log pi(tokens[t] | tokens[<t])`` at the sampling temperature, zero off the response mask.
+    def logprobs(
+        self, rows: Rows, *, lora_scale: float, min_rows: int = 1, temperature: float | None = None
+    ) -> np.ndarray:
+        """``log pi(tokens[t] | tokens[<t])`` at ``temperature`` (default the rollout's), zero off the response mask.
 
         Packed (``loss.packing``), the buffer rows and micro-batches are ``place_rows``'; padded, the rows are padded
         to a power-of-two count (at least ``min_rows``) in ``loss.micro_batches`` micro-batches. Either way a varying
@@ -224,8 +233,9 @@ class Learner:
             padded = {k: rows[k] for k in ("tokens", "attention_mask")}
             placed = self.place_rows(packing.pad_rows(padded, packing.pow2_bucket(max(count, min_rows))), (),
                                      loss.micro_batches)  # fmt: skip
+        temperature = temperature or self.run.rollout.temperature
         program = distributed.sharded_logprobs(
-            self.policy.config, self.mesh, lora_scale=lora_scale, temperature=self.run.rollout.temperature,
+            self.policy.config, self.mesh, lora_scale=lora_scale, temperature=temperature,
             chunk_size=loss.chunk_size, num_micro_batches=placed.micro_batches,
         )  # fmt: skip
         logp = placed.unpack(sharding.fetch(program(self.state.params, placed.arrays)))[:count]

@@ -21,13 +21,26 @@ import jax
 import jax.numpy as jnp
 
 Metrics = dict[str, jax.Array]
+ADVANTAGE_ESTIMATORS = ("std", "mean_only", "loo")
 
 
 # ----------------------------------------------------------------------------------------- advantages
 def group_advantages(
-    rewards: jax.Array, group_size: int, eps: float = 1e-6, valid: jax.Array | None = None
+    rewards: jax.Array,
+    group_size: int,
+    eps: float = 1e-6,
+    valid: jax.Array | None = None,
+    *,
+    estimator: str = "std",
 ) -> jax.Array:
-    """Group-normalised advantages ``A_i = (r_i - mean_g) / (std_g + eps)``.
+    """Group-relative advantages; by default group-normalised, ``A_i = (r_i - mean_g) / (std_g + eps)``.
+
+    ``estimator`` (``ADVANTAGE_ESTIMATORS``), over a group of n rewards with mean m:
+
+        std        (r_i - m) / (std + eps)                    GRPO / DAPO; std with Bessel's correction
+        mean_only  r_i - m                                     Dr. GRPO: no division by the std
+        loo        r_i - (sum_j r_j - r_i) / (n - 1)           leave-one-out (RLOO): the mean of the others,
+                   = n / (n - 1) * (r_i - m)                   an unbiased baseline; n < 2 gives 0
 
     Rows are grouped consecutively: rows ``0 .. K-1`` are the K rollouts of prompt 0, and so on. ``std_g``
     uses Bessel's correction (``ddof=1``), as DAPO/verl do. A group whose rewards are all equal (every
@@ -40,8 +53,9 @@ def group_advantages(
     Args:
         rewards: ``[N]`` rewards, ``N`` a multiple of ``group_size``.
         group_size: K, rollouts per prompt (slots per prompt when ``valid`` is given).
-        eps: added to the standard deviation.
+        eps: added to the standard deviation (``std`` only).
         valid: optional ``[N]`` bool, False on padding rows; None treats every row as valid.
+        estimator: ``std``, ``mean_only`` or ``loo``.
 
     Returns:
         ``[N]`` float32 advantages.
@@ -53,9 +67,14 @@ def group_advantages(
         raise ValueError(f"len(rewards)={rewards.shape[0]} is not a multiple of group_size={group_size}")
     if valid is not None and jnp.shape(valid) != rewards.shape:
         raise ValueError(f"valid must have the shape of rewards {rewards.shape}, got {jnp.shape(valid)}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {ADVANTAGE_ESTIMATORS}")
     if group_size == 1:
         return jnp.zeros_like(rewards)  # the sample std of one value is undefined; no signal either way
     r_GK = rewards.reshape(-1, group_size)
+    if estimator != "std":
+        valid_GK = jnp.ones(r_GK.shape, bool) if valid is None else jnp.asarray(valid, bool).reshape(r_GK.shape)
+        return _centred_advantages(r_GK, valid_GK, estimator).reshape(-1)
     adv_GK = _full_group_advantages(r_GK, eps)
     if valid is not None:
         valid_GK = jnp.asarray(valid, bool).reshape(r_GK.shape)
@@ -63,6 +82,18 @@ def group_advantages(
         full_G1 = jnp.all(valid_GK, axis=1, keepdims=True)
         adv_GK = jnp.where(full_G1, adv_GK, _masked_group_advantages(r_GK, valid_GK, eps))
     return adv_GK.reshape(-1)
+
+
+def _centred_advantages(r_GK: jax.Array, valid_GK: jax.Array, estimator: str) -> jax.Array:
+    """``mean_only`` and ``loo`` over the valid rows of each group; padding rows and constant groups give 0."""
+    count_G1 = jnp.sum(valid_GK, axis=1, keepdims=True).astype(jnp.float32)
+    mean_G1 = jnp.sum(jnp.where(valid_GK, r_GK, 0.0), axis=1, keepdims=True) / jnp.maximum(count_G1, 1.0)
+    centred_GK = r_GK - mean_G1
+    if estimator == "loo":  # a group of one valid row has no other rows to average: the where below gives 0
+        centred_GK = centred_GK * (count_G1 / jnp.maximum(count_G1 - 1.0, 1.0))
+    first_G1 = jnp.take_along_axis(r_GK, jnp.argmax(valid_GK, axis=1)[:, None], axis=1)
+    constant_G1 = jnp.all((r_GK == first_G1) | ~valid_GK, axis=1, keepdims=True)
+    return jnp.where(valid_GK & ~constant_G1 & (count_G1 >= 2), centred_GK, 0.0)
 
 
 def _full_group_advantages(r_GK: jax.Array, eps: float) -> jax.Array:
@@ -223,6 +254,33 @@ def policy_loss(
         "num_tokens": jnp.sum(mask.astype(jnp.float32)),
     }
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def weighted_advantages(advantages: jax.Array, weights: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``[B, T]`` advantages times detached importance weights (``[B]`` per row or ``[B, T]`` per token, >= 0).
+
+    The clipped surrogate is positively homogeneous in A: for w >= 0, ``w * l_t(rho, A) = l_t(rho, w * A)``,
+    dual clip included (its cap ``clip_c * |A|`` scales with A too) and with the same clip decisions. So a
+    weight on a token's loss is a weight on its advantage, and ``policy_loss`` needs no weight argument.
+    """
+    weights = jnp.asarray(weights, jnp.float32)
+    return _broadcast_advantages(advantages, shape) * _broadcast_advantages(weights, shape)
+
+
+def sequence_weights(logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array, cap: float) -> jax.Array:
+    """``[B]`` truncated sequence importance weights ``min(prod_t pi(y_t) / mu(y_t), cap)`` over each row's mask.
+
+    Computed in log space, ``exp(min(sum_t (log pi - log mu), log cap))``: the product of thousands of per-token
+    ratios under- or overflows float32 long before the cap acts.
+    """
+    log_ratio = jnp.sum(jnp.where(mask > 0, logp - behaviour_logp, 0.0), axis=-1)
+    return jnp.exp(jnp.minimum(log_ratio, jnp.log(cap)))
+
+
+def token_weights(logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array, cap: float) -> jax.Array:
+    """``[B, T]`` truncated per-token importance weights ``min(pi(y_t) / mu(y_t), cap)``, 1 off the mask."""
+    log_ratio = jnp.where(mask > 0, logp - behaviour_logp, 0.0)
+    return jnp.where(mask > 0, jnp.exp(jnp.minimum(log_ratio, jnp.log(cap))), 1.0)
 
 
 def _broadcast_advantages(advantages: jax.Array, shape: tuple[int, ...]) -> jax.Array:

@@ -10,6 +10,15 @@ so GRPO learns nothing from it. LSPO re-rolls each cliff prompt K times with a f
 Failed re-rollouts are dropped; every other row keeps its values, its ``old_logp`` included. A spliced row
 carries the re-rollout's fields, so its ``old_logp`` is the adapter-on log-prob ``log pi_theta+phi``.
 
+That is ``SPLICES[0]``, ``partial``, the paper's. The others (``splice(..., variant=)``, ``scaffold.splice``):
+
+    group        the cliff group's valid slots <- its re-rollouts in order, passing or not (all of them when
+                 there are as many re-rollouts as slots): the group becomes an adapter-on sample
+    keep_failed  failed slots <- the passing re-rollouts, then the failed ones: the off-policy rows the paper
+                 says add mass without signal. With 0-success cliffs and K re-rolls it fills the same slots
+                 as ``group``, in another order; the two differ when cliffs may hold successes
+                 (``find_cliffs(max_successes=m)``), which only ``group`` replaces
+
 This runs in numpy on the host, between sampling and the update: the number of passing re-rollouts is
 data-dependent, so a jitted version would need padding to fixed shapes for no gain on arrays this small
 (a few hundred rows), and the scaffold's logs need concrete Python numbers anyway.
@@ -23,10 +32,14 @@ from collections.abc import Mapping
 import numpy as np
 
 Batch = dict[str, np.ndarray]
+SPLICES = ("partial", "group", "keep_failed")
 
 
-def find_cliffs(accuracy: np.ndarray, group_size: int, valid: np.ndarray | None = None) -> np.ndarray:
-    """``[N // K]`` bool: True for groups with zero total accuracy (``sum_{i in g} acc_i == 0``).
+def find_cliffs(
+    accuracy: np.ndarray, group_size: int, valid: np.ndarray | None = None, *, max_successes: int = 0
+) -> np.ndarray:
+    """``[N // K]`` bool: True for groups with at most ``max_successes`` passing rows (default 0: zero total
+    accuracy, ``sum_{i in g} acc_i == 0``).
 
     Use verifier accuracy (0/1), not the shaped reward: the overlong penalty can make a failed group's
     rewards unequal, but the group is still a cliff. Rows are grouped consecutively (rows 0..K-1 = group 0).
@@ -35,7 +48,7 @@ def find_cliffs(accuracy: np.ndarray, group_size: int, valid: np.ndarray | None 
     """
     acc_GK = _grouped(np.asarray(accuracy), group_size, "accuracy")
     valid_GK = _valid(valid, acc_GK.shape)
-    return ~np.any((acc_GK > 0) & valid_GK, axis=1) & valid_GK.any(axis=1)
+    return (np.sum((acc_GK > 0) & valid_GK, axis=1) <= max_successes) & valid_GK.any(axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,19 +91,25 @@ def splice(
     cliffs: np.ndarray,
     group_size: int,
     valid: np.ndarray | None = None,
+    *,
+    variant: str = "partial",
+    reroll_n: int | None = None,
 ) -> tuple[Batch, np.ndarray, SpliceStats]:
-    """Replace failed rows of cliff groups by passing re-rollouts (the partial swap, see the module doc).
+    """Replace rows of cliff groups by re-rollouts: by default failed rows by passing re-rollouts (the partial
+    swap; ``variant`` names another of ``SPLICES``, see the module doc).
 
     Args:
         base: per-row arrays of the sampled batch, rows on axis 0 and grouped consecutively by prompt; must
             hold ``"accuracy"`` ``[N]`` (0/1). Typically also ``tokens``, ``mask`` and ``old_logp`` ``[N, T]``
             and ``reward`` ``[N]``. Every key of ``base`` is spliced, so ``rerolls`` must hold the same keys.
-        rerolls: the re-rollouts of the cliff groups, K consecutive rows per cliff group, cliff groups in
-            increasing group index (the order of ``np.flatnonzero(cliffs)``); ``old_logp`` holds the
+        rerolls: the re-rollouts of the cliff groups, ``reroll_n`` consecutive rows per cliff group, cliff groups
+            in increasing group index (the order of ``np.flatnonzero(cliffs)``); ``old_logp`` holds the
             adapter-on log-probs.
         cliffs: ``[N // K]`` bool from ``find_cliffs``.
         group_size: K.
         valid: optional ``[N]`` bool, False on padding slots of groups smaller than K: never spliced into.
+        variant: ``partial``, ``group`` or ``keep_failed``.
+        reroll_n: re-rollouts per cliff group (default K).
 
     Token length: axis 1 of every field with ``ndim >= 2`` is the token axis. A re-roll field shorter than
     its base field is right-padded with zeros (pad token 0, mask 0, log-prob 0: masked out everywhere); a
@@ -101,24 +120,28 @@ def splice(
         ``(spliced, spliced_rows, stats)``: a new dict with the same keys, shapes and dtypes as ``base``
         (inputs are not modified), ``[N]`` bool marking the replaced rows, and the step's ``SpliceStats``.
     """
+    if variant not in SPLICES:
+        raise ValueError(f"unknown splice variant {variant!r}; known: {SPLICES}")
     acc_GK = _grouped(np.asarray(base["accuracy"]), group_size, "base accuracy")
     cliffs = np.asarray(cliffs, dtype=bool)
     if cliffs.shape != acc_GK.shape[:1]:
         raise ValueError(f"cliffs must have one entry per group, shape {acc_GK.shape[:1]}, got {cliffs.shape}")
     cliff_ids = np.flatnonzero(cliffs)
-    reroll_acc_CK = _grouped(np.asarray(rerolls["accuracy"]), group_size, "reroll accuracy")
+    reroll_n = reroll_n or group_size
+    reroll_acc_CK = _grouped(np.asarray(rerolls["accuracy"]), reroll_n, "reroll accuracy")
     if reroll_acc_CK.shape[0] != cliff_ids.size:
         raise ValueError(
-            f"{cliff_ids.size} cliff groups need {cliff_ids.size * group_size} re-rollouts, "
-            f"got {reroll_acc_CK.shape[0] * group_size}"
+            f"{cliff_ids.size} cliff groups need {cliff_ids.size * reroll_n} re-rollouts, "
+            f"got {reroll_acc_CK.shape[0] * reroll_n}"
         )
     missing = sorted(set(base) - set(rerolls))
     if missing:
         raise ValueError(f"rerolls lack field(s) {missing} present in base")
 
-    # A padding slot is shown as passing, so it is never a failed slot to fill.
-    keep_GK = (acc_GK > 0) | ~_valid(valid, acc_GK.shape)
-    dst, src, num_surpassed = _slot_pairs(keep_GK, reroll_acc_CK > 0, cliff_ids)
+    valid_GK = _valid(valid, acc_GK.shape)
+    # Slots a re-rollout may fill: the failed ones (``group``: all) of valid slots.
+    open_GK = valid_GK if variant == "group" else valid_GK & ~(acc_GK > 0)
+    dst, src, num_surpassed = _slot_pairs(open_GK, reroll_acc_CK > 0, cliff_ids, variant)
     spliced = {key: _replace_rows(key, np.asarray(base[key]), np.asarray(rerolls[key]), dst, src) for key in base}
     spliced_rows = np.zeros(acc_GK.size, dtype=bool)
     spliced_rows[dst] = True
@@ -134,17 +157,26 @@ def splice(
 
 
 def _slot_pairs(
-    base_pass_GK: np.ndarray, reroll_pass_CK: np.ndarray, cliff_ids: np.ndarray
+    open_GK: np.ndarray, reroll_pass_CK: np.ndarray, cliff_ids: np.ndarray, variant: str
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Row pairs (destination in base, source in rerolls): j-th passing re-roll -> j-th failed slot."""
-    k = base_pass_GK.shape[1]
+    """Row pairs (destination in base, source in rerolls): the j-th source re-roll -> the j-th open slot.
+
+    Sources: the passing re-rolls (``partial``), all in order (``group``), passing then failed (``keep_failed``).
+    """
+    k, n = open_GK.shape[1], reroll_pass_CK.shape[1]
     dst, src, surpassed = [], [], 0
     for c, g in enumerate(cliff_ids):
-        failed = g * k + np.flatnonzero(~base_pass_GK[g])
-        passing = c * k + np.flatnonzero(reroll_pass_CK[c])
-        n = min(failed.size, passing.size)
-        dst.append(failed[:n])
-        src.append(passing[:n])
+        slots = g * k + np.flatnonzero(open_GK[g])
+        passing = np.flatnonzero(reroll_pass_CK[c])
+        if variant == "partial":
+            order = passing
+        elif variant == "group":
+            order = np.arange(n)
+        else:
+            order = np.concatenate([passing, np.flatnonzero(~reroll_pass_CK[c])])
+        m = min(slots.size, order.size)
+        dst.append(slots[:m])
+        src.append(c * n + order[:m])
         surpassed += int(passing.size > 0)
     return _concat_index(dst), _concat_index(src), surpassed
 

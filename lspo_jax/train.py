@@ -96,12 +96,16 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     record["spliced_ratio_mean"] = _spliced_ratio_mean(base_logp, rows, spliced_mask)
     if learner.vllm is not None:
         record.update(_engine_metrics(learner, sync_before, base_logp, rows, spliced_mask))
-    rows["old_logp"] = np.where(spliced_mask[:, None], rows["old_logp"], base_logp)
+    behaviour_logp = np.where(spliced_mask[:, None], rows["old_logp"], base_logp)
+    rows["old_logp"], weights = importance_weights(learner.run, rows, base_logp, behaviour_logp, spliced_mask)
     advantages, judge_record = step_advantages(learner, rows, draw.examples, valid, phases)
     record.update(judge_record)
     with phases("update"):
         batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
         batch["advantages"] = advantages
+        if weights is not None:
+            batch["advantages"] = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
+            record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
         scores = None
         if draw.score_prompts:  # before the update, which donates the base it scores
             start = time.perf_counter()
@@ -128,12 +132,39 @@ def sample_and_score(learner: Learner, draw: Draw, key, phases: Phases) -> tuple
 def step_advantages(learner: Learner, rows: dict, examples, valid, phases: Phases) -> tuple[np.ndarray, dict]:
     """GRPO's advantages of the (spliced) batch, ``[rows]``, or with a first-mistake judge its token advantages
     ``[rows, length]`` and the judge's metrics."""
-    k = learner.run.rollout.group_size
-    advantages = np.asarray(losses.group_advantages(jnp.asarray(rows["reward"]), k, valid=valid))
+    k, estimator = learner.run.rollout.group_size, learner.run.loss.advantage
+    advantages = np.asarray(losses.group_advantages(jnp.asarray(rows["reward"]), k, valid=valid, estimator=estimator))
     if not learner.run.first_mistake.enabled:
         return advantages, {}
     with phases("judge"):
         return judge_advantages(learner, rows, examples, advantages, valid)
+
+
+def importance_weights(run: TrainConfig, rows: dict, base_logp, behaviour_logp, spliced_rows):
+    """The update's ``old_logp`` ``[rows, T]`` and detached loss weights (None, ``[rows]`` or ``[rows, T]``).
+
+    ``behaviour_logp`` is the trainer's log-prob of the policy that sampled each row: ``pi_theta_old`` (the
+    base, ``base_logp``) on base rows, ``pi_mu = pi_theta+phi`` (adapter on) on spliced rows. Per
+    ``scaffold.correction``, with rho_t = pi_theta(y_t) / old(y_t):
+
+        token     old = behaviour_logp: the spliced rows' ratio is over pi_mu, token by token (the paper)
+        sequence  old = base_logp, and spliced row i's loss is times
+                  w_i = min(prod_t pi_theta_old(y_t) / pi_mu(y_t), scaffold.is_cap)   (Eq. 2, truncated)
+        none      old = base_logp, no weight: spliced rows count as on-policy
+
+    ``loss.tis_cap`` C then multiplies each token's loss by min(exp(behaviour_logp - sampler_logp), C): the
+    trainer's log-prob of the sampling policy against the one the engine reported while sampling.
+    """
+    correction, mask = run.scaffold.correction, rows["mask"]
+    old_logp = behaviour_logp if correction == "token" else base_logp
+    weights = None
+    if correction == "sequence" and spliced_rows.any():
+        row_weights = np.asarray(losses.sequence_weights(base_logp, behaviour_logp, mask, run.scaffold.is_cap))
+        weights = np.where(spliced_rows, row_weights, 1.0).astype(np.float32)
+    if run.loss.tis_cap is not None:
+        tis = np.asarray(losses.token_weights(behaviour_logp, rows["sampler_logp"], mask, run.loss.tis_cap))
+        weights = tis if weights is None else weights[:, None] * tis
+    return old_logp.astype(np.float32), weights
 
 
 def update_metrics(learner: Learner, update: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +199,7 @@ def scaffold_cliffs(learner: Learner, rows: dict, examples, key, phases: Phases,
     ``group_size`` (the rest is padding, never a cliff's failed row nor spliced into).
     """
     run, k = learner.run, learner.run.rollout.group_size
-    cliffs = scaffold.find_cliffs(rows["accuracy"], k, valid)
+    cliffs = scaffold.find_cliffs(rows["accuracy"], k, valid, max_successes=run.scaffold.cliff_max_successes)
     usable = cliffs & np.array([ex.solution_ids is not None for ex in examples])
     counts = {"cliff_groups": int(cliffs.sum()), "scaffold_no_solution": int((cliffs & ~usable).sum()),
               "scaffold_attempted": int(usable.sum()) if run.scaffold.enabled else 0, "surpassed_groups": 0,
@@ -179,14 +210,16 @@ def scaffold_cliffs(learner: Learner, rows: dict, examples, key, phases: Phases,
     adapter_key, reroll_key = jax.random.split(key)
     with phases("sft"):
         counts["sft_loss"] = fit_adapter(learner, cliff_examples, adapter_key)
+    n, scale, temperature = _reroll_settings(run)
     with phases("reroll"):
         rerolls, slots = reroll(learner, cliff_examples, reroll_key)
     with phases("reward"):
-        learner.score(rerolls, [ex.answer for ex in cliff_examples])
+        learner.score(rerolls, [ex.answer for ex in cliff_examples for _ in range(n)], per_row=True)
     with phases("logprob"):
         # The spliced rows' importance-ratio denominator: the adapter-on policy that sampled them.
-        rerolls["old_logp"] = learner.logprobs(rerolls, lora_scale=1.0, min_rows=slots * k)
-    spliced, spliced_rows, stats = scaffold.splice(rows, rerolls, usable, k, valid)
+        rerolls["old_logp"] = learner.logprobs(rerolls, lora_scale=scale, min_rows=slots * n, temperature=temperature)
+    variant = run.scaffold.splice
+    spliced, spliced_rows, stats = scaffold.splice(rows, rerolls, usable, k, valid, variant=variant, reroll_n=n)
     counts.update(surpassed_groups=stats.num_surpassed, spliced_rows=stats.num_spliced, rerolls=stats.num_rerolls,
                   rerolls_passed=stats.num_passing_rerolls)  # fmt: skip
     return spliced, spliced_rows, counts
@@ -212,13 +245,21 @@ def fit_adapter(learner: Learner, cliff_examples, key) -> float:
     return float(metrics["sft_loss"])
 
 
+def _reroll_settings(run: TrainConfig) -> tuple[int, float, float]:
+    """Re-rolls per cliff, the adapter's scale and the temperature they are sampled (and scored) at."""
+    scaffold_ = run.scaffold
+    temperature = scaffold_.reroll_temperature or run.rollout.temperature
+    return scaffold_.reroll_n or run.rollout.group_size, scaffold_.reroll_scale, temperature
+
+
 def reroll(learner: Learner, cliff_examples, key) -> tuple[dict, int]:
-    """K samples per cliff prompt with the adapter on, and the prompt count they were sampled in."""
+    """``scaffold.reroll_n`` samples per cliff prompt with the adapter on, and the prompt count they were sampled
+    in."""
+    n, scale, temperature = _reroll_settings(learner.run)
     prompts, slots = [ex.prompt_ids for ex in cliff_examples], _cliff_slots(learner, len(cliff_examples))
     padding = [prompts[0]] * (slots - len(prompts))  # sampled, then dropped: only fixes the shape
-    rerolls = learner.sample(prompts + padding, key, lora_scale=1.0)
-    keep = len(prompts) * learner.run.rollout.group_size
-    return {name: value[:keep] for name, value in rerolls.items()}, slots
+    rerolls = learner.sample(prompts + padding, key, lora_scale=scale, n=n, temperature=temperature)
+    return {name: value[: len(prompts) * n] for name, value in rerolls.items()}, slots
 
 
 def judge_advantages(learner: Learner, rows: dict, examples, outcome, valid=None):

@@ -17,7 +17,12 @@ from typing import Any
 import yaml
 
 from lspo_jax.config import ATTENTION_IMPLS, DECODE_ATTENTION, REMAT_POLICIES, LoraConfig
+from lspo_jax.losses import ADVANTAGE_ESTIMATORS
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
+from lspo_jax.scaffold import SPLICES
+
+# How spliced rows are corrected for being sampled with the adapter on (``train.importance_weights``).
+CORRECTIONS = ("token", "sequence", "none")
 
 
 class ConfigError(ValueError):
@@ -163,8 +168,10 @@ class RewardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The clipped surrogate: clip-higher ``eps_low``/``eps_high``, optional dual clip ``clip_c``."""
+    """The clipped surrogate: clip-higher ``eps_low``/``eps_high``, optional dual clip ``clip_c``; ``advantage`` is
+    the group baseline (``losses.group_advantages``'s estimator: ``std``, ``mean_only`` or ``loo``)."""
 
+    advantage: str = "std"
     eps_low: float = 0.2
     eps_high: float = 0.28
     clip_c: float | None = None
@@ -174,8 +181,13 @@ class LossConfig:
     # The update, the log-prob passes and the SFT step run over token buffers (packing.pack_rows) that hold the
     # rows' real tokens only, several sequences to a buffer row; false runs the padded [B * K, P + R] rows.
     packing: bool = True
+    # Truncated importance sampling against the sampling engine's numerics: each token's loss times
+    # min(exp(old_logp - sampler_logp), tis_cap), detached (``train.importance_weights``); null: off.
+    tis_cap: float | None = None
 
     def __post_init__(self) -> None:
+        estimators = ADVANTAGE_ESTIMATORS
+        _require(self.advantage in estimators, "loss.advantage", f"must be one of {estimators}, got {self.advantage!r}")
         _require(self.chunk_size is None or self.chunk_size > 0, "loss.chunk_size", "must be positive or null")
         _require(0 <= self.eps_low < 1, "loss.eps_low", "must be in [0, 1)")
         _require(self.eps_high >= 0, "loss.eps_high", "must be >= 0")
@@ -184,15 +196,31 @@ class LossConfig:
         _require(self.eps_high >= self.eps_low, "loss.eps_high", f"must be >= loss.eps_low (clip-higher), got {pair}")
         _require(self.clip_c is None or self.clip_c > 1, "loss.clip_c", "must be > 1 or null")
         _require(self.micro_batches > 0, "loss.micro_batches", "must be positive")
+        _require(self.tis_cap is None or self.tis_cap > 0, "loss.tis_cap", "must be positive or null")
 
 
 @dataclasses.dataclass(frozen=True)
 class ScaffoldConfig:
-    """LSPO's scaffold; ``enabled: false`` gives the DAPO baseline arm."""
+    """LSPO's scaffold; ``enabled: false`` gives the DAPO baseline arm. The defaults are the paper's method.
+
+    ``splice``: ``partial`` | ``group`` | ``keep_failed`` (``scaffold.SPLICES``). ``correction`` of spliced rows:
+    ``token`` (per-token ratio over the adapter-on log-prob), ``sequence`` (ratio over the base's own old log-prob
+    times the detached row weight ``min(prod_t pi_theta_old / pi_mu, is_cap)``), ``none`` (treated as on-policy);
+    see ``train.importance_weights``. ``reroll_n`` re-rolls per cliff (null: group_size), sampled at
+    ``reroll_temperature`` (null: the rollout's) with the adapter at ``reroll_scale``; the denominators follow
+    both. ``cliff_max_successes``: groups with at most this many passing rows are cliffs.
+    """
 
     enabled: bool = True
     sft_steps: int = 4
     sft: SFTOptimConfig = dataclasses.field(default_factory=SFTOptimConfig)
+    splice: str = "partial"
+    correction: str = "token"
+    is_cap: float = 1.0
+    reroll_n: int | None = None
+    reroll_temperature: float | None = None
+    reroll_scale: float = 1.0
+    cliff_max_successes: int = 0
     # The SFT, re-roll and log-prob batches hold at least this many cliff prompts (padding repeats one):
     # set it to rollout.prompts_per_step to compile one program per phase, where compiling costs more
     # than the padded compute (small models on CPU). 1 sizes them by the cliff count (power-of-two buckets).
@@ -201,6 +229,15 @@ class ScaffoldConfig:
     def __post_init__(self) -> None:
         _require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive")
         _require(self.min_cliff_bucket > 0, "scaffold.min_cliff_bucket", "must be positive")
+        _require(self.splice in SPLICES, "scaffold.splice", f"must be one of {SPLICES}, got {self.splice!r}")
+        known = CORRECTIONS
+        _require(self.correction in known, "scaffold.correction", f"must be one of {known}, got {self.correction!r}")
+        _require(self.is_cap > 0, "scaffold.is_cap", "must be positive")
+        _require(self.reroll_n is None or self.reroll_n > 0, "scaffold.reroll_n", "must be positive or null")
+        temperature = self.reroll_temperature
+        _require(temperature is None or temperature > 0, "scaffold.reroll_temperature", "must be positive or null")
+        _require(self.reroll_scale >= 0, "scaffold.reroll_scale", "must be >= 0")
+        _require(self.cliff_max_successes >= 0, "scaffold.cliff_max_successes", "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,6 +469,8 @@ class TrainConfig:
                  f"{buffer} is more than rollout.max_new_tokens {limit}: every response would be penalised; "
                  "set it <= max_new_tokens (or reward.overlong_factor: 0)")  # fmt: skip
         _require(self.l2rr.g_min <= self.rollout.group_size, "l2rr.g_min", "must not exceed rollout.group_size")
+        m, k = self.scaffold.cliff_max_successes, self.rollout.group_size
+        _require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
         _require(not self.l2rr.enabled or bool(self.l2rr.target), "l2rr.target", "must name the target set")
 
 

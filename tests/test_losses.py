@@ -44,6 +44,63 @@ def test_group_advantages_rejects_ragged_groups_and_handles_k1():
     assert np.all(np.asarray(losses.group_advantages(jnp.array([1.0, 0.0, 3.0]), 1)) == 0.0)
 
 
+def test_group_advantages_mean_only_and_leave_one_out():
+    # Group 0 = [1, 0, 0, 0], mean 0.25. mean_only: r - 0.25 = [0.75, -0.25, -0.25, -0.25].
+    # loo: r_0 - mean(0, 0, 0) = 1; r_1 - mean(1, 0, 0) = -1/3 (= 4/3 * (r - 0.25)).
+    # Group 1 = [2, 2, 2, 2]: equal rewards, exactly 0 under both.
+    rewards = jnp.array([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    mean_only = losses.group_advantages(rewards, 4, estimator="mean_only")
+    np.testing.assert_allclose(mean_only, [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0], rtol=1e-6)
+    loo = losses.group_advantages(rewards, 4, estimator="loo")
+    np.testing.assert_allclose(loo, [1.0, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0], rtol=1e-6)
+    assert np.all(np.asarray(loo)[4:] == 0.0)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'rloo'"):
+        losses.group_advantages(rewards, 4, estimator="rloo")
+
+
+def test_group_advantages_estimators_over_valid_rows_only():
+    # Group 0 has 3 valid rows [3, 0, 0] (the 4th is padding): mean 1; loo: 3 - 0 = 3, 0 - mean(3, 0) = -1.5.
+    # Group 1 has one valid row: no other row to leave out, so 0 under both.
+    rewards = jnp.array([3.0, 0.0, 0.0, 9.0, 5.0, 9.0, 9.0, 9.0])
+    valid = jnp.array([True, True, True, False, True, False, False, False])
+    mean_only = losses.group_advantages(rewards, 4, valid=valid, estimator="mean_only")
+    np.testing.assert_allclose(mean_only, [2.0, -1.0, -1.0, 0, 0, 0, 0, 0], rtol=1e-6)
+    loo = losses.group_advantages(rewards, 4, valid=valid, estimator="loo")
+    np.testing.assert_allclose(loo, [3.0, -1.5, -1.5, 0, 0, 0, 0, 0], rtol=1e-6)
+
+
+def test_importance_weights_by_hand():
+    # Row 0: log pi - log mu = [-0.5, -0.25, (masked) 9] -> sum -0.75, w = exp(-0.75) = 0.47237 (under cap 1).
+    # Row 1: [0.5, 0.5, 0.5] -> sum 1.5, exp(1.5) = 4.48 capped at 2.
+    logp = jnp.array([[-1.0, -1.0, 5.0], [-1.0, -1.0, -1.0]])
+    mu = jnp.array([[-0.5, -0.75, -4.0], [-1.5, -1.5, -1.5]])
+    mask = jnp.array([[1, 1, 0], [1, 1, 1]])
+    np.testing.assert_allclose(losses.sequence_weights(logp, mu, mask, 2.0), [math.exp(-0.75), 2.0], rtol=1e-6)
+    # Per token, cap 1.5: exp(-0.5) = 0.60653, exp(-0.25) = 0.77880, 1 off the mask; exp(0.5) = 1.6487 -> 1.5.
+    want = [[math.exp(-0.5), math.exp(-0.25), 1.0], [1.5, 1.5, 1.5]]
+    np.testing.assert_allclose(losses.token_weights(logp, mu, mask, 1.5), want, rtol=1e-6)
+    # Row advantages [2, -1] times per-row weights [0.5, 3]: [1, 1, 1] and [-3, -3, -3].
+    weighted = losses.weighted_advantages(jnp.array([2.0, -1.0]), jnp.array([0.5, 3.0]), (2, 3))
+    np.testing.assert_allclose(weighted, [[1.0] * 3, [-3.0] * 3])
+
+
+@pytest.mark.parametrize("clip_c", [None, 3.0])
+def test_a_weight_on_the_advantage_is_a_weight_on_the_loss(clip_c):
+    # The surrogate is positively homogeneous in A (dual clip included), which weighted_advantages relies on.
+    rng = np.random.default_rng(0)
+    logp, old = (jnp.asarray(rng.normal(size=(3, 6)) * 0.5 - 2.0, jnp.float32) for _ in range(2))
+    adv, mask = jnp.array([1.5, -2.0, -0.5]), jnp.asarray(rng.random((3, 6)) < 0.8)
+    w = jnp.asarray(rng.uniform(0.1, 3.0, size=(3, 6)), jnp.float32)
+
+    def per_token(a):
+        return jax.vmap(jax.vmap(lambda *x: losses.policy_loss(*(v[None, None] for v in x[:3]), jnp.ones((1, 1)),
+                                                               clip_c=clip_c)[0]))(logp, old, a)  # fmt: skip
+
+    weighted = per_token(losses.weighted_advantages(adv, w, mask.shape))
+    # One token's loss of A * w against w times its loss of A: the same up to float32 rounding of a product.
+    np.testing.assert_allclose(weighted, w * per_token(jnp.broadcast_to(adv[:, None], mask.shape)), rtol=1e-6)
+
+
 # ------------------------------------------------------------------------------------- policy loss
 @functools.partial(jax.jit, static_argnames="clip_c")
 def _one_token_jit(logp, old_logp, adv, clip_c=None):

@@ -125,3 +125,50 @@ def test_unequal_groups_count_valid_rows_and_never_fill_padding():
     spliced, rows, stats = splice(base, rerolls, cliffs, 3, valid)
     assert spliced["id"].tolist() == [100, 101, 2, 3, 4, 5, 6, 7, 8] and rows.sum() == 2
     assert stats.num_spliced == 2 and stats.num_surpassed == 1
+
+
+def test_cliffs_with_at_most_m_successes():
+    acc = np.array([0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(find_cliffs(acc, K, max_successes=1), [True, True, False, False])
+    np.testing.assert_array_equal(find_cliffs(acc, K, max_successes=2), [True, True, True, False])
+
+
+def test_partial_splice_of_a_group_with_a_success_keeps_it():
+    # Group 0 = [0, 1, 0, 0] is a cliff at m = 1: its failed slots 0, 2, 3 take the passing re-rolls 101, 103.
+    base = _base([0, 1, 0, 0])
+    cliffs = find_cliffs(base["accuracy"], K, max_successes=1)
+    out, spliced, _ = splice(base, _rerolls([0, 1, 0, 1]), cliffs, K)
+    np.testing.assert_array_equal(out["tokens"][:, 0], [101, 1, 103, 3])
+    np.testing.assert_array_equal(np.flatnonzero(spliced), [0, 2])
+
+
+@pytest.mark.parametrize(
+    ("variant", "tokens", "spliced_rows"),
+    [
+        # group: every slot <- the re-rolls in order, the base success (row 1) and failed re-rolls included.
+        ("group", [100, 101, 102, 103], [0, 1, 2, 3]),
+        # keep_failed: failed slots 0, 2, 3 <- passing re-rolls 101, 103, then the first failed one, 100.
+        ("keep_failed", [101, 1, 103, 100], [0, 2, 3]),
+        ("partial", [101, 1, 103, 3], [0, 2]),
+    ],
+)
+def test_splice_variants(variant, tokens, spliced_rows):
+    base = _base([0, 1, 0, 0], [1, 1, 0, 0])  # group 0 a cliff at m = 1, group 1 not (2 successes)
+    cliffs = find_cliffs(base["accuracy"], K, max_successes=1)
+    out, spliced, stats = splice(base, _rerolls([0, 1, 0, 1]), cliffs, K, variant=variant)
+    np.testing.assert_array_equal(out["tokens"][:4, 0], tokens)
+    np.testing.assert_array_equal(np.flatnonzero(spliced), spliced_rows)
+    np.testing.assert_array_equal(out["tokens"][4:], base["tokens"][4:])  # a group that is no cliff is untouched
+    assert (stats.num_surpassed, stats.num_passing_rerolls, stats.num_spliced) == (1, 2, len(spliced_rows))
+
+
+def test_reroll_count_other_than_k():
+    # Two cliffs, 2 re-rolls each: group 0's pass at [1] (row 101), group 1's at [0, 1] (rows 102, 103).
+    base = _base([0, 0, 0, 0], [0, 0, 0, 0])
+    cliffs = find_cliffs(base["accuracy"], K)
+    out, spliced, stats = splice(base, _rerolls([0, 1], [1, 1]), cliffs, K, reroll_n=2)
+    np.testing.assert_array_equal(np.flatnonzero(spliced), [0, 4, 5])
+    np.testing.assert_array_equal(out["tokens"][[0, 4, 5], 0], [101, 102, 103])
+    assert (stats.num_rerolls, stats.num_passing_rerolls) == (4, 3)
+    with pytest.raises(ValueError, match="unknown splice variant 'swap'"):
+        splice(base, _rerolls([0, 1], [1, 1]), cliffs, K, reroll_n=2, variant="swap")

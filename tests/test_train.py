@@ -90,7 +90,7 @@ def flag_adapter(job, verifier):
     call of the run (rollouts, re-rolls, validation) goes through its learner's generator."""
 
     def flag(*args, lora_scale=0.0, **kwargs):
-        verifier.adapter_on = lora_scale == 1.0
+        verifier.adapter_on = lora_scale > 0
 
     wrap(job.learner.generator, "generate", before=flag)
 
@@ -190,8 +190,8 @@ def test_scaffold_mechanics(tmp_path, make_config, easy_rule, easy_answers):
     flag_adapter(job, verifier)
     params = lambda: copy_tree(learner.state.params)
     base_out = lambda _: {"base_out": copy_tree(learner.state.params["base"])}
-    sampled = lambda prompts, key, *, lora_scale, n=None: {"lora_scale": lora_scale, "prompts": list(prompts),
-                                                           "params": params()}  # fmt: skip
+    sampled = lambda prompts, key, *, lora_scale, **_: {"lora_scale": lora_scale, "prompts": list(prompts),
+                                                        "params": params()}  # fmt: skip
     wrap(job.prompts, "next_batch", after=lambda draw: {"ex": draw.examples}, log=log["batch"])
     wrap(learner, "sample", before=sampled, after=lambda rows: {"rows": rows}, log=log["sample"])
     state = lambda: learner.state
@@ -271,6 +271,93 @@ def check_spliced_batch(config, rl, base_rows, reroll_rows, spliced):
     # Both groups now hold a pass then a failure: A = +-(1 - 0.5) / (std([1, 0], ddof=1) + eps) = +-0.7071.
     a = 0.5 / (np.sqrt(0.5) + 1e-6)
     np.testing.assert_allclose(batch["advantages"], [a, -a, a, -a], rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ scaffold options
+def one_scaffold_step(tmp_path, make_config, easy_rule, **overrides):
+    """One step (group 0 the cliff, group 1 passing in slot 0 only; re-rolls pass in slot 1), no overlong shaping:
+    the sampling calls' options and rows, and the RL update's params and batch."""
+    verifier = FakeVerifier(easy_rule, lambda response, gold, slot: slot == 1)
+    job = Run(make_config(steps=1, reward__overlong_factor=0.0, **overrides), str(tmp_path), verifier=verifier)
+    learner, samples, updates = job.learner, [], []
+    flag_adapter(job, verifier)
+    wrap(learner, "sample", before=lambda prompts, key, **kw: {**kw, "prompts": len(prompts)},
+         after=lambda rows: {"rows": rows}, log=samples)  # fmt: skip
+    before_update = lambda batch: {"params": copy_tree(learner.state.params), "batch": copy_tree(batch)}
+    wrap(learner, "rl_step", before=before_update, log=updates)
+    try:
+        job.train()
+    finally:
+        job.close()
+    return job.policy.config, samples, updates[0]
+
+
+A = 0.5 / (np.sqrt(0.5) + 1e-6)  # a group of [pass, fail]: +-(1 - 0.5) / (std([1, 0], ddof=1) + eps)
+
+
+@pytest.mark.parametrize("correction", ["none", "sequence"])
+def test_corrections_of_spliced_rows(tmp_path, make_config, easy_rule, correction):
+    """Re-roll 1 replaces the cliff's slot 0 (row 0), as in the default run (``check_spliced_batch``). The
+    ``none`` run also sets ``loss.tis_cap: 0.5``: the JAX sampler's log-probs are the trainer's to float32
+    rounding, so every token's ratio is about 1 and capped at 0.5, halving every advantage."""
+    tis = {"loss__tis_cap": 0.5} if correction == "none" else {}
+    config, (base, reroll), rl = one_scaffold_step(
+        tmp_path, make_config, easy_rule, scaffold__correction=correction, scaffold__is_cap=1e3, **tis
+    )
+    batch = rl["batch"]
+    np.testing.assert_array_equal(batch["tokens"][0], reroll["rows"]["tokens"][1])
+    rows = {k: batch[k] for k in ("tokens", "attention_mask", "mask")}
+    on, off = teacher_forced(config, rl["params"], rows, 1.0), teacher_forced(config, rl["params"], rows, 0.0)
+    # Both corrections keep the base's own log-probs as every row's old_logp, the spliced row's included.
+    np.testing.assert_allclose(batch["old_logp"], off, atol=1e-5)
+    mask = batch["mask"] > 0
+    if correction == "none":  # no row weight: the spliced row's advantage is A, as on-policy rows' are
+        half = np.broadcast_to(0.5 * np.array([A, -A, A, -A])[:, None], mask.shape)
+        np.testing.assert_allclose(batch["advantages"][mask], half[mask], rtol=1e-6)
+        return
+    # sequence: row 0's tokens carry A times w = min(prod_t pi_base / pi_adapter, 1e3), the others A alone.
+    w = np.exp(np.sum((off[0] - on[0])[mask[0]]))
+    assert abs(np.log(w)) > 1e-3  # the fitted adapter moved this row's probability
+    adv = batch["advantages"]
+    assert adv.shape == batch["tokens"].shape
+    # log w sums ~12 per-token differences, each within ~1e-6 of the trainer's: 1e-4 relative on w.
+    np.testing.assert_allclose(adv[0][mask[0]], A * w, rtol=1e-4)
+    for row, a in zip((1, 2, 3), (-A, A, -A), strict=True):
+        np.testing.assert_allclose(adv[row][mask[row]], a, rtol=1e-6)
+
+
+def test_group_splice_and_reroll_settings(tmp_path, make_config, easy_rule):
+    """``splice: group`` with 3 re-rolls at temperature 0.7 and adapter scale 0.5: the cliff's two slots take
+    re-rolls 0 and 1 in order (a failure, then the pass), whose old_logp is the adapter at 0.5 and 0.7."""
+    overrides = dict(scaffold__splice="group", scaffold__reroll_n=3, scaffold__reroll_temperature=0.7,
+                     scaffold__reroll_scale=0.5)  # fmt: skip
+    config, (base, reroll), rl = one_scaffold_step(tmp_path, make_config, easy_rule, **overrides)
+    assert (reroll["n"], reroll["temperature"], reroll["lora_scale"], reroll["prompts"]) == (3, 0.7, 0.5, 1)
+    assert "temperature" not in base and base["lora_scale"] == 0.0  # the rollouts sample as before
+    batch, rerolls = rl["batch"], reroll["rows"]
+    assert len(rerolls["tokens"]) == 3
+    np.testing.assert_array_equal(batch["tokens"][:2], rerolls["tokens"][:2])
+    np.testing.assert_array_equal(batch["tokens"][2:], base["rows"]["tokens"][2:])
+    rows = {k: batch[k] for k in ("tokens", "attention_mask", "mask")}
+    logp, _ = logprobs.sequence_logprobs(config, rl["params"], rows["tokens"], rows["attention_mask"],
+                                         lora_scale=0.5, temperature=0.7)  # fmt: skip
+    mask = batch["mask"][:2] > 0
+    np.testing.assert_allclose(batch["old_logp"][:2][mask], np.asarray(logp)[:2][mask], atol=1e-5)
+    # ... the log-probs of the sampler that drew them, at its temperature and scale.
+    np.testing.assert_allclose(batch["old_logp"][:2][mask], rerolls["sampler_logp"][:2][mask], atol=1e-4)
+    np.testing.assert_allclose(batch["advantages"], [-A, A, A, -A], rtol=1e-6)  # group 0 is now [fail, pass]
+
+
+def test_cliffs_with_a_success_keep_it(tmp_path, make_config, easy_rule):
+    """``cliff_max_successes: 1`` with K = 2: the passing-in-slot-0 group is a cliff too; both are re-rolled, and
+    the first failed slot of each (group 0's slot 0, group 1's slot 1) takes its re-roll 1, the one that passes."""
+    config, (base, reroll), rl = one_scaffold_step(tmp_path, make_config, easy_rule, scaffold__cliff_max_successes=1)
+    batch, rerolls = rl["batch"], reroll["rows"]
+    assert reroll["prompts"] == 2
+    np.testing.assert_array_equal(batch["tokens"][[0, 3]], rerolls["tokens"][[1, 3]])
+    np.testing.assert_array_equal(batch["tokens"][[1, 2]], base["rows"]["tokens"][[1, 2]])
+    # Group 0 is now [pass, fail]; group 1 passes in both slots, which leaves it no signal.
+    np.testing.assert_allclose(batch["advantages"], [A, -A, 0.0, 0.0], rtol=1e-6)
 
 
 # ------------------------------------------------------------------------ resume, checkpoints, export
