@@ -436,7 +436,7 @@ def make_judge(config: FirstMistakeConfig, *, policy: Any = None, params: Any = 
     """The judge of ``config``: a model loaded from ``judge_path``, or the policy (``policy.config``,
     ``.tokenizer``, ``.eos_ids``) with ``params`` when ``judge_path`` is None."""
     options = dict(
-        max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=config.seed,
+        max_new_tokens=config.max_new_tokens, temperature=config.teacher_temperature, seed=config.seed,
         max_batch=config.max_batch, engine=engine,
     )  # fmt: skip
     if config.judge_path is not None:

@@ -97,6 +97,8 @@ class TrainState:
     opt_state: Any
     nonfinite_in_row: int = 0
     nonfinite_total: int = 0
+    # The step at which a persistent adapter (``scaffold.adapter: persistent``) was last reset; None: never.
+    adapter_reset_step: int | None = None
 
 
 class Learner:
@@ -148,6 +150,15 @@ class Learner:
             self.policy.config, state.params, state.opt_state, key, sft=self.run.scaffold.sft
         )
         state.params, state.opt_state = self.place(params, opt_state)
+        state.adapter_reset_step = state.step
+
+    def adapter_due(self) -> bool:
+        """Whether this step's scaffold starts from a fresh adapter: every step (``scaffold.adapter: fresh``), or for
+        a persistent one at its first use and then every ``scaffold.reset_every`` steps."""
+        scaffold, last = self.run.scaffold, self.state.adapter_reset_step
+        if scaffold.adapter == "fresh" or last is None:
+            return True
+        return scaffold.reset_every is not None and self.state.step - last >= scaffold.reset_every
 
     # -------------------------------------------------------------------------------------- rollouts
     def sample(

@@ -161,19 +161,25 @@ def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> d
     return out
 
 
-def checkpoint_state(params: Params, opt_state: Any) -> dict[str, Any]:
-    """What a checkpoint holds: the base params and the RL optimizer state (never the adapter).
+def checkpoint_state(params: Params, opt_state: Any, *, adapter: bool = False) -> dict[str, Any]:
+    """What a checkpoint holds: the base params and the RL optimizer state, and with ``adapter`` (a run's persistent
+    adapter, ``scaffold.adapter: persistent``) the adapter and its SFT state under ``"adapter"``. LSPO's own
+    adapter, fresh every step, is never stored.
 
-    The RL state is stored as its list of leaves: its tree mirrors ``{"base", "lora"}`` with empty
-    placeholders on the adapter side, so storing the tree would tie a checkpoint to the adapter's targets.
+    Optimizer states are stored as their lists of leaves: each tree mirrors ``{"base", "lora"}`` with empty
+    placeholders on the other side, so storing the tree would tie a checkpoint to the adapter's targets.
     """
-    return {"base": params["base"], "rl_opt": jax.tree.leaves(opt_state.inner_states["base"])}
+    state = {"base": params["base"], "rl_opt": jax.tree.leaves(opt_state.inner_states["base"])}
+    if adapter:
+        state["adapter"] = {"lora": params["lora"], "sft_opt": jax.tree.leaves(opt_state.inner_states["lora"])}
+    return state
 
 
-def with_rl_state(opt_state: Any, leaves: list[Any]) -> Any:
-    """``opt_state`` with its RL part rebuilt from checkpointed leaves (the inverse of ``checkpoint_state``)."""
-    rl = jax.tree.unflatten(jax.tree.structure(opt_state.inner_states["base"]), leaves)
-    return opt_state._replace(inner_states={**opt_state.inner_states, "base": rl})
+def with_rl_state(opt_state: Any, leaves: list[Any], name: str = "base") -> Any:
+    """``opt_state`` with its RL part (``name="lora"``: its SFT part) rebuilt from checkpointed leaves (the inverse
+    of ``checkpoint_state``)."""
+    part = jax.tree.unflatten(jax.tree.structure(opt_state.inner_states[name]), leaves)
+    return opt_state._replace(inner_states={**opt_state.inner_states, name: part})
 
 
 def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str, Any]:
@@ -181,7 +187,8 @@ def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str
 
     def build():
         params = model.init_params(config, jax.random.key(0))
-        return checkpoint_state(params, optim.make_optimizer(run.optim, run.scaffold.sft).init(params))
+        opt_state = optim.make_optimizer(run.optim, run.scaffold.sft).init(params)
+        return checkpoint_state(params, opt_state, adapter=run.scaffold.adapter == "persistent")
 
     return jax.eval_shape(build)
 
@@ -306,13 +313,19 @@ class Run:
     def save(self) -> None:
         meta = {"step": self.state.step, self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed,
                 "nonfinite_total": self.state.nonfinite_total,
-                "nonfinite_in_row": self.state.nonfinite_in_row}  # fmt: skip
-        self.checkpointer.save(self.state.step, checkpoint_state(self.state.params, self.state.opt_state), meta)
+                "nonfinite_in_row": self.state.nonfinite_in_row,
+                "adapter_reset_step": self.state.adapter_reset_step}  # fmt: skip
+        state = checkpoint_state(self.state.params, self.state.opt_state, adapter=self._persistent_adapter)
+        self.checkpointer.save(self.state.step, state, meta)
+
+    @property
+    def _persistent_adapter(self) -> bool:
+        return self.run.scaffold.adapter == "persistent"
 
     def _restore(self) -> None:
         """The newest readable checkpoint; newer unreadable ones are set aside (and said so), so the run writes
         those steps again. The run's records are taken up to that step: what followed it is redone."""
-        target = checkpoint_state(self.state.params, self.state.opt_state)
+        target = checkpoint_state(self.state.params, self.state.opt_state, adapter=self._persistent_adapter)
         restored, meta, failures = self.checkpointer.restore_readable(target)
         step = int(meta["step"])
         if step > self.run.steps:
@@ -331,9 +344,14 @@ class Run:
                       f"are in {aside}", file=sys.stderr)  # fmt: skip
         self.history = records_until(os.path.join(self.out_dir, "metrics.jsonl"), step)
         params = {**self.state.params, "base": restored["base"]}
+        opt_state = with_rl_state(self.state.opt_state, restored["rl_opt"])
+        if "adapter" in restored:
+            params["lora"] = restored["adapter"]["lora"]
+            opt_state = with_rl_state(opt_state, restored["adapter"]["sft_opt"], "lora")
         self.state = TrainState(
-            step=int(meta["step"]), params=params, opt_state=with_rl_state(self.state.opt_state, restored["rl_opt"]),
+            step=int(meta["step"]), params=params, opt_state=opt_state,
             nonfinite_total=int(meta.get("nonfinite_total", 0)), nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
+            adapter_reset_step=meta.get("adapter_reset_step") if "adapter" in restored else None,
         )  # fmt: skip
         if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
             self.prompts.load_state_dict(meta[self.prompts.meta_key])

@@ -231,9 +231,11 @@ def _cliff_slots(learner: Learner, cliffs: int) -> int:
 
 
 def fit_adapter(learner: Learner, cliff_examples, key) -> float:
-    """A fresh adapter, then ``scaffold.sft_steps`` SFT steps on the cliffs' worked solutions; the last loss."""
+    """A fresh adapter (or a persistent one where ``learner.adapter_due`` says so), then ``scaffold.sft_steps`` SFT
+    steps on the cliffs' worked solutions; the last loss."""
     run = learner.run
-    learner.reset_adapter(key)
+    if learner.adapter_due():
+        learner.reset_adapter(key)
     prompts, solutions = [ex.prompt_ids for ex in cliff_examples], [ex.solution_ids for ex in cliff_examples]
     # Rows as long as these cliffs need (a power of two), not the configured maxima: short worked solutions
     # would otherwise pay for max_prompt_tokens + max_solution_tokens of attention and MLP per row.

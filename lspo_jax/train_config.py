@@ -23,6 +23,7 @@ from lspo_jax.scaffold import SPLICES
 
 # How spliced rows are corrected for being sampled with the adapter on (``train.importance_weights``).
 CORRECTIONS = ("token", "sequence", "none")
+ADAPTER_LIFETIMES = ("fresh", "persistent")
 
 
 class ConfigError(ValueError):
@@ -208,7 +209,9 @@ class ScaffoldConfig:
     times the detached row weight ``min(prod_t pi_theta_old / pi_mu, is_cap)``), ``none`` (treated as on-policy);
     see ``train.importance_weights``. ``reroll_n`` re-rolls per cliff (null: group_size), sampled at
     ``reroll_temperature`` (null: the rollout's) with the adapter at ``reroll_scale``; the denominators follow
-    both. ``cliff_max_successes``: groups with at most this many passing rows are cliffs.
+    both. ``cliff_max_successes``: groups with at most this many passing rows are cliffs. ``adapter``: ``fresh``
+    (reset every step: A random, B zero, a new SFT state; the paper) or ``persistent`` (kept and fitted further
+    across steps with its own SFT state, reset every ``reset_every`` steps when set; checkpointed with the run).
     """
 
     enabled: bool = True
@@ -221,6 +224,8 @@ class ScaffoldConfig:
     reroll_temperature: float | None = None
     reroll_scale: float = 1.0
     cliff_max_successes: int = 0
+    adapter: str = "fresh"
+    reset_every: int | None = None
     # The SFT, re-roll and log-prob batches hold at least this many cliff prompts (padding repeats one):
     # set it to rollout.prompts_per_step to compile one program per phase, where compiling costs more
     # than the padded compute (small models on CPU). 1 sizes them by the cliff count (power-of-two buckets).
@@ -238,6 +243,14 @@ class ScaffoldConfig:
         _require(temperature is None or temperature > 0, "scaffold.reroll_temperature", "must be positive or null")
         _require(self.reroll_scale >= 0, "scaffold.reroll_scale", "must be >= 0")
         _require(self.cliff_max_successes >= 0, "scaffold.cliff_max_successes", "must be >= 0")
+        lifetimes = ADAPTER_LIFETIMES
+        _require(self.adapter in lifetimes, "scaffold.adapter", f"must be one of {lifetimes}, got {self.adapter!r}")
+        _require(self.reset_every is None or self.reset_every > 0, "scaffold.reset_every", "must be positive or null")
+        _require(
+            self.reset_every is None or self.adapter == "persistent",
+            "scaffold.reset_every",
+            "resets a persistent adapter; a fresh one is reset every step (set scaffold.adapter: persistent)",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,9 +346,10 @@ class FirstMistakeConfig:
     ``judge_path``: a Hugging Face directory of the teacher; None judges with the policy itself (the run
     also takes ``toy:judge``, the demo task's scripted teacher).
     ``reference``: ``teacher`` (the teacher's verified solution) or ``ground_truth`` (the dataset's).
-    ``lam``: the weight of ``|A_i|`` on a failed rollout's valid prefix. ``max_new_tokens``, ``temperature``
-    (0: greedy) and ``seed``: the teacher's sampling, in both stages. ``max_sentences``: sentences numbered
-    per rollout. ``judge_correct``: also judge passing rollouts (for the agreement metric only).
+    ``lam``: the weight of ``|A_i|`` on a failed rollout's valid prefix. ``max_new_tokens``,
+    ``teacher_temperature`` (0: greedy; 0.6, the method's own setting) and ``seed``: the teacher's sampling, in
+    both stages. ``max_sentences``: sentences numbered per rollout. ``judge_correct``: also judge passing
+    rollouts (for the agreement metric only).
     ``max_batch``: prompts per sampler call inside one batched ``generate``. ``sentence_breaks``: characters
     that also end a sentence (``split_sentences``), for tasks whose steps are not written as sentences.
     """
@@ -345,7 +359,7 @@ class FirstMistakeConfig:
     reference: str = "teacher"
     lam: float = 0.0
     max_new_tokens: int = 2048
-    temperature: float = 0.0
+    teacher_temperature: float = 0.6
     seed: int = 0
     max_sentences: int = 256
     judge_correct: bool = False
@@ -357,7 +371,8 @@ class FirstMistakeConfig:
         _require_field(self.reference in REFERENCES, "reference", f"must be one of {REFERENCES}")
         _require_field(math.isfinite(self.lam) and self.lam >= 0, "lam", "must be a finite number >= 0")
         _require_field(self.max_new_tokens > 0, "max_new_tokens", "must be positive")
-        _require_field(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        temperature = self.teacher_temperature
+        _require_field(math.isfinite(temperature) and temperature >= 0, "teacher_temperature", "must be >= 0")
         _require_field(self.max_sentences > 0, "max_sentences", "must be positive")
         _require_field(self.max_batch > 0, "max_batch", "must be positive")
 
@@ -475,12 +490,18 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------ reading
+# Keys that a config of an earlier version may hold: reading one names its new key.
+RENAMED = {"first_mistake.temperature": "first_mistake.teacher_temperature"}
+
+
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
     """Build dataclass ``cls`` from a nested dict, checking every key and type; errors name the key."""
     _require(isinstance(data, dict), where.rstrip(".") or "config", f"expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
+    for name in unknown:
+        _require(f"{where}{name}" not in RENAMED, f"{where}{name}", f"renamed {RENAMED.get(f'{where}{name}')}")
     _require(not unknown, f"{where}{unknown[0]}" if unknown else where, f"unknown key; known: {sorted(fields)}")
     values = {name: _coerce(hints[name], value, f"{where}{name}") for name, value in data.items()}
     try:

@@ -36,12 +36,13 @@ def _texts(text, spans):
 def test_config_defaults_and_errors_name_the_field():
     config = FirstMistakeConfig()
     assert (config.judge_path, config.reference, config.lam, config.enabled) == (None, "teacher", 0.0, False)
+    assert config.teacher_temperature == 0.6  # the method's own setting
     for field, value in [
         ("reference", "oracle"),
         ("lam", -0.1),
         ("lam", float("nan")),
         ("max_new_tokens", 0),
-        ("temperature", -1.0),
+        ("teacher_temperature", -1.0),
         ("max_sentences", 0),
         ("max_batch", 0),
         ("judge_path", " "),
@@ -344,7 +345,9 @@ def test_batch_without_mixed_groups_calls_nothing():
 def test_sampler_generate_goes_through_an_engine():
     class FakeEngine:
         def generate_arrays(self, params, prompts, **options):
-            assert options["greedy"] and options["n"] == 1 and params == "params"
+            # The default teacher samples at 0.6, the method's setting.
+            assert not options["greedy"] and options["temperature"] == 0.6 and options["n"] == 1
+            assert params == "params"
             rows = len(prompts)
             tokens = np.tile(np.asarray(tokenizer.encode("\\boxed{2}"), np.int32), (rows, 1))
             return SampleBatch(tokens, np.zeros(tokens.shape, np.float32), np.full(rows, 9), np.ones(rows, bool), 1, 9)

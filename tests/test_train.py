@@ -360,6 +360,33 @@ def test_cliffs_with_a_success_keep_it(tmp_path, make_config, easy_rule):
     np.testing.assert_allclose(batch["advantages"], [A, -A, 0.0, 0.0], rtol=1e-6)
 
 
+def test_a_persistent_adapter_is_kept_reset_every_n_steps_and_resumed(tmp_path, make_config, easy_rule):
+    """``scaffold.adapter: persistent`` with ``reset_every: 2`` over 3 steps: reset at steps 1 and 3 only, and step 2's
+    SFT starts from the adapter and SFT state step 1 left. A run stopped at step 2 and resumed ends as this one."""
+    config = lambda steps: make_config(steps=steps, scaffold__adapter="persistent", scaffold__reset_every=2)
+    resets, fits = [], []
+    adapter = lambda learner: copy_tree({"lora": learner.state.params["lora"],
+                                         "sft": learner.state.opt_state.inner_states["lora"]})  # fmt: skip
+
+    def spy(job):
+        learner = job.learner
+        wrap(learner, "reset_adapter", before=lambda key: resets.append(learner.state.step))
+        before, after = (lambda batch: {"in": adapter(learner)}), (lambda _: {"out": adapter(learner)})
+        wrap(learner, "sft_step", before=before, after=after, log=fits)
+
+    whole = run_steps(config(3), str(tmp_path / "whole"), easy_rule, prepare=spy)
+    assert resets == [0, 2]  # state.step counts the updates done: steps 1 and 3
+    sft_steps = whole.run.scaffold.sft_steps
+    assert_trees_equal(fits[sft_steps]["in"], fits[sft_steps - 1]["out"])  # step 2 goes on from step 1's adapter
+    assert trees_differ(fits[2 * sft_steps]["in"]["lora"], fits[2 * sft_steps - 1]["out"]["lora"])  # step 3: reset
+    part = str(tmp_path / "part")
+    run_steps(config(2), part, easy_rule)
+    resumed = run_steps(config(3), part, easy_rule, resume=True)
+    want = checkpoint_state(whole.state.params, whole.state.opt_state, adapter=True)
+    assert_trees_equal(checkpoint_state(resumed.state.params, resumed.state.opt_state, adapter=True), want)
+    assert resumed.state.adapter_reset_step == whole.state.adapter_reset_step == 2
+
+
 # ------------------------------------------------------------------------ resume, checkpoints, export
 def test_resume_is_exact(tmp_path, make_config, train_file, easy_rule, trained_run):
     out = str(tmp_path)

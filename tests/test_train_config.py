@@ -51,6 +51,19 @@ def test_demo_config_loads():
         ("rollout.vllm_kv_cache_gib=0", "rollout.vllm_kv_cache_gib"),
         ("rollout.compact_every=-1", "rollout.compact_every"),
         ("model.decode_attention=flash", "model.decode_attention"),
+        ("loss.advantage=rloo", "loss.advantage"),
+        ("loss.tis_cap=0", "loss.tis_cap"),
+        ("scaffold.splice=swap", "scaffold.splice"),
+        ("scaffold.correction=ratio", "scaffold.correction"),
+        ("scaffold.is_cap=0", "scaffold.is_cap"),
+        ("scaffold.reroll_n=0", "scaffold.reroll_n"),
+        ("scaffold.reroll_temperature=0", "scaffold.reroll_temperature"),
+        ("scaffold.reroll_scale=-1", "scaffold.reroll_scale"),
+        ("scaffold.cliff_max_successes=8", "scaffold.cliff_max_successes"),  # the demo's K: every group a cliff
+        ("first_mistake.teacher_temperature=-1", "first_mistake"),
+        ("scaffold.adapter=kept", "scaffold.adapter"),
+        ("scaffold.reset_every=3", "scaffold.reset_every"),  # a fresh adapter is reset every step already
+        ("scaffold.reset_every=0", "scaffold.reset_every"),
     ],
 )
 def test_bad_keys_and_values_name_the_dotted_key(override, key):
@@ -68,6 +81,20 @@ def test_unknown_key_in_a_file_is_named(tmp_path):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="an override is written dotted.key=value"):
         load_config(None, ["rollout.group_size"])
+
+
+def test_a_renamed_key_names_its_new_name():
+    with pytest.raises(ConfigError, match=r"^first_mistake\.temperature: renamed first_mistake\.teacher_temperature$"):
+        load_config(None, ["first_mistake.temperature=0.6"])
+
+
+def test_the_options_default_to_the_papers_method():
+    loss, scaffold = TrainConfig().loss, TrainConfig().scaffold
+    assert (loss.advantage, loss.tis_cap) == ("std", None)
+    assert (scaffold.splice, scaffold.correction, scaffold.reroll_n, scaffold.reroll_temperature) == (
+        "partial", "token", None, None)  # fmt: skip
+    assert (scaffold.reroll_scale, scaffold.cliff_max_successes, scaffold.adapter, scaffold.reset_every) == (
+        1.0, 0, "fresh", None)  # fmt: skip
 
 
 def test_check_of_a_nested_optimizer_config_names_its_section():
