@@ -198,3 +198,43 @@ def test_compare_arms_stops_with_a_stopped_arm_and_resumes_it(tmp_path, monkeypa
     assert module.run_arm(base, "lspo", 42, str(tmp_path))["summary"]["stopped_early"] is False
     assert module.run_arm(base, "lspo", 42, str(tmp_path))["summary"]["steps"] == 3  # finished: reused
     assert calls == [(42, True, False), (42, True, False)]
+
+
+def _ablate(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOL.parent))  # ablate imports compare_arms, its neighbour
+    spec = importlib.util.spec_from_file_location("ablate", TOOL.with_name("ablate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ablate_grid_cells_and_refusals(monkeypatch, capsys):
+    ablate = _ablate(monkeypatch)
+    from lspo_jax.train_config import ConfigError, load_config
+
+    base = load_config(str(TOOL.parents[1] / "configs" / "demo.yaml"))
+    grid = ablate.parse_grid(["scaffold.splice=partial,group", "scaffold.correction=token,sequence,none"])
+    cells = ablate.cells(base, grid)
+    assert len(cells) == 6 and cells[0] == ("splice=partial,correction=token",
+                                            ["scaffold.splice=partial", "scaffold.correction=token"])  # fmt: skip
+    assert cells[-1][0] == "splice=group,correction=none"
+    for bad in ("scaffold.splice", "scaffold.splice=", "scaffold.splice=partial,,group"):
+        with pytest.raises(ConfigError, match="KEY=VALUE1,VALUE2"):
+            ablate.parse_grid([bad])
+    # A value no config takes fails before anything trains, naming its key, in one line.
+    assert ablate.main(["--grid", "scaffold.splice=partial,swap", "--out", "/nonexistent/ablate"]) == 2
+    assert capsys.readouterr().err.strip().startswith("ablate: scaffold.splice: must be one of")
+
+
+def test_ablate_figures_of_a_run(monkeypatch):
+    ablate = _ablate(monkeypatch)
+    # Spliced ratio mean: the mean over the steps that spliced, (0.8 + 0.6) / 2 = 0.7; a step without is skipped.
+    run = {
+        "summary": {"surpass_rate": 0.25, "rescue_pass_rate": None},
+        "train": [{"spliced_ratio_mean": 0.8}, {"spliced_ratio_mean": None}, {"spliced_ratio_mean": 0.6}],
+    }
+    figures = ablate.figures(run)
+    assert figures["surpass_rate"] == 0.25 and figures["rescue_pass_rate"] is None
+    assert math.isclose(figures["spliced_ratio_mean"], 0.7)
+    table = ablate.figures_table([{**run, "arm": "a"}, {**run, "arm": "a"}], ["a"])
+    assert table.splitlines()[-1] == "| a | 25.0 [25.0, 25.0] | n/a | 0.700 [0.700, 0.700] |"

@@ -38,24 +38,29 @@ ARMS = {"lspo": True, "dapo": False}
 
 
 def run_arm(base_config, arm: str, seed: int, out_root: str) -> dict:
-    data = apply_overrides(to_dict(base_config), [f"seed={seed}", f"scaffold.enabled={str(ARMS[arm]).lower()}"])
-    config = from_dict(type(base_config), data)
-    out = os.path.join(out_root, f"{arm}_seed{seed}")
+    return run_cell(base_config, arm, [f"scaffold.enabled={str(ARMS[arm]).lower()}"], seed, out_root, "compare_arms")
+
+
+def run_cell(base_config, name: str, overrides: list[str], seed: int, out_root: str, tool: str) -> dict:
+    """Train ``base_config`` with ``overrides`` and ``seed`` into ``out_root/NAME_seedSEED``: a finished run there is
+    reused and an interrupted one resumed, so a comparison stopped midway picks up where it was. Returns the run's
+    summary and records under ``arm`` = ``name``; a run stopped by SIGTERM or Ctrl-C ends the tool (status 75)."""
+    config = from_dict(type(base_config), apply_overrides(to_dict(base_config), [f"seed={seed}", *overrides]))
+    out = os.path.join(out_root, f"{name}_seed{seed}")
     summary_path = os.path.join(out, "summary.json")
     summary = None
-    if os.path.exists(summary_path):  # finished earlier: reuse, so an interrupted comparison resumes
+    if os.path.exists(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
     if summary is None or summary["stopped_early"]:
-        summary = train_run(config, out, resume=has_checkpoint(out))  # an interrupted arm continues
-    if summary["stopped_early"]:  # SIGTERM or Ctrl-C: its checkpoint is written; go no further
-        print(f"compare_arms: {arm} seed {seed} stopped at step {summary['steps']}; run again to resume",
-              file=sys.stderr)  # fmt: skip
+        summary = train_run(config, out, resume=has_checkpoint(out))
+    if summary["stopped_early"]:  # its checkpoint is written; go no further
+        print(f"{tool}: {name} seed {seed} stopped at step {summary['steps']}; run again to resume", file=sys.stderr)
         raise SystemExit(75)
     records = read_metrics(os.path.join(out, "metrics.jsonl"))
     evals = [r for r in records if r.get("kind") == "eval"]
     train = [r for r in records if r.get("kind", "train") == "train"]
-    return {"arm": arm, "seed": seed, "summary": summary, "evals": evals, "train": train, "steps": config.steps}
+    return {"arm": name, "seed": seed, "summary": summary, "evals": evals, "train": train, "steps": config.steps}
 
 
 def traces(results: list[dict]) -> list[tables.RunTrace]:
