@@ -652,16 +652,18 @@ class TargetSide:
         return cls(config, rows, **options)
 
     def directional_derivatives(
-        self, params: Params, per_prompt_losses_fn: Callable[[Params], jax.Array]
+        self, params: Params, per_prompt_losses_fn: Callable[[Params], jax.Array], target_params: Params | None = None
     ) -> np.ndarray:
-        """``<g_tgt, g_i>`` ``[B]`` at ``params`` (``{"base", ...}``; the adapter is ignored).
+        """``<g_tgt, g_i>`` ``[B]`` at ``params`` (``{"base", ...}``; the adapter is ignored), with ``g_tgt`` taken at
+        ``target_params`` when given (the look-ahead: the base after the step's update, ``l2rr.lookahead``).
 
         ``per_prompt_losses_fn`` maps the base params to ``[B]`` losses, e.g. ``PolicyLosses(...).bind(batch)``;
         a ``jax.tree_util.Partial`` of a hashable function compiles once for all steps, any other callable
         once per callable.
         """
         base = params[optim.BASE]
-        tangent = target_gradient(self._config, base, self._rows, **self._options)
+        at = base if target_params is None else target_params[optim.BASE]
+        tangent = target_gradient(self._config, at, self._rows, **self._options)
         fn = per_prompt_losses_fn
         if not isinstance(fn, jax.tree_util.Partial):
             fn = jax.tree_util.Partial(fn)

@@ -97,6 +97,9 @@ class TrainState:
     opt_state: Any
     nonfinite_in_row: int = 0
     nonfinite_total: int = 0
+    # RL updates applied (skipped ones not included): the learning-rate schedule's count. One per step unless
+    # ``optim.mini_batches`` or ``optim.epochs`` is above 1; None counts one per step (a checkpoint before them).
+    updates: int | None = None
     # The step at which a persistent adapter (``scaffold.adapter: persistent``) was last reset; None: never.
     adapter_reset_step: int | None = None
 
@@ -272,15 +275,18 @@ class Learner:
             num_micro_batches=micro_batches, chunk_size=loss.chunk_size, skip_nonfinite=True,
         )  # fmt: skip
 
-    def rl_step(self, batch: Rows) -> dict[str, Any]:
+    def rl_step(self, batch: Rows, *, ends_step: bool = True) -> dict[str, Any]:
         """One RL update of the base on ``batch``; a non-finite loss or gradient skips it whole (and is counted).
+        ``ends_step=False``: an update that is not the step's last (``optim.mini_batches``, ``optim.epochs``).
 
         Returns the update's metrics with ``lr``, the rate it was taken at (the schedule's count is the updates
         applied so far, a skipped one not included), and ``pad_fraction``: the share of the update's token slots
         that hold no real token.
         """
         state = self.state
-        lr = optim.learning_rate(self.run.optim, state.step - state.nonfinite_total)
+        if state.updates is None:
+            state.updates = state.step - state.nonfinite_total
+        lr = optim.learning_rate(self.run.optim, state.updates)
         placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
         pad_fraction = 1.0 - float(np.sum(batch["attention_mask"])) / placed.arrays["tokens"].size
         program = self._rl_program(placed.micro_batches)
@@ -289,12 +295,16 @@ class Learner:
         finite = bool(metrics.pop("finite"))
         state.nonfinite_in_row = 0 if finite else state.nonfinite_in_row + 1
         state.nonfinite_total += int(not finite)
-        state.step += 1
+        state.updates += int(finite)
+        state.step += int(ends_step)
         return {**metrics, "lr": lr, "finite": finite, "pad_fraction": pad_fraction}
 
-    def prompt_scores(self, batch: Rows) -> np.ndarray:
-        """``<g_tgt, g_i>`` per prompt of ``batch`` at the current base (``reweight.TargetScorer``)."""
-        return self.target.scores(self.state.params, batch)
+    def prompt_scores(
+        self, batch: Rows, params: Params | None = None, target_params: Params | None = None
+    ) -> np.ndarray:
+        """``<g_tgt, g_i>`` per prompt of ``batch`` at ``params`` (default the current base), ``g_tgt`` at
+        ``target_params`` (default the same) (``reweight.TargetScorer``)."""
+        return self.target.scores(params or self.state.params, batch, target_params)
 
     def close(self) -> None:
         if self.vllm is not None:

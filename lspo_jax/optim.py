@@ -66,9 +66,22 @@ class AdamWConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLOptimConfig(AdamWConfig):
-    """The base model's optimizer: AdamW lr 1e-6 (the paper's DAPO recipe)."""
+    """The base model's optimizer: AdamW lr 1e-6 (the paper's DAPO recipe).
+
+    ``mini_batches`` and ``epochs``: PPO-style updates per RL step, ``epochs`` passes over the step's rows in
+    ``mini_batches`` shuffled mini-batches (default 1 and 1: the paper's one update). Each update's token-mean is
+    over its own mini-batch's tokens (verl's convention); old log-probs stay those of the sampling policy, so from
+    the second update on the clip acts on on-policy rows too. The warm-up counts updates, not steps.
+    """
 
     lr: float = 1e-6
+    mini_batches: int = 1
+    epochs: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mini_batches < 1 or self.epochs < 1:
+            raise ValueError(f"mini_batches and epochs must be positive, got {self.mini_batches} and {self.epochs}")
 
 
 @dataclasses.dataclass(frozen=True)

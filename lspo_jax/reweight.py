@@ -131,8 +131,8 @@ class TargetScorer:
             chunk_size=run.loss.chunk_size, num_micro_batches=run.l2rr.score_micro_batches,
         )  # fmt: skip
 
-    def scores(self, params: Any, batch: dict) -> np.ndarray:
-        return self.target.directional_derivatives(params, self.losses.bind(batch))
+    def scores(self, params: Any, batch: dict, target_params: Any = None) -> np.ndarray:
+        return self.target.directional_derivatives(params, self.losses.bind(batch), target_params)
 
 
 def load_target(run: TrainConfig, config: Any, load_examples) -> TargetScorer:

@@ -314,7 +314,7 @@ class Run:
         meta = {"step": self.state.step, self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed,
                 "nonfinite_total": self.state.nonfinite_total,
                 "nonfinite_in_row": self.state.nonfinite_in_row,
-                "adapter_reset_step": self.state.adapter_reset_step}  # fmt: skip
+                "adapter_reset_step": self.state.adapter_reset_step, "updates": self.state.updates}  # fmt: skip
         state = checkpoint_state(self.state.params, self.state.opt_state, adapter=self._persistent_adapter)
         self.checkpointer.save(self.state.step, state, meta)
 
@@ -352,6 +352,7 @@ class Run:
             step=int(meta["step"]), params=params, opt_state=opt_state,
             nonfinite_total=int(meta.get("nonfinite_total", 0)), nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
             adapter_reset_step=meta.get("adapter_reset_step") if "adapter" in restored else None,
+            updates=meta.get("updates"),
         )  # fmt: skip
         if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
             self.prompts.load_state_dict(meta[self.prompts.meta_key])

@@ -106,12 +106,21 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
         if weights is not None:
             batch["advantages"] = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
             record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
-        scores = None
-        if draw.score_prompts:  # before the update, which donates the base it scores
-            start = time.perf_counter()
+        scores, lookahead = None, draw.score_prompts and learner.run.l2rr.lookahead
+        start = time.perf_counter()
+        if draw.score_prompts and not lookahead:  # before the update, which donates the base it scores
             scores = learner.prompt_scores(batch)
-            record["time_target"] = time.perf_counter() - start
-        update = learner.rl_step(batch)
+        # The look-ahead keeps a copy of the sampled base: the prompts' gradients are taken there, the target's
+        # at the updated base (t + 1).
+        before = {"base": jax.tree.map(jnp.copy, learner.state.params["base"])} if lookahead else None
+        target_seconds = time.perf_counter() - start
+        update = rl_updates(learner, batch)
+        if lookahead:
+            start = time.perf_counter()
+            scores = learner.prompt_scores(batch, params=before, target_params=learner.state.params)
+            target_seconds += time.perf_counter() - start
+        if draw.score_prompts:
+            record["time_target"] = target_seconds
     record["spliced_accuracy_mean"] = float(rows["accuracy"].mean())
     record.update(scaffold_record)
     record.update(update_metrics(learner, update))
@@ -165,6 +174,26 @@ def importance_weights(run: TrainConfig, rows: dict, base_logp, behaviour_logp, 
         tis = np.asarray(losses.token_weights(behaviour_logp, rows["sampler_logp"], mask, run.loss.tis_cap))
         weights = tis if weights is None else weights[:, None] * tis
     return old_logp.astype(np.float32), weights
+
+
+def rl_updates(learner: Learner, batch: dict) -> dict[str, Any]:
+    """The step's update of the base: one on the whole batch, or ``optim.epochs`` passes over it in
+    ``optim.mini_batches`` mini-batches of rows, shuffled each epoch by a function of the seed and the step (a
+    resumed run shuffles alike). Several updates report their metrics' mean, the last ``lr``, ``finite`` only if
+    every update was, and ``updates_skipped``."""
+    run = learner.run
+    if run.optim.mini_batches == 1 and run.optim.epochs == 1:
+        return learner.rl_step(batch)
+    rng = np.random.default_rng([run.seed, learner.state.step])
+    rows, results = len(batch["tokens"]), []
+    for epoch in range(run.optim.epochs):
+        parts = np.array_split(rng.permutation(rows), run.optim.mini_batches)
+        for i, part in enumerate(parts):
+            last = epoch == run.optim.epochs - 1 and i == len(parts) - 1
+            results.append(learner.rl_step({k: v[part] for k, v in batch.items()}, ends_step=last))
+    merged = {k: float(np.mean([r[k] for r in results])) for k in results[0] if k not in ("lr", "finite")}
+    finite = [r["finite"] for r in results]
+    return {**merged, "lr": results[-1]["lr"], "finite": all(finite), "updates_skipped": finite.count(False)}
 
 
 def update_metrics(learner: Learner, update: dict[str, Any]) -> dict[str, Any]:

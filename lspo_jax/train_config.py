@@ -400,7 +400,9 @@ class L2RRConfig:
     ``target_micro_batches``: chunks of prompts (rows) for the jvp and the target gradient. ``top_k``: the
     top-weighted prompts reported by ``metrics``. ``target``: the held-out target set (a data file or a
     benchmark name, as in ``eval.benchmarks``; ``toy:target`` for the demo task), its first
-    ``target_limit`` examples with worked solutions.
+    ``target_limit`` examples with worked solutions. ``lookahead`` (the method's own): ``g_tgt`` is taken at the
+    base after the step's update (t + 1) and each ``g_i`` at the base that sampled; false takes both before the
+    update. The look-ahead holds a second copy of the base during the update.
     """
 
     enabled: bool = False
@@ -418,6 +420,7 @@ class L2RRConfig:
     alloc_power: float = 1.5
     explore: float = 0.0
     max_draw_rounds: int = 4
+    lookahead: bool = True
     score_micro_batches: int = 1
     target_micro_batches: int = 1
     top_k: int = 5
@@ -484,6 +487,9 @@ class TrainConfig:
                  f"{buffer} is more than rollout.max_new_tokens {limit}: every response would be penalised; "
                  "set it <= max_new_tokens (or reward.overlong_factor: 0)")  # fmt: skip
         _require(self.l2rr.g_min <= self.rollout.group_size, "l2rr.g_min", "must not exceed rollout.group_size")
+        rows = self.rollout.prompts_per_step * self.rollout.group_size
+        _require(self.optim.mini_batches <= rows, "optim.mini_batches",
+                 f"{self.optim.mini_batches} is more than the step's {rows} rows")  # fmt: skip
         m, k = self.scaffold.cliff_max_successes, self.rollout.group_size
         _require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
         _require(not self.l2rr.enabled or bool(self.l2rr.target), "l2rr.target", "must name the target set")

@@ -270,6 +270,20 @@ def test_directional_derivatives_equal_explicit_gradient_dots(tiny_params):
     assert {name for name in dir(side) if not name.startswith("_")} == {"directional_derivatives", "from_examples"}
 
 
+def test_look_ahead_takes_the_target_gradient_at_other_params(tiny_params):
+    """``target_params``: d_i = <g_tgt(theta'), g_i(theta)>, against the same reverse-mode references with the target
+    gradient taken at theta' = theta + 0.1 * a random direction (a stand-in for the updated base)."""
+    base, rows = tiny_params["base"], jax.tree.map(jnp.asarray, _target_rows())
+    ahead = jax.tree.map(lambda p, d: p + 0.1 * d, base, _random_direction(base))
+    side = l2rr.TargetSide(CONFIG, _target_rows())
+    fast = side.directional_derivatives(tiny_params, l2rr.PolicyLosses(CONFIG, K).bind(_rl_batch()), {"base": ahead})
+    jacobian = _per_prompt_gradients(base, _rl_batch())
+    explicit = _tree_dots(jacobian, _target_gradient(ahead, rows))
+    here = _tree_dots(jacobian, _target_gradient(base, rows))
+    assert_close_relative(fast, explicit, 1e-4)  # as above
+    assert np.max(np.abs(explicit - here)) > 1e-2 * np.max(np.abs(here))  # the look-ahead point matters
+
+
 @jax.jit
 def _target_losses(base, rows, direction):
     """The token-mean target loss, and the slope of each target loss along ``direction`` by forward mode."""

@@ -348,6 +348,23 @@ def test_group_splice_and_reroll_settings(tmp_path, make_config, easy_rule):
     np.testing.assert_allclose(batch["advantages"], [-A, A, A, -A], rtol=1e-6)  # group 0 is now [fail, pass]
 
 
+def test_keep_failed_splice_with_leave_one_out_advantages(tmp_path, make_config, easy_rule):
+    """``splice: keep_failed``: the cliff's failed slots 0 and 1 take its passing re-roll 1, then its failed re-roll
+    0, both with adapter-on old log-probs. ``loss.advantage: loo`` with K = 2: r_i minus the other row's reward,
+    so each [pass, fail] group gets [+1, -1] (std would give +-0.7071)."""
+    config, (base, reroll), rl = one_scaffold_step(
+        tmp_path, make_config, easy_rule, scaffold__splice="keep_failed", loss__advantage="loo"
+    )
+    batch, rerolls = rl["batch"], reroll["rows"]
+    np.testing.assert_array_equal(batch["tokens"][:2], rerolls["tokens"][[1, 0]])
+    np.testing.assert_array_equal(batch["tokens"][2:], base["rows"]["tokens"][2:])
+    rows = {k: batch[k] for k in ("tokens", "attention_mask", "mask")}
+    on, off = teacher_forced(config, rl["params"], rows, 1.0), teacher_forced(config, rl["params"], rows, 0.0)
+    np.testing.assert_allclose(batch["old_logp"][:2], on[:2], atol=1e-5)
+    np.testing.assert_allclose(batch["old_logp"][2:], off[2:], atol=1e-5)
+    np.testing.assert_allclose(batch["advantages"], [1.0, -1.0, 1.0, -1.0], rtol=1e-6)
+
+
 def test_cliffs_with_a_success_keep_it(tmp_path, make_config, easy_rule):
     """``cliff_max_successes: 1`` with K = 2: the passing-in-slot-0 group is a cliff too; both are re-rolled, and
     the first failed slot of each (group 0's slot 0, group 1's slot 1) takes its re-roll 1, the one that passes."""
@@ -385,6 +402,39 @@ def test_a_persistent_adapter_is_kept_reset_every_n_steps_and_resumed(tmp_path, 
     want = checkpoint_state(whole.state.params, whole.state.opt_state, adapter=True)
     assert_trees_equal(checkpoint_state(resumed.state.params, resumed.state.opt_state, adapter=True), want)
     assert resumed.state.adapter_reset_step == whole.state.adapter_reset_step == 2
+
+
+def test_mini_batches_and_epochs(tmp_path, make_config, easy_rule):
+    """``optim.mini_batches: 2, epochs: 2`` on the DAPO arm (every row on-policy): 4 updates of 2 rows, each epoch's
+    two a partition of the step's 4 rows, the old log-probs those of the sampling policy every time, one step."""
+    verifier = FakeVerifier(easy_rule)
+    config = make_config(steps=1, reward__overlong_factor=0.0, scaffold__enabled=False, optim__mini_batches=2,
+                         optim__epochs=2, seed=43)  # fmt: skip
+    job = Run(config, str(tmp_path), verifier=verifier)
+    updates = []
+    wrap(job.learner, "rl_step", before=lambda batch, **kw: {"batch": copy_tree(batch), **kw},
+         after=lambda metrics: {"metrics": metrics}, log=updates)  # fmt: skip
+    try:
+        summary = job.train()
+    finally:
+        job.close()
+    assert len(updates) == 4 and [u["ends_step"] for u in updates] == [False, False, False, True]
+    assert job.state.step == 1 and job.state.updates == 4 and summary["steps"] == 1
+    row_of = lambda batch: [tuple(t) for t in batch["tokens"]]
+    whole = sorted(row_of(updates[0]["batch"]) + row_of(updates[1]["batch"]))
+    assert whole == sorted(row_of(updates[2]["batch"]) + row_of(updates[3]["batch"])) and len(whole) == 4
+    for u in updates[2:]:  # the second epoch's old log-probs are the first's: the sampling policy's
+        first = {r: i for i, r in enumerate(row_of(updates[0]["batch"]) + row_of(updates[1]["batch"]))}
+        olds = np.concatenate([updates[0]["batch"]["old_logp"], updates[1]["batch"]["old_logp"]])
+        for row, old in zip(row_of(u["batch"]), u["batch"]["old_logp"], strict=True):
+            np.testing.assert_array_equal(old, olds[first[row]])
+    # The first update starts at the sampling policy (ratio 1 up to rounding), so its loss is minus the token-mean
+    # of the advantages over its own mini-batch's tokens (verl's convention), not over the step's.
+    batch = updates[0]["batch"]
+    mask = batch["mask"] > 0
+    adv = np.broadcast_to(np.asarray(batch["advantages"])[:, None], mask.shape)
+    np.testing.assert_allclose(updates[0]["metrics"]["loss"], -adv[mask].mean(), atol=1e-5)
+    assert abs(adv[mask].mean()) > 0.3  # seed 43 shuffles one row of each group into it: +-A / 2, where the step's is 0
 
 
 # ------------------------------------------------------------------------ resume, checkpoints, export
@@ -925,6 +975,42 @@ def test_l2rr_run_draws_unequal_groups_and_resumes(tmp_path, make_config, train_
     resumed = Run(dataclasses.replace(config, steps=4), str(tmp_path / "run"), resume=True, verifier=verifier)
     assert resumed.prompts.sampler.state_dict() == meta["sampler"]
     resumed.close()
+
+
+def test_l2rr_look_ahead_scores_after_the_update(tmp_path, make_config, train_rows):
+    """One L2RR step: with ``lookahead`` the prompts are scored after the update, their gradients at the base that
+    sampled (a copy) and the target's at the updated one; without, both before it. The update is the same."""
+    bases = {}
+    for lookahead in (True, False):
+        config = dataclasses.replace(l2rr_config(make_config, tmp_path), steps=1)
+        config = dataclasses.replace(config, l2rr=dataclasses.replace(config.l2rr, lookahead=lookahead))
+        job = Run(config, str(tmp_path / f"run_{lookahead}"), verifier=BlockVerifier({train_rows[0]["answer"]}))
+        learner, calls = job.learner, []
+        base = lambda learner=learner: copy_tree(learner.state.params["base"])
+        wrap(learner, "rl_step", before=lambda batch, base=base, calls=calls, **kw: calls.append(("update", base())))
+
+        def scored(batch, params=None, target_params=None, base=base, calls=calls):
+            at = lambda p: None if p is None else copy_tree(p["base"])
+            calls.append(("score", base(), at(params), at(target_params)))
+
+        wrap(learner, "prompt_scores", before=scored)
+        try:
+            job.train()
+        finally:
+            job.close()
+        names = [c[0] for c in calls]
+        assert names == (["update", "score"] if lookahead else ["score", "update"])
+        sampled = calls[names.index("update")][1]
+        _, now, params, target_params = calls[names.index("score")]
+        if lookahead:
+            assert_trees_equal(params, sampled)  # the prompts' gradients at the base that sampled
+            assert_trees_equal(target_params, now)  # the target's at the updated base, the learner's now
+            assert trees_differ(now, sampled)
+        else:
+            assert params is None and target_params is None
+            assert_trees_equal(now, sampled)
+        bases[lookahead] = copy_tree(learner.state.params["base"])
+    assert_trees_equal(bases[True], bases[False])  # the scores feed the next draw only
 
 
 def test_sigterm_during_an_l2rr_draw_restores_the_sampler(tmp_path, make_config, train_rows, monkeypatch):

@@ -64,6 +64,8 @@ def test_demo_config_loads():
         ("scaffold.adapter=kept", "scaffold.adapter"),
         ("scaffold.reset_every=3", "scaffold.reset_every"),  # a fresh adapter is reset every step already
         ("scaffold.reset_every=0", "scaffold.reset_every"),
+        ("optim.mini_batches=129", "optim.mini_batches"),  # the demo's step has 16 x 8 = 128 rows
+        ("optim.epochs=0", "optim"),
     ],
 )
 def test_bad_keys_and_values_name_the_dotted_key(override, key):
@@ -95,6 +97,7 @@ def test_the_options_default_to_the_papers_method():
         "partial", "token", None, None)  # fmt: skip
     assert (scaffold.reroll_scale, scaffold.cliff_max_successes, scaffold.adapter, scaffold.reset_every) == (
         1.0, 0, "fresh", None)  # fmt: skip
+    assert (TrainConfig().optim.mini_batches, TrainConfig().optim.epochs) == (1, 1)
 
 
 def test_check_of_a_nested_optimizer_config_names_its_section():
