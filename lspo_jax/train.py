@@ -8,8 +8,9 @@ Per step (the method's steps 1-6), each stage a verb of the run's ``learner.Lear
     sft      fresh adapter, ``sft_steps`` AdamW steps on the cliff prompts' worked solutions (adapter only)
     reroll   K samples per cliff prompt from pi_theta+phi; verify; splice passing ones into failed rows
     logprob  old_logp = log pi_theta on base rows, log pi_theta+phi (already set) on spliced rows
+             (``scaffold.correction`` and ``loss.tis_cap`` may change these and add weights: importance_weights)
     update   advantages on the spliced batch (token-level with a first-mistake judge), clipped surrogate on the
-             base only (lora_scale = 0)
+             base only (lora_scale = 0); ``optim.mini_batches`` x ``optim.epochs`` updates (rl_updates)
 
 With ``scaffold.enabled: false`` the same step is the DAPO baseline. The loop (``run``) derives the step's key
 as ``fold_in(seed, step)``, so a resumed run draws exactly what an uninterrupted one would. The step returns
@@ -101,30 +102,37 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     advantages, judge_record = step_advantages(learner, rows, draw.examples, valid, phases)
     record.update(judge_record)
     with phases("update"):
-        batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
-        batch["advantages"] = advantages
-        if weights is not None:
-            batch["advantages"] = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
-            record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
-        scores, lookahead = None, draw.score_prompts and learner.run.l2rr.lookahead
-        start = time.perf_counter()
-        if draw.score_prompts and not lookahead:  # before the update, which donates the base it scores
-            scores = learner.prompt_scores(batch)
-        # The look-ahead keeps a copy of the sampled base: the prompts' gradients are taken there, the target's
-        # at the updated base (t + 1).
-        before = {"base": jax.tree.map(jnp.copy, learner.state.params["base"])} if lookahead else None
-        target_seconds = time.perf_counter() - start
-        update = rl_updates(learner, batch)
-        if lookahead:
-            start = time.perf_counter()
-            scores = learner.prompt_scores(batch, params=before, target_params=learner.state.params)
-            target_seconds += time.perf_counter() - start
-        if draw.score_prompts:
-            record["time_target"] = target_seconds
+        update, scores = update_base(learner, rows, advantages, weights, draw.score_prompts, record)
     record["spliced_accuracy_mean"] = float(rows["accuracy"].mean())
     record.update(scaffold_record)
     record.update(update_metrics(learner, update))
     return StepResult({"step": learner.state.step, **record, **phases.seconds}, scores)
+
+
+def update_base(learner: Learner, rows: dict, advantages, weights, score_prompts: bool, record: dict):
+    """The update of the base on the step's rows (``rl_updates``), the advantages times the detached loss weights,
+    and with ``score_prompts`` the batch's L2RR target scores: before the update, which donates the base it
+    scores, or with ``l2rr.lookahead`` after it, from a copy of the base that sampled (the prompts' gradients are
+    taken there, the target's at the updated base, t + 1). Returns ``(update metrics, scores or None)``."""
+    batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
+    batch["advantages"] = advantages
+    if weights is not None:
+        batch["advantages"] = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
+        record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
+    scores, lookahead = None, score_prompts and learner.run.l2rr.lookahead
+    start = time.perf_counter()
+    if score_prompts and not lookahead:
+        scores = learner.prompt_scores(batch)
+    before = {"base": jax.tree.map(jnp.copy, learner.state.params["base"])} if lookahead else None
+    target_seconds = time.perf_counter() - start
+    update = rl_updates(learner, batch)
+    if lookahead:
+        start = time.perf_counter()
+        scores = learner.prompt_scores(batch, params=before, target_params=learner.state.params)
+        target_seconds += time.perf_counter() - start
+    if score_prompts:
+        record["time_target"] = target_seconds
+    return update, scores
 
 
 def sample_and_score(learner: Learner, draw: Draw, key, phases: Phases) -> tuple[dict, np.ndarray | None]:
