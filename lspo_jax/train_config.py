@@ -496,8 +496,19 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------ reading
-# Keys that a config of an earlier version may hold: reading one names its new key.
+# Keys that a config of an earlier version may hold (a run's own config.yaml, resumed): read under their new name.
 RENAMED = {"first_mistake.temperature": "first_mistake.teacher_temperature"}
+
+
+def _renamed(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``data`` with its keys of ``RENAMED`` under their new names; the old and the new one together is an error."""
+    for old, new in RENAMED.items():
+        section, _, name = old.rpartition(".")
+        if f"{section}." == where and name in data:
+            new_name = new.rpartition(".")[2]
+            _require(new_name not in data, old, f"renamed {new}, which is also given; keep one")
+            data = {(new_name if key == name else key): value for key, value in data.items()}
+    return data
 
 
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
@@ -505,9 +516,8 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     _require(isinstance(data, dict), where.rstrip(".") or "config", f"expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    data = _renamed(data, where)
     unknown = sorted(set(data) - set(fields))
-    for name in unknown:
-        _require(f"{where}{name}" not in RENAMED, f"{where}{name}", f"renamed {RENAMED.get(f'{where}{name}')}")
     _require(not unknown, f"{where}{unknown[0]}" if unknown else where, f"unknown key; known: {sorted(fields)}")
     values = {name: _coerce(hints[name], value, f"{where}{name}") for name, value in data.items()}
     try:
