@@ -20,16 +20,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from datetime import date
 
-import jax
 import yaml
-from compare_arms import run_cell
+from compare_arms import append_results, provenance, run_cell, traces
 
 from lspo_jax import tables
 from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
@@ -116,14 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_cell(base, name, overrides, seed, args.out, "ablate"))
     minutes = (time.perf_counter() - start) / 60
     names = [name for name, _ in grid_cells]
-    runs = [tables.RunTrace(r["arm"], r["seed"], tuple(r["evals"]), steps=r["steps"]) for r in results]
+    runs = traces(results)
     horizon, horizon_line = tables.resolve_horizon(runs, args.horizon)
     table = tables.peak_table(runs, ks=list(base.eval.ks), horizon=horizon, baseline=names[0])
     command = " ".join(["tools/ablate.py", *(argv if argv is not None else sys.argv[1:])])
     text = "\n\n".join([
         f"## Ablation on `{args.config}` ({date.today().isoformat()})",
-        f"Command: `.venv/bin/python {command}`; {len(results)} runs in {minutes:.1f} min on "
-        f"{platform.machine()} ({os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()}).",
+        provenance(command, len(results), minutes),
         tables.caption(table),
         horizon_line,
         tables.markdown(table),
@@ -139,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"horizon": table.horizon, "cells": dict(grid_cells), "runs": per_run, "peaks": peaks}, f,
                       indent=1)  # fmt: skip
         print(f"ablate: wrote {args.json}")
-    if args.results:
-        with open(args.results, "a") as f:
-            f.write("\n" + text + "\n")
+    append_results(args.results, text)
     return 0
 
 

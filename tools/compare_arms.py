@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["tools/compare_arms.py", *(argv if argv is not None else sys.argv[1:])])
     text = "\n\n".join([
         f"## LSPO vs DAPO on `{args.config}` ({date.today().isoformat()})",
-        f"Command: `.venv/bin/python {command}`; {len(results)} runs in {minutes:.1f} min on "
-        f"{platform.machine()} ({os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()}).",
+        provenance(command, len(results), minutes),
         tables.caption(table),
         horizon_line,
         tables.markdown(table),
@@ -137,10 +136,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare_arms: wrote {args.json}")
     if args.plot:
         print(f"compare_arms: wrote {tables.plot_curves(runs, args.plot, horizon=horizon)}")
-    if args.results:
-        with open(args.results, "a") as f:
-            f.write("\n" + text + "\n")
+    append_results(args.results, text)
     return 0
+
+
+def provenance(command: str, runs: int, minutes: float) -> str:
+    """The line that says how the tables were made: the command, the runs, their time and the machine."""
+    return (f"Command: `.venv/bin/python {command}`; {runs} runs in {minutes:.1f} min on {platform.machine()} "
+            f"({os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()}).")  # fmt: skip
+
+
+def append_results(path: str | None, text: str) -> None:
+    """Append the tables to the Markdown file ``path`` (``--results``), when one is given."""
+    if path:
+        with open(path, "a") as f:
+            f.write("\n" + text + "\n")
 
 
 if __name__ == "__main__":
