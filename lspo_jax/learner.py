@@ -98,8 +98,8 @@ class TrainState:
     nonfinite_in_row: int = 0
     nonfinite_total: int = 0
     # RL updates applied (skipped ones not included): the learning-rate schedule's count. One per step unless
-    # ``optim.mini_batches`` or ``optim.epochs`` is above 1; None counts one per step (a checkpoint before them).
-    updates: int | None = None
+    # ``optim.mini_batches`` or ``optim.epochs`` is above 1.
+    updates: int = 0
     # The step at which a persistent adapter (``scaffold.adapter: persistent``) was last reset; None: never.
     adapter_reset_step: int | None = None
 
@@ -284,8 +284,6 @@ class Learner:
         that hold no real token.
         """
         state = self.state
-        if state.updates is None:
-            state.updates = state.step - state.nonfinite_total
         lr = optim.learning_rate(self.run.optim, state.updates)
         placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
         pad_fraction = 1.0 - float(np.sum(batch["attention_mask"])) / placed.arrays["tokens"].size

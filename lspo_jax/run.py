@@ -352,7 +352,8 @@ class Run:
             step=int(meta["step"]), params=params, opt_state=opt_state,
             nonfinite_total=int(meta.get("nonfinite_total", 0)), nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
             adapter_reset_step=meta.get("adapter_reset_step") if "adapter" in restored else None,
-            updates=meta.get("updates"),
+            # A checkpoint from before optim.mini_batches took one update a step.
+            updates=int(meta.get("updates", step - int(meta.get("nonfinite_total", 0)))),
         )  # fmt: skip
         if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
             self.prompts.load_state_dict(meta[self.prompts.meta_key])
