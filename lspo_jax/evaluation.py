@@ -5,19 +5,22 @@ One code path serves validation inside a training run (``Run.validate``, every `
 base policy (a ``learner.Generator``: the JAX sampler, or the run's vLLM engine), scores them with the run's
 verifier and reduces the [problems, n] table of passes to pass@k. Benchmarks are scored one by one, so a
 result (and a ``metrics.jsonl`` record) is per benchmark. The paper reports the first-k-slice estimator; the
-unbiased one is logged beside it.
+unbiased one is logged beside it. Validation also scores the base's log-likelihood of each benchmark's gold worked
+solutions (``gold_logprob``): a signal that moves before pass@k does, on a class that no sample passes yet.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+
+from lspo_jax import packing
 
 # The project's shared data, beside the repository: ``../shared/data`` from its root.
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -109,9 +112,15 @@ def correct_table(run, generator, params, examples: Sequence[Any], pool, key) ->
     return np.concatenate(rows) if rows else np.zeros((0, n), bool)
 
 
-def evaluate(run, generator, params, examples: Sequence[Any], pool, key) -> dict[str, float]:
-    """pass@k (first-k slice and unbiased) over ``eval.n`` samples per problem, for each k of ``eval.ks``."""
-    return pass_at_k_metrics(correct_table(run, generator, params, examples, pool, key), run.eval.ks)
+def evaluate(run, generator, params, examples: Sequence[Any], pool, key, logprobs=None) -> dict[str, float]:
+    """pass@k (first-k slice and unbiased) over ``eval.n`` samples per problem, for each k of ``eval.ks``; with
+    ``logprobs`` (see ``gold_logprob``) also the gold solutions' log-likelihood."""
+    metrics = pass_at_k_metrics(correct_table(run, generator, params, examples, pool, key), run.eval.ks)
+    if logprobs is not None:
+        # As many rows a pass as the RL step's batch, which the log-prob pass's micro-batches are sized for.
+        rows = run.rollout.prompts_per_step * run.rollout.group_size
+        metrics.update(gold_logprob(logprobs, examples, run.data.max_prompt_tokens, run.data.max_solution_tokens, rows))
+    return metrics
 
 
 def benchmark_key(key, name: str):
@@ -119,13 +128,56 @@ def benchmark_key(key, name: str):
     return jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
 
 
-def evaluate_benchmarks(run, generator, params, benchmarks: Mapping[str, Sequence[Any]], pool, key) -> dict[str, dict]:
+def evaluate_benchmarks(
+    run, generator, params, benchmarks: Mapping[str, Sequence[Any]], pool, key, logprobs=None
+) -> dict[str, dict]:
     """``evaluate`` on each benchmark with at least one problem: name -> its metrics."""
     return {
-        name: evaluate(run, generator, params, examples, pool, benchmark_key(key, name))
+        name: evaluate(run, generator, params, examples, pool, benchmark_key(key, name), logprobs)
         for name, examples in benchmarks.items()
         if examples
     }
+
+
+# ---------------------------------------------------------------------------------------- gold log-likelihood
+GOLD_KEYS = ("gold_logprob", "gold_logprob_seq")  # the log-likelihood metrics, higher is better
+
+
+def gold_logprob(
+    logprobs: Callable[[packing.Rows], np.ndarray],
+    examples: Sequence[Any],
+    max_prompt_tokens: int,
+    max_solution_tokens: int,
+    max_rows: int,
+) -> dict[str, float]:
+    """The teacher-forced log-likelihood of the examples' gold worked solutions (``solution_ids``) after their
+    prompts, examples without one left out; ``{}`` when none has one (a benchmark shipped without solutions).
+
+        gold_logprob      sum over every gold token of log p(token | prompt, gold before it) / gold tokens
+        gold_logprob_seq  mean over solutions of the solution's summed log-prob
+        gold_solutions, gold_tokens   what was scored
+
+    ``gold_logprob`` pools the tokens (nats per token; ``exp(-gold_logprob)`` is the gold text's perplexity)
+    rather than averaging each solution's mean, so a long solution weighs by its length and the two metrics
+    differ by the constant factor ``gold_tokens / gold_solutions``. ``logprobs`` maps ``packing.pack_sft`` rows
+    to per-token log-probs aligned with their tokens (``logprobs.sequence_logprobs``), at most ``max_rows`` rows
+    a call; the rows are as long as the longest prompt and solution need (``packing.sft_slots``).
+    """
+    scored = [ex for ex in examples if ex.solution_ids is not None and len(ex.solution_ids)]
+    if not scored:
+        return {}
+    prompts, solutions = [ex.prompt_ids for ex in scored], [ex.solution_ids for ex in scored]
+    slots = packing.sft_slots(prompts, solutions, max_prompt_tokens, max_solution_tokens)
+    sums, tokens = [], 0
+    for start in range(0, len(scored), max_rows):
+        rows = packing.pack_sft(prompts[start : start + max_rows], solutions[start : start + max_rows], *slots)
+        gold = rows["mask"] > 0
+        logp = np.asarray(logprobs(rows), np.float64)  # float64 sums: a benchmark holds up to millions of tokens
+        sums.append(np.sum(np.where(gold, logp, 0.0), axis=1))
+        tokens += int(gold.sum())
+    total = np.concatenate(sums)
+    return {"gold_logprob": float(total.sum() / tokens), "gold_logprob_seq": float(total.mean()),
+            "gold_solutions": len(scored), "gold_tokens": tokens}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- output

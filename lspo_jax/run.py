@@ -372,16 +372,24 @@ class Run:
 
     # ----------------------------------------------------------------------------------------- loop
     def validate(self) -> dict[str, dict[str, float]] | None:
-        """Score every held-out benchmark; one ``eval`` record per benchmark. Returns name -> metrics."""
+        """Score every held-out benchmark (pass@k, and the base's log-likelihood of the gold solutions where the
+        benchmark has them); one ``eval`` record per benchmark. Returns name -> metrics."""
         if not any(self.held_out.values()):
             return None
         key = jax.random.fold_in(jax.random.key(self.run.seed + 1), self.state.step)
         results = evaluation.evaluate_benchmarks(
-            self.run, self.learner.generator, self.state.params, self.held_out, self.learner.verifier, key
-        )
+            self.run, self.learner.generator, self.state.params, self.held_out, self.learner.verifier, key,
+            logprobs=self._gold_logprobs,
+        )  # fmt: skip
         for name, result in results.items():
             self._write({"kind": "eval", "step": self.state.step, "benchmark": name, **result})
         return results
+
+    def _gold_logprobs(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+        """Per-token log-probs of ``rows`` under the base as it stands: adapter off and temperature 1 whatever the
+        rollout's, so the gold solutions are scored by the model's own likelihood, not by the sampling
+        distribution's (logits / T)."""
+        return self.learner.logprobs(rows, lora_scale=0.0, temperature=1.0)
 
     def _validate_once(self) -> None:
         """Validate at this step unless its records exist (a resumed run validated it before it stopped)."""

@@ -1,5 +1,6 @@
-"""pass@k by hand, benchmark names, and ``lspo-eval`` end to end on a tiny model: from a Hugging Face directory
-with the JAX sampler on MATH500, and from a training run's checkpoint with scripted responses."""
+"""pass@k by hand, benchmark names, the gold solutions' log-likelihood (by hand, and in validation against
+transformers' logits), and ``lspo-eval`` end to end on a tiny model: from a Hugging Face directory with the JAX
+sampler on MATH500, and from a training run's checkpoint with scripted responses."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from lspo_jax import cli, evaluation, hf, toy_model
+from lspo_jax import cli, data, evaluation, hf, toy_model
 from lspo_jax.evaluation import pass_at_k
 from lspo_jax.rewards import math_reward
 
@@ -71,6 +72,82 @@ def test_benchmark_names_and_paths(tmp_path):
         assert evaluation.benchmark_path(value) == value  # anything but a bare name is a path
     names = [evaluation.benchmark_name(v) for v in ("math500", "../d/aime25.jsonl", "toy:heldout", "shards/dm")]
     assert names == ["math500", "aime25", "toy_heldout", "dm"]
+
+
+# ------------------------------------------------------------------------------------- gold log-likelihood
+def test_gold_logprob_by_hand():
+    examples = [
+        data.Example("a", "1", (5, 6), np.array([7, 8, 9], np.int32)),
+        data.Example("b", "1", (5,), None),  # no worked solution: left out
+        data.Example("c", "1", (5,), np.array([4], np.int32)),
+    ]
+    calls = []
+
+    def logprobs(rows):  # every token "scores" -0.5 * its id, so a prompt or pad token counted would show
+        calls.append(len(rows["tokens"]))
+        return -0.5 * rows["tokens"]
+
+    out = evaluation.gold_logprob(logprobs, examples, max_prompt_tokens=4, max_solution_tokens=8, max_rows=1)
+    # Solution a: -(3.5 + 4 + 4.5) = -12; c: -2. Per token, pooled: -14 / 4 = -3.5; per solution: -14 / 2 = -7.
+    assert out == {"gold_logprob": -3.5, "gold_logprob_seq": -7.0, "gold_solutions": 2, "gold_tokens": 4}
+    assert calls == [1, 1]  # max_rows=1: one call a solution
+    assert evaluation.gold_logprob(logprobs, examples[1:2], 4, 8, 1) == {}
+
+
+def test_validation_scores_gold_solutions_against_transformers(tmp_path, monkeypatch):
+    """The eval record's ``gold_logprob`` against log_softmax of transformers' logits of the same model, done
+    here in float64 over the gold tokens; at temperature 1 though the rollouts sample at 0.7."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from lspo_jax.run import Run
+    from lspo_jax.train_config import load_config
+
+    sums, bare = tmp_path / "sums.jsonl", tmp_path / "bare.jsonl"
+    rows = [("93+67=", "160", "3+7=10;9+6+1=16;\\boxed{160}"), ("12+32=", "44", "2+2=4;1+3=4;\\boxed{44}"),
+            ("5+4=", "9", None), ("4821+7395=", "12216", "1+5=6;2+9=11;8+3+1=12;4+7+1=12;\\boxed{12216}")]  # fmt: skip
+    sums.write_text("".join(json.dumps({"id": str(i), "problem": p, "answer": a, **({"solution": s} if s else {})})
+                            + "\n" for i, (p, a, s) in enumerate(rows)))  # fmt: skip
+    bare.write_text("".join(json.dumps({"id": str(i), "problem": p, "answer": a}) + "\n" for i, (p, a, _) in
+                            enumerate(rows)))  # fmt: skip
+    # The warm start: log-probs near 0 on the 2-digit sums' solutions, nats a token on the 4-digit one's.
+    path = toy_model.model_dir(str(tmp_path / "cache"))
+    config = load_config(None, [f"model.path={path}", f"data.train={sums}", "data.instruction_position=none",
+                                "data.max_prompt_tokens=32", "data.max_solution_tokens=64", "rollout.temperature=0.7",
+                                "eval.n=2", "eval.ks=[1]", f"eval.benchmarks=[{sums}, {bare}]"])  # fmt: skip
+    monkeypatch.setattr(evaluation, "sample_responses", lambda run, g, params, prompts, key: ["x"] * 2 * len(prompts))
+    job = Run(config, str(tmp_path / "run"), verifier=_NoVerifier())
+    try:
+        results = job.validate()
+        examples = [ex for ex in job.held_out["sums"] if ex.solution_ids is not None]
+    finally:
+        job.close()
+    assert "gold_logprob" not in results["bare"]  # no solutions: nothing to score, no key
+    assert [r["benchmark"] for r in job.history] == ["sums", "bare"] and job.history[0]["gold_solutions"] == 3
+
+    hf_model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def by_hand(temperature):
+        sums_, tokens = [], 0
+        for ex in examples:
+            ids = list(ex.prompt_ids) + ex.solution_ids.tolist()
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([ids])).logits[0].double().numpy() / temperature
+            logp = logits - logits.max(-1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+            gold = range(len(ex.prompt_ids), len(ids))  # token t is predicted at position t - 1
+            sums_.append(sum(logp[t - 1, ids[t]] for t in gold))
+            tokens += len(gold)
+        return sum(sums_) / tokens, float(np.mean(sums_))
+
+    per_token, per_solution = by_hand(1.0)
+    # JAX and torch in float32 agree on the tiny models' log-probs to ~1e-6 of their scale (conftest; 1.6e-7 was
+    # measured here, float32's epsilon being 1.2e-7); the gold tokens' log-probs all have one sign, so their sums
+    # keep that relative error, and 2e-5 is the project's float32 bound. A position off by one, prompt tokens
+    # counted or the rollout temperature (0.7: -1.64 against -1.16 nats a token here) move it by 1e-1 or more.
+    assert results["sums"]["gold_logprob"] == pytest.approx(per_token, rel=2e-5)
+    assert results["sums"]["gold_logprob_seq"] == pytest.approx(per_solution, rel=2e-5)
+    assert abs(by_hand(0.7)[0] - per_token) > 1e-3 * abs(per_token)
 
 
 # ---------------------------------------------------------------------------------------------- lspo-eval
