@@ -104,6 +104,19 @@ def sharded_rl_step(
 
 
 @functools.cache
+def sharded_rl_grad_norm(config: ModelConfig, mesh: Mesh, **loss_options) -> Callable:
+    """The norm of ``optim.rl_gradients`` on ``mesh``: ``(params, batch) -> ||grad||``, nothing updated (a
+    diagnostic: the part of the update's gradient that some rows carry)."""
+    params_sh, batch_sh = sharding.param_shardings(config, mesh), sharding.batch_sharding(mesh)
+
+    def norm(base: Params, batch: dict[str, jax.Array]) -> jax.Array:
+        return optax.tree.norm(optim.rl_gradients(config, base, batch, **loss_options)[1])
+
+    jitted = jax.jit(in_mesh(mesh, norm), in_shardings=(params_sh["base"], batch_sh))
+    return lambda params, batch: jitted(params["base"], batch)
+
+
+@functools.cache
 def sharded_sft_step(
     config: ModelConfig,
     mesh: Mesh,

@@ -267,13 +267,25 @@ class Learner:
         state.params, state.opt_state, metrics = program(state.params, state.opt_state, placed.arrays)
         return {**metrics, "sft_micro_batches": placed.micro_batches}
 
-    def _rl_program(self, micro_batches: int):
+    def _loss_options(self, micro_batches: int) -> dict[str, Any]:
         run, loss = self.run, self.run.loss
+        return dict(eps_low=loss.eps_low, eps_high=loss.eps_high, clip_c=loss.clip_c, chunk_size=loss.chunk_size,
+                    temperature=run.rollout.temperature, num_micro_batches=micro_batches)  # fmt: skip
+
+    def _rl_program(self, micro_batches: int):
+        run = self.run
         return distributed.sharded_rl_step(
-            self.policy.config, self.mesh, rl=run.optim, sft=run.scaffold.sft, eps_low=loss.eps_low,
-            eps_high=loss.eps_high, clip_c=loss.clip_c, temperature=run.rollout.temperature,
-            num_micro_batches=micro_batches, chunk_size=loss.chunk_size, skip_nonfinite=True,
+            self.policy.config, self.mesh, rl=run.optim, sft=run.scaffold.sft, skip_nonfinite=True,
+            **self._loss_options(micro_batches),
         )  # fmt: skip
+
+    def rl_grad_norm(self, batch: Rows) -> float:
+        """The norm of the RL gradient ``rl_step`` would take on ``batch``, with nothing updated."""
+        placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
+        program = distributed.sharded_rl_grad_norm(
+            self.policy.config, self.mesh, **self._loss_options(placed.micro_batches)
+        )
+        return float(jax.device_get(program(self.state.params, placed.arrays)))
 
     def rl_step(self, batch: Rows, *, ends_step: bool = True) -> dict[str, Any]:
         """One RL update of the base on ``batch``; a non-finite loss or gradient skips it whole (and is counted).

@@ -283,6 +283,33 @@ def token_weights(logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array, c
     return jnp.where(mask > 0, jnp.exp(jnp.minimum(log_ratio, jnp.log(cap))), 1.0)
 
 
+def floored_old_logp(base_logp: jax.Array, behaviour_logp: jax.Array, floor: float) -> jax.Array:
+    """``old_logp`` of the ``floor`` correction: ``min(log mu, log pi_theta_old - log floor)``, so that
+    ``rho = pi_theta / old = max(pi_theta / mu, floor * pi_theta / pi_theta_old)``.
+
+    At the sampling base the ratio is ``max(pi_theta_old / mu, floor)``: clipped from below, where the paper's
+    per-token ratio lets a token the base finds unlikely (p << q) contribute almost nothing. It stays a ratio of
+    the current policy, so its gradient ``A * rho * grad log pi`` never vanishes and later updates of the step
+    (``optim.epochs``) move it as they move any ratio. Rows with ``mu = pi_theta_old`` keep their ``old_logp``
+    for ``floor <= 1``.
+    """
+    return jnp.minimum(behaviour_logp, base_logp - jnp.log(floor))
+
+
+def shaping_weights(base_logp: jax.Array, mask: jax.Array, gamma: float) -> jax.Array:
+    """``[B, T]`` detached weights of the ``shaped`` correction (LUFFY's policy shaping), 1 off the mask.
+
+    LUFFY puts ``f(pi) = pi / (pi + gamma)`` in place of the ratio on off-policy tokens, unclipped, so a token's
+    loss is ``-A f(pi)`` with gradient ``-A * gamma pi / (pi + gamma)^2 * grad log pi``. With ``old_logp = log
+    pi_theta_old`` the surrogate's gradient at the sampling base is ``-A * grad log pi`` (rho = 1, inside the
+    clip), so a weight ``w = gamma p / (p + gamma)^2`` at ``p = pi_theta_old`` gives LUFFY's gradient exactly for
+    the step's first update (the only one by default); later updates of the same step keep ``w`` from the
+    sampling base, as the sequence weight does.
+    """
+    p = jnp.exp(base_logp)
+    return jnp.where(mask > 0, gamma * p / jnp.square(p + gamma), 1.0)
+
+
 def _broadcast_advantages(advantages: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     advantages = jnp.asarray(advantages, jnp.float32)
     if advantages.shape == shape[:1]:

@@ -94,7 +94,7 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     rows, spliced_mask, scaffold_record = scaffold_cliffs(learner, rows, draw.examples, scaffold_key, phases, valid)
     with phases("logprob"):
         base_logp = learner.logprobs(rows, lora_scale=0.0)
-    record["spliced_ratio_mean"] = _spliced_ratio_mean(base_logp, rows, spliced_mask)
+    record.update(spliced_diagnostics(base_logp, rows, spliced_mask))
     if learner.vllm is not None:
         record.update(_engine_metrics(learner, sync_before, base_logp, rows, spliced_mask))
     behaviour_logp = np.where(spliced_mask[:, None], rows["old_logp"], base_logp)
@@ -102,15 +102,16 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     advantages, judge_record = step_advantages(learner, rows, draw.examples, valid, phases)
     record.update(judge_record)
     with phases("update"):
-        update, scores = update_base(learner, rows, advantages, weights, draw.score_prompts, record)
+        update, scores = update_base(learner, rows, advantages, weights, spliced_mask, draw.score_prompts, record)
     record["spliced_accuracy_mean"] = float(rows["accuracy"].mean())
     record.update(scaffold_record)
     record.update(update_metrics(learner, update))
     return StepResult({"step": learner.state.step, **record, **phases.seconds}, scores)
 
 
-def update_base(learner: Learner, rows: dict, advantages, weights, score_prompts: bool, record: dict):
-    """The update of the base on the step's rows (``rl_updates``), the advantages times the detached loss weights,
+def update_base(learner: Learner, rows: dict, advantages, weights, spliced_rows, score_prompts: bool, record: dict):
+    """The update of the base on the step's rows (``rl_updates``), the advantages times the detached loss weights;
+    with ``scaffold.grad_share`` the share of its gradient's norm the spliced rows carry (``spliced_grad_share``);
     and with ``score_prompts`` the batch's L2RR target scores: before the update, which donates the base it
     scores, or with ``l2rr.lookahead`` after it, from a copy of the base that sampled (the prompts' gradients are
     taken there, the target's at the updated base, t + 1). Returns ``(update metrics, scores or None)``."""
@@ -119,6 +120,10 @@ def update_base(learner: Learner, rows: dict, advantages, weights, score_prompts
     if weights is not None:
         batch["advantages"] = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
         record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
+    if learner.run.scaffold.grad_share and spliced_rows.any():  # one more gradient pass
+        record["spliced_grad_norm"] = spliced_grad_norm(learner, batch, spliced_rows)
+        if learner.run.optim.mini_batches * learner.run.optim.epochs > 1:  # the update reports mini-batch norms
+            record["batch_grad_norm"] = learner.rl_grad_norm(batch)
     scores, lookahead = None, score_prompts and learner.run.l2rr.lookahead
     start = time.perf_counter()
     if score_prompts and not lookahead:
@@ -132,7 +137,19 @@ def update_base(learner: Learner, rows: dict, advantages, weights, score_prompts
         target_seconds += time.perf_counter() - start
     if score_prompts:
         record["time_target"] = target_seconds
+    total = record.get("batch_grad_norm", update.get("grad_norm"))
+    if "spliced_grad_norm" in record and total:
+        record["spliced_grad_share"] = record["spliced_grad_norm"] / float(total)
     return update, scores
+
+
+def spliced_grad_norm(learner: Learner, batch: dict, spliced_rows: np.ndarray) -> float:
+    """The norm of the update's gradient from the spliced rows alone: their advantages, every other row's set to 0
+    (the token-mean still over the whole batch's tokens, as in the update). Over the update's ``grad_norm`` it is
+    the share of the gradient they carry; it costs a gradient pass (``scaffold.grad_share``)."""
+    advantages = np.asarray(batch["advantages"])
+    keep = spliced_rows.reshape((-1,) + (1,) * (advantages.ndim - 1))
+    return learner.rl_grad_norm({**batch, "advantages": np.where(keep, advantages, 0.0).astype(np.float32)})
 
 
 def sample_and_score(learner: Learner, draw: Draw, key, phases: Phases) -> tuple[dict, np.ndarray | None]:
@@ -167,20 +184,31 @@ def importance_weights(run: TrainConfig, rows: dict, base_logp, behaviour_logp, 
         token     old = behaviour_logp: the spliced rows' ratio is over pi_mu, token by token (the paper)
         sequence  old = base_logp, and spliced row i's loss is times
                   w_i = min(prod_t pi_theta_old(y_t) / pi_mu(y_t), scaffold.is_cap)   (Eq. 2, truncated)
+        floor     old = min(log pi_mu, log pi_theta_old - log f): the ratio at the sampling base is
+                  max(pi_theta_old / pi_mu, f), f = scaffold.ratio_floor (``losses.floored_old_logp``)
+        shaped    old = base_logp, and a spliced token's loss is times gamma p / (p + gamma)^2, p = pi_theta_old:
+                  the gradient of LUFFY's pi / (pi + gamma), gamma = scaffold.shaping_gamma
+                  (``losses.shaping_weights``)
         none      old = base_logp, no weight: spliced rows count as on-policy
 
     ``loss.tis_cap`` C then multiplies each token's loss by min(exp(behaviour_logp - sampler_logp), C): the
     trainer's log-prob of the sampling policy against the one the engine reported while sampling.
     """
-    correction, mask = run.scaffold.correction, rows["mask"]
-    old_logp = behaviour_logp if correction == "token" else base_logp
-    weights = None
-    if correction == "sequence" and spliced_rows.any():
-        row_weights = np.asarray(losses.sequence_weights(base_logp, behaviour_logp, mask, run.scaffold.is_cap))
+    cfg, mask = run.scaffold, rows["mask"]
+    old_logp, weights = base_logp, None
+    if cfg.correction == "token":
+        old_logp = behaviour_logp
+    elif cfg.correction == "floor":
+        old_logp = np.asarray(losses.floored_old_logp(base_logp, behaviour_logp, cfg.ratio_floor))
+    elif cfg.correction == "sequence" and spliced_rows.any():
+        row_weights = np.asarray(losses.sequence_weights(base_logp, behaviour_logp, mask, cfg.is_cap))
         weights = np.where(spliced_rows, row_weights, 1.0).astype(np.float32)
+    elif cfg.correction == "shaped" and spliced_rows.any():
+        token_weights = np.asarray(losses.shaping_weights(base_logp, mask, cfg.shaping_gamma))
+        weights = np.where(spliced_rows[:, None], token_weights, 1.0).astype(np.float32)
     if run.loss.tis_cap is not None:
         tis = np.asarray(losses.token_weights(behaviour_logp, rows["sampler_logp"], mask, run.loss.tis_cap))
-        weights = tis if weights is None else weights[:, None] * tis
+        weights = tis if weights is None else (weights if weights.ndim == 2 else weights[:, None]) * tis
     return old_logp.astype(np.float32), weights
 
 
@@ -245,9 +273,10 @@ def scaffold_cliffs(learner: Learner, rows: dict, examples, key, phases: Phases,
         return rows, np.zeros(len(rows["accuracy"]), bool), counts
     cliff_examples = [examples[g] for g in np.flatnonzero(usable)]
     adapter_key, reroll_key = jax.random.split(key)
-    with phases("sft"):
-        counts["sft_loss"] = fit_adapter(learner, cliff_examples, adapter_key)
     n, scale, temperature = _reroll_settings(run)
+    with phases("sft"):
+        # At scale 0 the re-rolls are the base's own (the compute-matched control): no adapter to fit.
+        counts["sft_loss"] = fit_adapter(learner, cliff_examples, adapter_key) if scale else None
     with phases("reroll"):
         rerolls, slots = reroll(learner, cliff_examples, reroll_key)
     with phases("reward"):
@@ -358,13 +387,25 @@ def _engine_metrics(learner: Learner, sync_before: float, base_logp: np.ndarray,
     }
 
 
-def _spliced_ratio_mean(base_logp: np.ndarray, rows: dict, spliced_rows: np.ndarray) -> float | None:
-    """Token-mean of ``pi_theta / pi_theta+phi`` over spliced rows: how off-policy the rescued rows are."""
+SPLICED_DIAGNOSTICS = ("spliced_ratio_mean", "spliced_log_ratio_q10", "spliced_log_ratio_q50",
+                       "spliced_log_ratio_q90", "spliced_token_share")  # fmt: skip
+
+
+def spliced_diagnostics(base_logp: np.ndarray, rows: dict, spliced_rows: np.ndarray) -> dict[str, float]:
+    """What the rescued rows carry into the update, before any correction: the token-mean of ``pi_theta /
+    pi_theta+phi`` over spliced tokens (``spliced_ratio_mean``), the 10/50/90% quantiles of its log
+    (``spliced_log_ratio_q10`` ...; a token with log ratio far below 0 gets almost no gradient under ``token``),
+    and the spliced rows' share of the update's tokens (``spliced_token_share``). None on a step without them."""
     if not spliced_rows.any():
-        return None
+        return dict.fromkeys(SPLICED_DIAGNOSTICS)
     mask = rows["mask"][spliced_rows] > 0
-    log_ratio = base_logp[spliced_rows] - rows["old_logp"][spliced_rows]
-    return float(np.exp(log_ratio[mask]).mean())
+    log_ratio = (base_logp[spliced_rows] - rows["old_logp"][spliced_rows])[mask]
+    quantiles = np.quantile(log_ratio, [0.1, 0.5, 0.9])
+    return {
+        "spliced_ratio_mean": float(np.exp(log_ratio).mean()),
+        **{f"spliced_log_ratio_q{q}": float(v) for q, v in zip((10, 50, 90), quantiles, strict=True)},
+        "spliced_token_share": float(mask.sum() / max(1, np.sum(rows["mask"] > 0))),
+    }
 
 
 class StopFlag:

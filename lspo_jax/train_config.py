@@ -22,7 +22,7 @@ from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
 from lspo_jax.scaffold import SPLICES
 
 # How spliced rows are corrected for being sampled with the adapter on (``train.importance_weights``).
-CORRECTIONS = ("token", "sequence", "none")
+CORRECTIONS = ("token", "sequence", "floor", "shaped", "none")
 ADAPTER_LIFETIMES = ("fresh", "persistent")
 
 
@@ -206,12 +206,17 @@ class ScaffoldConfig:
 
     ``splice``: ``partial`` | ``group`` | ``keep_failed`` (``scaffold.SPLICES``). ``correction`` of spliced rows:
     ``token`` (per-token ratio over the adapter-on log-prob), ``sequence`` (ratio over the base's own old log-prob
-    times the detached row weight ``min(prod_t pi_theta_old / pi_mu, is_cap)``), ``none`` (treated as on-policy);
-    see ``train.importance_weights``. ``reroll_n`` re-rolls per cliff (null: group_size), sampled at
-    ``reroll_temperature`` (null: the rollout's) with the adapter at ``reroll_scale``; the denominators follow
-    both. ``cliff_max_successes``: groups with at most this many passing rows are cliffs. ``adapter``: ``fresh``
-    (reset every step: A random, B zero, a new SFT state; the paper) or ``persistent`` (kept and fitted further
-    across steps with its own SFT state, reset every ``reset_every`` steps when set; checkpointed with the run).
+    times the detached row weight ``min(prod_t pi_theta_old / pi_mu, is_cap)``), ``floor`` (the per-token ratio
+    clipped from below at ``ratio_floor``), ``shaped`` (LUFFY's ``pi / (pi + shaping_gamma)`` in place of the
+    ratio), ``none`` (treated as on-policy); see ``train.importance_weights``. ``reroll_n`` re-rolls per cliff
+    (null: group_size), sampled at ``reroll_temperature`` (null: the rollout's) with the adapter at
+    ``reroll_scale``; the denominators follow both. ``reroll_scale: 0`` is the compute-matched control: no adapter
+    is fitted and each cliff is re-rolled by the base itself, so its rescued rows are on-policy extra samples and
+    what LSPO gains over it is the adapter's, not that of drawing more. ``grad_share`` logs the share of the
+    update's gradient norm the spliced rows carry, at the cost of one more gradient pass a scaffolded step.
+    ``cliff_max_successes``: groups with at most this many passing rows are cliffs. ``adapter``: ``fresh`` (reset
+    every step: A random, B zero, a new SFT state; the paper) or ``persistent`` (kept and fitted
+    further across steps with its own SFT state, reset every ``reset_every`` steps when set; checkpointed with the run).
     """
 
     enabled: bool = True
@@ -220,6 +225,9 @@ class ScaffoldConfig:
     splice: str = "partial"
     correction: str = "token"
     is_cap: float = 1.0
+    ratio_floor: float = 0.2
+    shaping_gamma: float = 0.1
+    grad_share: bool = False
     reroll_n: int | None = None
     reroll_temperature: float | None = None
     reroll_scale: float = 1.0
@@ -238,6 +246,9 @@ class ScaffoldConfig:
         known = CORRECTIONS
         _require(self.correction in known, "scaffold.correction", f"must be one of {known}, got {self.correction!r}")
         _require(self.is_cap > 0, "scaffold.is_cap", "must be positive")
+        # Above 1 the floor would lift the ratio of tokens the adapter made less likely, past the clip at 1 + eps_high.
+        _require(0 < self.ratio_floor <= 1, "scaffold.ratio_floor", "must be in (0, 1]")
+        _require(self.shaping_gamma > 0, "scaffold.shaping_gamma", "must be positive")
         _require(self.reroll_n is None or self.reroll_n > 0, "scaffold.reroll_n", "must be positive or null")
         temperature = self.reroll_temperature
         _require(temperature is None or temperature > 0, "scaffold.reroll_temperature", "must be positive or null")

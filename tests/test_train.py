@@ -326,6 +326,45 @@ def test_corrections_of_spliced_rows(tmp_path, make_config, easy_rule, correctio
         np.testing.assert_allclose(adv[row][mask[row]], a, rtol=1e-6)
 
 
+def test_floor_correction_and_the_spliced_gradient_share(tmp_path, make_config, easy_rule):
+    """``floor``: the spliced row's old_logp is min(log pi_mu, log pi_base - log f), every other row the base's;
+    ``grad_share`` records the norm of the spliced row's part of the update's gradient and its share."""
+    config, _, rl = one_scaffold_step(
+        tmp_path, make_config, easy_rule, scaffold__correction="floor", scaffold__ratio_floor=0.5,
+        scaffold__grad_share=True,
+    )  # fmt: skip
+    batch = rl["batch"]
+    rows = {k: batch[k] for k in ("tokens", "attention_mask", "mask")}
+    on, off = teacher_forced(config, rl["params"], rows, 1.0), teacher_forced(config, rl["params"], rows, 0.0)
+    mask = batch["mask"] > 0
+    floored = np.minimum(on[0], off[0] - np.log(0.5))
+    assert np.any((on[0] > floored + 1e-3) & mask[0])  # the floor binds on some token of the spliced row
+    np.testing.assert_allclose(batch["old_logp"][0][mask[0]], floored[mask[0]], atol=1e-5)
+    np.testing.assert_allclose(batch["old_logp"][1:][mask[1:]], off[1:][mask[1:]], atol=1e-5)
+    (record,) = [r for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if r["kind"] == "train"]
+    # One of four rows: a part of the gradient, neither none of it nor (with A of both signs elsewhere) all.
+    assert 0 < record["spliced_grad_norm"] and 0 < record["spliced_grad_share"] < 1
+    assert record["spliced_grad_share"] == pytest.approx(record["spliced_grad_norm"] / record["grad_norm"])
+    assert record["spliced_token_share"] == pytest.approx(mask[0].sum() / mask.sum())
+    assert record["spliced_log_ratio_q10"] <= record["spliced_log_ratio_q50"] <= record["spliced_log_ratio_q90"]
+
+
+def test_reroll_scale_zero_is_the_base_rerolling_its_cliffs(tmp_path, make_config, easy_rule):
+    """The compute-matched control: no adapter is fitted and each cliff's K re-rolls come from the base."""
+    job = Run(make_config(steps=1, scaffold__reroll_scale=0.0), str(tmp_path), verifier=FakeVerifier(easy_rule))
+    samples, sft_calls = [], []
+    wrap(job.learner, "sample", before=lambda prompts, key, **kw: {"lora_scale": kw["lora_scale"]}, log=samples)
+    wrap(job.learner, "sft_step", log=sft_calls)
+    try:
+        job.train()
+    finally:
+        job.close()
+    (record,) = [r for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if r["kind"] == "train"]
+    assert sft_calls == [] and record["sft_loss"] is None and record["time_sft"] < 0.05
+    assert record["scaffold_attempted"] == 1 and record["rerolls"] == K  # one cliff (easy_rule), K base re-rolls
+    assert [s["lora_scale"] for s in samples[:2]] == [0.0, 0.0]  # the rollouts, then the re-rolls
+
+
 def test_group_splice_and_reroll_settings(tmp_path, make_config, easy_rule):
     """``splice: group`` with 3 re-rolls at temperature 0.7 and adapter scale 0.5: the cliff's two slots take
     re-rolls 0 and 1 in order (a failure, then the pass), whose old_logp is the adapter at 0.5 and 0.7."""
@@ -696,7 +735,8 @@ def test_a_stop_is_agreed_by_every_process(monkeypatch, flags, expected):
 
 def test_train_records_hold_the_documented_keys(trained_run):
     keys = {"step", "accuracy_mean", "reward_mean", "cliff_groups", "surpassed_groups", "spliced_rows",
-            "rescue_pass_rate", "spliced_ratio_mean", "clip_frac_low", "clip_frac_high", "entropy",
+            "rescue_pass_rate", "spliced_ratio_mean", "spliced_log_ratio_q50", "spliced_token_share",
+            "clip_frac_low", "clip_frac_high", "entropy",
             "response_len_mean", "overlong_frac", "time_sample", "time_reward", "time_sft", "time_reroll",
             "time_logprob", "time_update", "lr", "loss", "grad_norm", "rerolls", "rerolls_passed",
             "scaffold_attempted"}  # fmt: skip
