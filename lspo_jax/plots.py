@@ -81,26 +81,58 @@ def train_figure(records: list[dict]):
 
 def eval_figure(records: list[dict]):
     """Per benchmark: per-sample ``accuracy`` and pass@k by each estimator, in percent (as the console prints);
-    None without eval records."""
+    beside it, for a benchmark with gold solutions, their log-likelihood under the base. None without eval records."""
     evals = last_per_step([r for r in records if r.get("kind") == "eval"], group="benchmark")
     benchmarks = list(dict.fromkeys(r.get("benchmark", "held_out") for r in evals))
     if not benchmarks:
         return None
-    fig = _figure(len(benchmarks), columns=2, size=(6.5, 3.5))
-    for ax, name in zip(fig.axes, benchmarks, strict=True):
-        mine = [r for r in evals if r.get("benchmark", "held_out") == name]
-        # A broad translucent band: pass@1 (unbiased) equals it whenever every problem has the same n samples.
-        _eval_line(ax, mine, "accuracy", "accuracy (mean over samples)", color="0.5", linewidth=5, alpha=0.4)
-        ks = sorted({int(k[5:]) for r in mine for k in r if k.startswith("pass@") and k[5:].isdigit()})
-        for i, k in enumerate(ks):
-            _eval_line(ax, mine, f"pass@{k}", f"pass@{k} (first-k)", color=f"C{i}")
-            _eval_line(ax, mine, f"pass@{k}_unbiased", f"pass@{k} (unbiased)", color=f"C{i}", linestyle="--")
-        problems = mine[-1].get("problems")
-        ax.set_title(f"{name}: held-out" + (f", {problems} problems" if problems else ""))
-        ax.set_ylabel("%")
-        _step_axis(ax)
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))  # beside: never over the lines
+    per_benchmark = {name: [r for r in evals if r.get("benchmark", "held_out") == name] for name in benchmarks}
+    gold = {name: any(_number(r.get("gold_logprob")) for r in mine) for name, mine in per_benchmark.items()}
+    cells = None
+    if any(gold.values()):  # a row per benchmark, its gold panel beside its pass@k one (or an empty cell)
+        cells = [2 * i + j for i, name in enumerate(benchmarks) for j in range(1 + gold[name])]
+    fig = _figure(len(cells or benchmarks), columns=2, size=(6.5, 3.5), cells=cells)
+    axes = iter(fig.axes)
+    for name, mine in per_benchmark.items():
+        _pass_panel(next(axes), name, mine)
+        if gold[name]:
+            _gold_panel(next(axes), name, mine)
     return fig
+
+
+def _pass_panel(ax, name: str, records: list[dict]) -> None:
+    # A broad translucent band: pass@1 (unbiased) equals it whenever every problem has the same n samples.
+    _eval_line(ax, records, "accuracy", "accuracy (mean over samples)", color="0.5", linewidth=5, alpha=0.4)
+    ks = sorted({int(k[5:]) for r in records for k in r if k.startswith("pass@") and k[5:].isdigit()})
+    for i, k in enumerate(ks):
+        _eval_line(ax, records, f"pass@{k}", f"pass@{k} (first-k)", color=f"C{i}")
+        _eval_line(ax, records, f"pass@{k}_unbiased", f"pass@{k} (unbiased)", color=f"C{i}", linestyle="--")
+    problems = records[-1].get("problems")
+    ax.set_title(f"{name}: held-out" + (f", {problems} problems" if problems else ""))
+    ax.set_ylabel("%")
+    _step_axis(ax)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))  # beside: never over the lines
+
+
+def _gold_panel(ax, name: str, records: list[dict]) -> None:
+    """``gold_logprob`` (nats per gold token) against the step; the right axis reads it per solution, which is the
+    same curve times the benchmark's constant mean solution length (``gold_logprob_seq``)."""
+    points = [(r["step"], r["gold_logprob"]) for r in records if _number(r.get("gold_logprob"))]
+    ax.plot(*zip(*points, strict=True), marker="o", color="C3")
+    last = records[-1]
+    solutions, tokens = last.get("gold_solutions"), last.get("gold_tokens")
+    ax.set_title(f"{name}: " + (f"{solutions} gold solutions" if solutions else "gold solutions"))
+    ax.set_ylabel("log-likelihood, nats per token")
+    if solutions and tokens:
+        length = tokens / solutions
+        ax.secondary_yaxis("right", functions=(lambda x: x * length, lambda y: y / length)).set_ylabel(
+            "nats per solution"
+        )
+    _step_axis(ax)
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _eval_line(ax, records: list[dict], key: str, label: str, **style) -> None:
@@ -109,17 +141,19 @@ def _eval_line(ax, records: list[dict], key: str, label: str, **style) -> None:
         ax.plot(*zip(*points, strict=True), marker="o", label=label, **style)
 
 
-def _figure(panels: int, columns: int = PANEL_COLUMNS, size: tuple[float, float] = (4, 3)):
-    """A figure of exactly ``panels`` axes (``fig.axes``), row by row: no empty cells."""
+def _figure(panels: int, columns: int = PANEL_COLUMNS, size: tuple[float, float] = (4, 3), cells=None):
+    """A figure of exactly ``panels`` axes (``fig.axes``), row by row: no empty cells, or with ``cells`` (grid
+    indices, row by row from 0) only those filled, so that rows can line up."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = min(columns, panels)
-    rows = math.ceil(panels / columns)
+    cells = list(cells if cells is not None else range(panels))
+    columns = min(columns, max(cells) + 1)
+    rows = math.ceil((max(cells) + 1) / columns)
     fig = plt.figure(figsize=(size[0] * columns, size[1] * rows), layout="constrained")
-    for i in range(panels):
+    for i in cells:
         fig.add_subplot(rows, columns, i + 1)
     return fig
 

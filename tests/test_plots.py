@@ -1,5 +1,6 @@
 """The run's PNG curves from a hand-written ``metrics.jsonl``: a resumed run's repeated step, a near-constant
-entropy, panels only for the keys the records hold, eval legends that name the estimator."""
+entropy, panels only for the keys the records hold, eval legends that name the estimator, the gold solutions'
+log-likelihood beside its benchmark."""
 
 from __future__ import annotations
 
@@ -87,3 +88,26 @@ def test_eval_legend_names_the_estimator_in_percent():
     assert [line.get_linestyle() for line in ax.lines] == ["-", "-", "--", "-", "--"]
     aime = by_title["aime24: held-out, 8 problems"][0]
     assert [t.get_text() for t in aime.get_legend().get_texts()] == ["accuracy (mean over samples)", "pass@1 (first-k)"]
+
+
+def test_gold_log_likelihood_panel_beside_its_benchmark():
+    # math500's records carry the gold solutions' log-likelihood (8 solutions of 40 tokens in all: 5 a solution);
+    # aime24's do not, so its row has the pass@k panel only.
+    gold = [{**r, "gold_logprob": lp, "gold_logprob_seq": 5 * lp, "gold_solutions": 8, "gold_tokens": 40}
+            if r["benchmark"] == "math500" else r for r, lp in zip(EVAL, (-1.5, None, -1.25), strict=True)]  # fmt: skip
+    fig = plots.eval_figure(gold)
+    by_title = panels(fig)
+    assert list(by_title) == ["math500: held-out, 8 problems", "math500: 8 gold solutions",
+                              "aime24: held-out, 8 problems"]  # fmt: skip
+    ax, [(steps, values)] = by_title["math500: 8 gold solutions"]
+    np.testing.assert_array_equal(steps, [0, 4])
+    np.testing.assert_allclose(values, [-1.5, -1.25])  # nats per token, as recorded
+    # The right axis reads per solution: 40 / 8 = 5 tokens a solution, so its limits are 5 times the left's.
+    [right] = ax.child_axes
+    fig.canvas.draw()
+    assert right.get_ylabel() == "nats per solution"
+    np.testing.assert_allclose(right.get_ylim(), 5 * np.array(ax.get_ylim()))
+    # One row per benchmark: aime24 starts the second row, its gold cell left empty.
+    aime = by_title["aime24: held-out, 8 problems"][0]
+    assert (aime.get_subplotspec().rowspan.start, aime.get_subplotspec().colspan.start) == (1, 0)
+    assert len(fig.axes) == 3
