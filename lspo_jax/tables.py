@@ -2,11 +2,12 @@
 
 Per (run, benchmark, k): the peak of held-out pass@k over the run's validation trace, up to a step horizon
 (by default the runs' configured ``steps``: a run trained or resumed past the matched horizon, such as the
-paper's 1000 steps, must not win on steps the other arm never had).
-Per arm: the mean and range [min, max] of those peaks over its seeds. Per other arm: the difference of its
-mean from the baseline arm's (``lspo - dapo``), with the range of the per-seed differences when both arms
-ran the same seeds (paired). ``tools/compare_runs.py`` (recorded runs) and ``tools/compare_arms.py`` (runs it
-trains) both print these tables.
+paper's 1000 steps, must not win on steps the other arm never had); beside it, where the records hold it, the
+peak of ``gold_logprob`` (the base's log-likelihood per gold-solution token: higher is better, so also the max).
+Per arm: the mean and range [min, max] of those peaks over its seeds. Per other arm: its difference from the
+baseline arm (``lspo - dapo``): with the same seeds (paired) the mean and range of the per-seed differences,
+else the difference of the means. ``tools/compare_runs.py`` (recorded runs), ``tools/compare_arms.py`` and
+``tools/ablate.py`` (runs they train) print these tables.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from typing import Any
 import numpy as np
 import yaml
 
-from lspo_jax.evaluation import ESTIMATORS, metric_key
+from lspo_jax.evaluation import ESTIMATORS, GOLD_KEYS, metric_key
 from lspo_jax.metrics_log import read_metrics
 
 # The benchmark of validation records written before records named theirs (one pooled held-out set).
 UNNAMED_BENCHMARK = "held_out"
+# Metrics tabulated beside pass@k when the records hold them; like pass@k, higher is better.
+EXTRA_METRICS = ("gold_logprob",)
+Column = int | str  # a table column: k of pass@k, or the name of an ``EXTRA_METRICS`` metric
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,42 +96,49 @@ def peak(evals: Iterable[dict[str, Any]], benchmark: str, key: str, horizon: int
 
 @dataclasses.dataclass
 class PeakTable:
-    """Peak pass@k per (benchmark, k, arm, seed), and what it was computed over."""
+    """Peaks per (benchmark, column, arm, seed), a column being k of pass@k or an ``extra`` metric's name, and
+    what they were computed over."""
 
     benchmarks: list[str]
     ks: list[int]
     arms: list[str]  # the baseline first
     seeds: dict[str, list[int]]
-    peaks: dict[tuple[str, int, str, int], float]
+    peaks: dict[tuple[str, Column, str, int], float]
     estimator: str
     horizon: int | None
+    extra: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def baseline(self) -> str:
         return self.arms[0]
 
-    def values(self, benchmark: str, k: int, arm: str) -> list[float]:
+    @property
+    def columns(self) -> list[Column]:
+        return [*self.ks, *self.extra]
+
+    def values(self, benchmark: str, column: Column, arm: str) -> list[float]:
         """The arm's peaks over its seeds (in seed order), runs without a record left out."""
-        values = [self.peaks[benchmark, k, arm, s] for s in self.seeds[arm]]
+        values = [self.peaks[benchmark, column, arm, s] for s in self.seeds[arm]]
         return [v for v in values if not math.isnan(v)]
 
-    def summary(self, benchmark: str, k: int, arm: str) -> tuple[float, float, float] | None:
+    def summary(self, benchmark: str, column: Column, arm: str) -> tuple[float, float, float] | None:
         """``(mean, min, max)`` over the arm's seeds, or None without any value."""
-        values = self.values(benchmark, k, arm)
+        values = self.values(benchmark, column, arm)
         return (float(np.mean(values)), min(values), max(values)) if values else None
 
-    def difference(self, benchmark: str, k: int, arm: str) -> tuple[float, tuple[float, float] | None] | None:
-        """``arm``'s mean minus the baseline's, and the [min, max] of per-seed differences when the seeds pair."""
-        mine, base = self.summary(benchmark, k, arm), self.summary(benchmark, k, self.baseline)
+    def difference(self, benchmark: str, column: Column, arm: str) -> tuple[float, tuple[float, float] | None] | None:
+        """``arm`` minus the baseline. Paired (the same seeds): the mean of the per-seed differences over the seeds
+        both have a value for, and their [min, max]; else the difference of the means and None."""
+        mine, base = self.summary(benchmark, column, arm), self.summary(benchmark, column, self.baseline)
         if mine is None or base is None:
             return None
-        paired = None
         if self.seeds[arm] == self.seeds[self.baseline]:
-            diffs = [self.peaks[benchmark, k, arm, s] - self.peaks[benchmark, k, self.baseline, s]
+            diffs = [self.peaks[benchmark, column, arm, s] - self.peaks[benchmark, column, self.baseline, s]
                      for s in self.seeds[arm]]  # fmt: skip
             diffs = [d for d in diffs if not math.isnan(d)]
-            paired = (min(diffs), max(diffs)) if diffs else None
-        return mine[0] - base[0], paired
+            if diffs:
+                return float(np.mean(diffs)), (min(diffs), max(diffs))
+        return mine[0] - base[0], None
 
 
 def _ks_in(runs: Sequence[RunTrace], estimator: str) -> list[int]:
@@ -154,9 +165,11 @@ def peak_table(
     estimator: str = "first_k",
     horizon: int | None = None,
     baseline: str | None = None,
+    extra: Sequence[str] | None = None,
 ) -> PeakTable:
-    """Peaks of every run. Benchmarks and ks default to all the records hold (benchmarks in order of first
-    appearance); the baseline defaults to ``dapo`` when there is such an arm, else the last arm."""
+    """Peaks of every run. Benchmarks, ks and ``extra`` metrics (of ``EXTRA_METRICS``) default to all the records
+    hold (benchmarks in order of first appearance); the baseline defaults to ``dapo`` when there is such an arm,
+    else the last arm."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
     arms = list(dict.fromkeys(run.arm for run in runs))
@@ -169,63 +182,75 @@ def peak_table(
             raise ValueError(f"arm {arm!r} has two runs with the same seed: {arm_seeds}")
     benchmarks = list(benchmarks or dict.fromkeys(benchmark_of(r) for run in runs for r in run.evals))
     ks = list(ks or _ks_in(runs, estimator))
+    if extra is None:
+        extra = [m for m in EXTRA_METRICS if any(r.get(m) is not None for run in runs for r in run.evals)]
+    columns = {**{k: metric_key(k, estimator) for k in ks}, **{m: m for m in extra}}
     peaks = {
-        (b, k, run.arm, run.seed): peak(run.evals, b, metric_key(k, estimator), horizon)
+        (b, column, run.arm, run.seed): peak(run.evals, b, key, horizon)
         for run in runs
         for b in benchmarks
-        for k in ks
+        for column, key in columns.items()
     }
     arms = [baseline] + [a for a in arms if a != baseline]
-    return PeakTable(benchmarks, ks, arms, seeds, peaks, estimator, horizon)
+    return PeakTable(benchmarks, ks, arms, seeds, peaks, estimator, horizon, list(extra))
 
 
 # ------------------------------------------------------------------------------------------------ output
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}"
+def column_label(column: Column) -> str:
+    return f"pass@{column}" if isinstance(column, int) else column
 
 
-def _signed(x: float) -> str:
-    return f"{100 * x:+.1f}"
+def _value(column: Column, x: float, sign: str = "") -> str:
+    """pass@k in percent with one decimal; a log-likelihood in nats with three (a change of a few thousandths of
+    a nat a token is already a visible move of a solution's likelihood)."""
+    return f"{100 * x:{sign}.1f}" if isinstance(column, int) else f"{x:{sign}.3f}"
+
+
+def _summary_cell(table: PeakTable, b: str, column: Column, arm: str) -> str:
+    s, count = table.summary(b, column, arm), len(table.values(b, column, arm))
+    if s is None:
+        return "n/a"
+    cell = f"{_value(column, s[0])} [{_value(column, s[1])}, {_value(column, s[2])}]"
+    if count < len(table.seeds[arm]):  # some runs have no record of this benchmark
+        cell += f" ({count} of {len(table.seeds[arm])} runs)"
+    return cell
+
+
+def _difference_cell(table: PeakTable, b: str, column: Column, arm: str) -> str:
+    d = table.difference(b, column, arm)
+    if d is None:
+        return "n/a"
+    spread = "" if d[1] is None else f" [{_value(column, d[1][0], '+')}, {_value(column, d[1][1], '+')}]"
+    return _value(column, d[0], "+") + spread
 
 
 def markdown(table: PeakTable) -> str:
-    """Rows (benchmark, arm) and (benchmark, arm - baseline); columns pass@k; cells in %: mean [min, max]
-    over seeds, and for a difference the difference of means [min, max of paired per-seed differences]."""
+    """Rows (benchmark, arm) and (benchmark, arm - baseline); columns pass@k (%) and the extra metrics: mean
+    [min, max] over seeds, and for a difference the mean [min, max] of the paired per-seed differences (the
+    difference of the means when the seeds do not pair)."""
     lines = [
-        "| benchmark | arm | " + " | ".join(f"pass@{k}" for k in table.ks) + " |",
-        "|---|---|" + "---|" * len(table.ks),
+        "| benchmark | arm | " + " | ".join(map(column_label, table.columns)) + " |",
+        "|---|---|" + "---|" * len(table.columns),
     ]
     for b in table.benchmarks:
         for arm in table.arms:
-            cells = []
-            for k in table.ks:
-                s, count = table.summary(b, k, arm), len(table.values(b, k, arm))
-                cell = "n/a" if s is None else f"{_pct(s[0])} [{_pct(s[1])}, {_pct(s[2])}]"
-                if s is not None and count < len(table.seeds[arm]):  # some runs have no record of this benchmark
-                    cell += f" ({count} of {len(table.seeds[arm])} runs)"
-                cells.append(cell)
+            cells = [_summary_cell(table, b, c, arm) for c in table.columns]
             lines.append(f"| {b} | {arm} (n={len(table.seeds[arm])}) | " + " | ".join(cells) + " |")
         for arm in table.arms[1:]:
-            cells = []
-            for k in table.ks:
-                d = table.difference(b, k, arm)
-                if d is None:
-                    cells.append("n/a")
-                else:
-                    cells.append(_signed(d[0]) + ("" if d[1] is None else f" [{_signed(d[1][0])}, {_signed(d[1][1])}]"))
+            cells = [_difference_cell(table, b, c, arm) for c in table.columns]
             lines.append(f"| {b} | {arm} - {table.baseline} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def markdown_per_seed(table: PeakTable) -> str:
-    """Every run's peak pass@k (%): rows (benchmark, arm, seed), columns pass@k."""
-    lines = ["| benchmark | arm | seed | " + " | ".join(f"pass@{k}" for k in table.ks) + " |",
-             "|---|---|---|" + "---|" * len(table.ks)]  # fmt: skip
+    """Every run's peaks: rows (benchmark, arm, seed), columns pass@k (%) and the extra metrics."""
+    lines = ["| benchmark | arm | seed | " + " | ".join(map(column_label, table.columns)) + " |",
+             "|---|---|---|" + "---|" * len(table.columns)]  # fmt: skip
     for b in table.benchmarks:
         for arm in table.arms:
             for seed in table.seeds[arm]:
-                values = [table.peaks[b, k, arm, seed] for k in table.ks]
-                cells = ["n/a" if math.isnan(v) else _pct(v) for v in values]
+                values = [(c, table.peaks[b, c, arm, seed]) for c in table.columns]
+                cells = ["n/a" if math.isnan(v) else _value(c, v) for c, v in values]
                 lines.append(f"| {b} | {arm} | {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -233,8 +258,11 @@ def markdown_per_seed(table: PeakTable) -> str:
 def caption(table: PeakTable) -> str:
     horizon = "the whole trace" if table.horizon is None else f"validation steps <= {table.horizon}"
     estimator = "first-k slice" if table.estimator == "first_k" else "unbiased estimator"
-    return (f"Peak held-out pass@k (%, {estimator}) over {horizon}, per arm: mean [min, max] over seeds; "
-            "a difference row: the difference of the means [min, max of the per-seed differences].")  # fmt: skip
+    gold = (" and peak gold_logprob (the base's mean log-likelihood per token of the gold solutions, nats)"
+            if "gold_logprob" in table.extra else "")  # fmt: skip
+    return (f"Peak held-out pass@k (%, {estimator}){gold} over {horizon}, per arm: mean [min, max] over seeds; "
+            "a difference row: the mean [min, max] of the per-seed differences (seeds paired), or the difference "
+            "of the means.")  # fmt: skip
 
 
 def plot(table: PeakTable, path: str) -> str:
@@ -269,14 +297,17 @@ def plot(table: PeakTable, path: str) -> str:
 
 # ------------------------------------------------------------------------------------------- traces
 def metric_keys(records: Iterable[dict[str, Any]]) -> list[str]:
-    """The held-out metrics the records hold: pass@k by each estimator, then the per-sample ``accuracy``."""
-    keys = dict.fromkeys(k for r in records for k in r if k.startswith("pass@") or k == "accuracy")
-    return sorted(keys, key=lambda k: (k == "accuracy", k.endswith(ESTIMATORS["unbiased"]), len(k), k))
+    """The held-out metrics the records hold: pass@k by each estimator, the per-sample ``accuracy``, then the gold
+    solutions' log-likelihood (``evaluation.GOLD_KEYS``)."""
+    keys = dict.fromkeys(k for r in records for k in r if k.startswith("pass@") or k == "accuracy" or k in GOLD_KEYS)
+    rank = lambda k: (k in GOLD_KEYS, k == "accuracy", k.endswith(ESTIMATORS["unbiased"]), len(k), k)
+    return sorted(keys, key=rank)
 
 
 def start_peak_last(runs: Sequence[RunTrace], horizon: int | None) -> dict[str, Any]:
     """``{"horizon": H, "arms": {arm: {seed: {benchmark: {metric: {"start", "peak", "last"}}}}}}``: per run the
-    first, largest and last value of every held-out metric over its validation steps <= ``horizon``."""
+    first, largest and last value of every held-out metric over its validation steps <= ``horizon`` (the largest
+    is the best for every one of them, the log-likelihoods included)."""
     arms: dict[str, dict[str, Any]] = {}
     for run in runs:
         within = [r for r in run.evals if horizon is None or r["step"] <= horizon]

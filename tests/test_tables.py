@@ -75,14 +75,15 @@ def test_compare_runs_table_by_hand(run_args, tmp_path, capsys):
     # Peaks up to step 20. math500 pass@1: lspo 0.60, 0.58; dapo 0.53, 0.45 -> means 0.59, 0.49, difference +0.10,
     # paired per seed 0.60 - 0.53 = +0.07 and 0.58 - 0.45 = +0.13. pass@4: lspo 0.80, 0.66; dapo 0.71, 0.65
     # -> means 0.73, 0.68, difference +0.05, paired +0.09 and +0.01.
-    # aime24: lspo seed 43 never recorded it; pass@1 lspo 0.20; dapo 0.10, 0.00 -> +0.15, paired (seed 42) +0.10.
+    # aime24: lspo seed 43 never recorded it; pass@1 lspo 0.20; dapo 0.10, 0.00. The difference is paired: seed 42
+    # alone, 0.20 - 0.10 = +0.10 (pass@4: 0.30 - 0.20), not the difference of the means (0.20 - 0.05).
     assert table[2:8] == [
         "| math500 | dapo (n=2) | 49.0 [45.0, 53.0] | 68.0 [65.0, 71.0] |",
         "| math500 | lspo (n=2) | 59.0 [58.0, 60.0] | 73.0 [66.0, 80.0] |",
         "| math500 | lspo - dapo | +10.0 [+7.0, +13.0] | +5.0 [+1.0, +9.0] |",
         "| aime24 | dapo (n=2) | 5.0 [0.0, 10.0] | 15.0 [10.0, 20.0] |",
         "| aime24 | lspo (n=2) | 20.0 [20.0, 20.0] (1 of 2 runs) | 30.0 [30.0, 30.0] (1 of 2 runs) |",
-        "| aime24 | lspo - dapo | +15.0 [+10.0, +10.0] | +15.0 [+10.0, +10.0] |",
+        "| aime24 | lspo - dapo | +10.0 [+10.0, +10.0] | +10.0 [+10.0, +10.0] |",
     ]
     per_seed = lines[lines.index("| benchmark | arm | seed | pass@1 | pass@4 |") :]
     assert per_seed[2:4] == ["| math500 | dapo | 42 | 53.0 | 71.0 |", "| math500 | dapo | 43 | 45.0 | 65.0 |"]
