@@ -138,18 +138,6 @@ def test_the_horizon_defaults_to_the_runs_configured_steps(tmp_path, capsys):
     assert "| math500 | lspo (n=1) | 90.0 [90.0, 90.0] | 95.0 [95.0, 95.0] |" in lines
 
 
-def test_compare_arms_cuts_at_the_configs_steps():
-    spec = importlib.util.spec_from_file_location("compare_arms", TOOL.with_name("compare_arms.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    points = TRACES["lspo", 42]["math500"]
-    evals = [{"kind": "eval", "step": s, "benchmark": "math500", "pass@1": p} for s, p, _ in points]
-    results = [{"arm": arm, "seed": 42, "evals": evals, "steps": 20} for arm in ("lspo", "dapo")]
-    table, line = module.peak_table(results, [1], None)
-    assert table.horizon == 20 and line == "Horizon: validation steps <= 20, the runs' configured steps."
-    assert table.summary("math500", 1, "lspo") == (0.60, 0.60, 0.60)  # not step 30's 0.90
-
-
 def test_start_peak_last_and_curves_by_hand(run_args, tmp_path):
     runs = [compare_runs().parse_run(a) for a in run_args]
     out = tables.start_peak_last(runs, horizon=20)
@@ -172,33 +160,6 @@ def test_start_peak_last_and_curves_by_hand(run_args, tmp_path):
     assert "lspo" not in tables.curves(runs, "aime24", "pass@1")
     png = tables.plot_curves(runs, str(tmp_path / "curves.png"), horizon=20)
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_compare_arms_stops_with_a_stopped_arm_and_resumes_it(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("compare_arms", TOOL.with_name("compare_arms.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    from lspo_jax.train_config import load_config
-
-    calls = []
-
-    def train_run(config, out, resume):  # what a SIGTERM'd run returns: its summary, stopped early
-        calls.append((config.seed, config.scaffold.enabled, resume))
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "metrics.jsonl").write_text("")
-        summary = {"steps": 3, "stopped_early": len(calls) == 1}
-        (Path(out) / "summary.json").write_text(json.dumps(summary))
-        return summary
-
-    monkeypatch.setattr(module, "train_run", train_run)
-    base = load_config(str(TOOL.parents[1] / "configs" / "demo.yaml"))
-    with pytest.raises(SystemExit) as stop:
-        module.run_arm(base, "lspo", 42, str(tmp_path))
-    assert stop.value.code == 75  # the comparison goes no further than a stopped arm
-    # Run again: the stopped arm's summary is not reused as if finished; the arm is trained on.
-    assert module.run_arm(base, "lspo", 42, str(tmp_path))["summary"]["stopped_early"] is False
-    assert module.run_arm(base, "lspo", 42, str(tmp_path))["summary"]["steps"] == 3  # finished: reused
-    assert calls == [(42, True, False), (42, True, False)]
 
 
 def _ablate(monkeypatch):

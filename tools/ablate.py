@@ -6,12 +6,14 @@ the paper's Table 1.
         [--json runs/ablate/ablate.json] [--results benchmarks/RESULTS.md] [dotted.key=value ...]
 
 A cell is one value per ``--grid`` key (values parsed as YAML, as overrides are), named ``key=value,...`` by the
-keys' last parts. Per (cell, benchmark, k): the peak of held-out pass@k over the validation trace per seed, then
-its mean and range over seeds, and the difference from the first cell (each key's first value: put the
-defaults first). Beside it, per cell over its seeds, the scaffold's mechanism figures: the surpass rate (cliff
-groups with a verified re-roll over those attempted), the per-rollout pass rate of the re-rolls, and the
-spliced ratio mean (the token-mean of pi_theta / pi_mu over spliced rows, averaged over the steps that spliced).
-Runs go to ``OUT/CELL_seedSEED``: a finished one is reused, an interrupted one resumed (``compare_arms.run_cell``).
+keys' last parts. Per (cell, benchmark, k): the peak of held-out pass@k (and of ``gold_logprob`` where recorded)
+over the validation trace per seed, then its mean and range over seeds, and the difference from the first cell
+(each key's first value: put the defaults first), paired by seed. Beside it, per cell over its seeds, the
+scaffold's mechanism figures: the surpass rate (cliff groups with a verified re-roll over those attempted), the
+per-rollout pass rate of the re-rolls, and the spliced ratio mean (the token-mean of pi_theta / pi_mu over spliced
+rows, averaged over the steps that spliced).
+Runs go to ``OUT/CELL_seedSEED``: a finished one is reused, an interrupted one resumed (``compare_arms.run_cell``),
+one of another config refused before anything trains.
 ``--json`` writes the peaks and figures per cell and seed.
 """
 
@@ -26,7 +28,7 @@ import time
 from datetime import date
 
 import yaml
-from compare_arms import append_results, provenance, run_cell, traces
+from compare_arms import append_results, check_reusable, provenance, run_cell, traces
 
 from lspo_jax import tables
 from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         if not grid:
             raise ConfigError("--grid: give at least one KEY=V1,V2")
         grid_cells = cells(base, grid)
+        for name, overrides in grid_cells:
+            for seed in args.seeds:
+                check_reusable(base, name, overrides, seed, args.out)
     except ConfigError as err:
         print(f"ablate: {err}", file=sys.stderr)
         return 2
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         per_run = {f"{r['arm']}_seed{r['seed']}": {"cell": r["arm"], "seed": r["seed"], **figures(r)} for r in results}
-        peaks = {f"{b}|pass@{k}|{arm}|{seed}": v for (b, k, arm, seed), v in table.peaks.items()}
+        peaks = {f"{b}|{tables.column_label(c)}|{arm}|{seed}": v for (b, c, arm, seed), v in table.peaks.items()}
         with open(args.json, "w") as f:
             json.dump({"horizon": table.horizon, "cells": dict(grid_cells), "runs": per_run, "peaks": peaks}, f,
                       indent=1)  # fmt: skip

@@ -1,19 +1,27 @@
-"""LSPO against the DAPO baseline on the same task with paired seeds, in the layout of the paper's Table 1.
+"""Named arms (LSPO and the DAPO baseline by default) on the same task with paired seeds, in the layout of the
+paper's Table 1.
 
-Each seed trains both arms from the same model with the same data order; the arms differ only in
-``scaffold.enabled``. Per (run, benchmark, k) the peak of held-out pass@k over the validation trace is taken,
-up to ``--horizon`` steps (default: the config's ``steps``, so a reused run that trained longer is cut back to
-the matched horizon), then the mean and range over seeds per arm, and the difference LSPO - DAPO (the tables of
-``tools/compare_runs.py``, from ``lspo_jax.tables``). The scaffold's own figures
-(cliff groups, surpass rate, per-rollout pass rate of the re-rollouts) are reported beside it.
+Each seed trains every arm from the same model with the same data order; an arm is a name and the config
+overrides that make it (``--arm NAME:key=value,key=value``, repeatable). Two are built in and run when no ``--arm``
+is given: ``dapo`` (``scaffold.enabled=false``, the baseline) and ``lspo`` (``scaffold.enabled=true``). Per
+(run, benchmark) the peak of held-out pass@k and of ``gold_logprob`` (the base's log-likelihood per token of the
+gold solutions) over the validation trace is taken, up to ``--horizon`` steps (default: the config's ``steps``, so
+a reused run that trained longer is cut back to the matched horizon), then the mean and range over seeds per arm,
+and each arm minus DAPO (the first arm, without a ``dapo`` arm) paired by seed: the mean and range of the per-seed
+differences (``lspo_jax.tables``). The scaffold's own figures (cliff groups, surpass rate, per-rollout pass rate
+of the re-rollouts) are reported per arm.
 
     .venv/bin/python tools/compare_arms.py --config configs/demo.yaml --seeds 42 43 44 --out runs/arms \\
-        [--results benchmarks/RESULTS.md] [--json runs/arms/arms.json] [--plot runs/arms/arms.png] \\
-        [dotted.key=value ...]
+        [--arm dapo --arm lspo --arm none:scaffold.correction=none] [--results benchmarks/RESULTS.md] \\
+        [--json runs/arms/arms.json] [--plot runs/arms/arms.png] [dotted.key=value ...]
 
-``--json OUT`` writes ``{"horizon": H, "arms": {ARM: {SEED: {BENCHMARK: {METRIC: {"start", "peak", "last"}}}}}}``
-for every held-out benchmark and metric (the demo's cliff class is the benchmark whose name holds ``cliff``);
-``--plot OUT`` draws held-out pass@1 against the step per benchmark, each arm's mean over seeds and its range.
+An arm's overrides apply on top of ``--config`` and the trailing overrides; a value holding commas is written in
+brackets (``eval.ks=[1,4]``). Every arm's config is checked before anything trains. Runs go to
+``OUT/NAME_seedSEED``: a finished one is reused and an interrupted one resumed, a directory holding another
+config's run is refused. ``--json OUT`` writes ``{"horizon": H, "arms": {NAME: {SEED: {BENCHMARK: {METRIC:
+{"start", "peak", "last"}}}}}}`` for every held-out benchmark and metric (pass@k, accuracy, gold_logprob,
+gold_logprob_seq; the demo's cliff class is the benchmark whose name holds ``cliff``); ``--plot OUT`` draws
+held-out pass@1 against the step per benchmark, each arm's mean over seeds and its range.
 """
 
 from __future__ import annotations
@@ -22,30 +30,102 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 from datetime import date
 
 import jax
+import yaml
 
 from lspo_jax import tables
 from lspo_jax.cli import has_checkpoint
 from lspo_jax.metrics_log import read_metrics
 from lspo_jax.run import surpass_distribution, train_run
-from lspo_jax.train_config import apply_overrides, from_dict, load_config, to_dict
+from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
 
-ARMS = {"lspo": True, "dapo": False}
+# The built-in arms, in the order they train when no --arm is given.
+ARMS = {"lspo": ("scaffold.enabled=true",), "dapo": ("scaffold.enabled=false",)}
+BASELINE = "dapo"
+ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # the run directory's name before _seedSEED
 
 
-def run_arm(base_config, arm: str, seed: int, out_root: str) -> dict:
-    return run_cell(base_config, arm, [f"scaffold.enabled={str(ARMS[arm]).lower()}"], seed, out_root, "compare_arms")
+def parse_arm(text: str) -> tuple[str, list[str]]:
+    """``NAME`` (a built-in arm) or ``NAME:key=value,key=value`` as ``(NAME, overrides)``; a ``ConfigError`` that
+    names the argument otherwise."""
+    name, sep, spec = text.partition(":")
+    if not ARM_NAME.fullmatch(name):
+        raise ConfigError(f"--arm {text!r}: write NAME:key=value,... with NAME of letters, digits, '.', '_', '-'")
+    if not sep:
+        if name not in ARMS:
+            raise ConfigError(f"--arm {name}: not a built-in arm ({', '.join(ARMS)}); write {name}:key=value,...")
+        return name, list(ARMS[name])
+    if name in ARMS:
+        raise ConfigError(f"--arm {text!r}: {name} is built in ({', '.join(ARMS[name])}); give the variant a new name")
+    overrides: list[str] = []
+    for piece in spec.split(","):
+        if overrides and _open_brackets(overrides[-1]):  # a comma inside [..] or {..} belongs to the value
+            overrides[-1] += "," + piece
+        elif "=" in piece and piece.partition("=")[0]:
+            overrides.append(piece)
+        else:
+            raise ConfigError(f"--arm {text!r}: {piece!r} is not key=value (write NAME:key=value,key=value)")
+    return name, overrides
+
+
+def _open_brackets(override: str) -> bool:
+    value = override.partition("=")[2]
+    return value.count("[") > value.count("]") or value.count("{") > value.count("}")
+
+
+def parse_arms(items: list[str], base_config) -> dict[str, list[str]]:
+    """Arm name -> overrides of every ``--arm`` (the built-in arms without any), each checked to make a valid config
+    on ``base_config``: a bad one fails here, before anything trains, naming its arm and key."""
+    arms: dict[str, list[str]] = {}
+    for name, overrides in [parse_arm(item) for item in items] or [(n, list(o)) for n, o in ARMS.items()]:
+        if name in arms:
+            raise ConfigError(f"--arm {name}: given twice")
+        try:
+            from_dict(type(base_config), apply_overrides(to_dict(base_config), overrides))
+        except ConfigError as err:
+            raise ConfigError(f"--arm {name}: {err}") from err
+        arms[name] = overrides
+    return arms
+
+
+def cell_config(base_config, overrides: list[str], seed: int):
+    return from_dict(type(base_config), apply_overrides(to_dict(base_config), [f"seed={seed}", *overrides]))
+
+
+def check_reusable(base_config, name: str, overrides: list[str], seed: int, out_root: str) -> None:
+    """Refuse (``ConfigError``) a run directory ``run_cell`` would reuse or resume that holds a run of another
+    config: an arm name given new overrides would otherwise be tabulated from the old run. ``steps`` may differ
+    (the horizon cuts a longer run back)."""
+    path = os.path.join(out_root, f"{name}_seed{seed}", "config.yaml")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = _flat(yaml.safe_load(f) or {})
+    wanted = _flat(to_dict(cell_config(base_config, overrides, seed)))
+    for key in (k for k in wanted if k in saved and k != "steps"):
+        if saved[key] != wanted[key]:
+            raise ConfigError(f"{path}: a run with {key}={saved[key]!r}, not {wanted[key]!r}; give the arm another "
+                              "name or --out")  # fmt: skip
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
 
 
 def run_cell(base_config, name: str, overrides: list[str], seed: int, out_root: str, tool: str) -> dict:
     """Train ``base_config`` with ``overrides`` and ``seed`` into ``out_root/NAME_seedSEED``: a finished run there is
     reused and an interrupted one resumed, so a comparison stopped midway picks up where it was. Returns the run's
-    summary and records under ``arm`` = ``name``; a run stopped by SIGTERM or Ctrl-C ends the tool (status 75)."""
-    config = from_dict(type(base_config), apply_overrides(to_dict(base_config), [f"seed={seed}", *overrides]))
+    summary and records under ``arm`` = ``name``, and whether its scaffold was on; a run stopped by SIGTERM or
+    Ctrl-C ends the tool (status 75)."""
+    config = cell_config(base_config, overrides, seed)
     out = os.path.join(out_root, f"{name}_seed{seed}")
     summary_path = os.path.join(out, "summary.json")
     summary = None
@@ -60,73 +140,101 @@ def run_cell(base_config, name: str, overrides: list[str], seed: int, out_root: 
     records = read_metrics(os.path.join(out, "metrics.jsonl"))
     evals = [r for r in records if r.get("kind") == "eval"]
     train = [r for r in records if r.get("kind", "train") == "train"]
-    return {"arm": name, "seed": seed, "summary": summary, "evals": evals, "train": train, "steps": config.steps}
+    return {"arm": name, "seed": seed, "summary": summary, "evals": evals, "train": train, "steps": config.steps,
+            "scaffold": config.scaffold.enabled}  # fmt: skip
 
 
 def traces(results: list[dict]) -> list[tables.RunTrace]:
     return [tables.RunTrace(r["arm"], r["seed"], tuple(r["evals"]), steps=r.get("steps")) for r in results]
 
 
-def peak_table(results: list[dict], ks: list[int], horizon: int | None) -> tuple[tables.PeakTable, str]:
-    """Peak held-out pass@k per (run, benchmark, k), per arm and seed (``lspo_jax.tables``, DAPO the baseline),
-    up to ``horizon`` (None: the runs' ``steps``), and the line that says which horizon it was."""
+def peak_table(
+    results: list[dict], ks: list[int], horizon: int | None, baseline: str = BASELINE
+) -> tuple[tables.PeakTable, str]:
+    """Peak held-out pass@k (and gold_logprob, where recorded) per (run, benchmark), per arm and seed
+    (``lspo_jax.tables``), ``baseline`` the arm the others are paired with (the first arm when it has no runs), up
+    to ``horizon`` (None: the runs' ``steps``), and the line that says which horizon it was."""
     runs = traces(results)
     horizon, horizon_line = tables.resolve_horizon(runs, horizon)
-    return tables.peak_table(runs, ks=ks, horizon=horizon, baseline="dapo"), horizon_line
+    arms = list(dict.fromkeys(r.arm for r in runs))
+    baseline = baseline if baseline in arms else arms[0]
+    return tables.peak_table(runs, ks=ks, horizon=horizon, baseline=baseline), horizon_line
 
 
-def scaffold_figures(results: list[dict]) -> str:
-    rows = ["| seed | cliff groups | surpassed | surpass rate | re-rollouts verified | per-rollout pass rate |",
-            "|---|---|---|---|---|---|"]  # fmt: skip
-    for r in sorted((r for r in results if r["arm"] == "lspo"), key=lambda r: r["seed"]):
+def scaffold_figures(results: list[dict], arms: list[str]) -> str:
+    """Per arm and seed, over the whole run: cliff groups, and with the scaffold on the groups it surpassed, the
+    surpass rate, the re-rollouts verified and the per-rollout pass rate."""
+    rows = ["| arm | seed | cliff groups | surpassed | surpass rate | re-rollouts verified | per-rollout pass rate |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rate = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"
+    for r in sorted(results, key=lambda r: (arms.index(r["arm"]), r["seed"])):
         s = r["summary"]
-        rate = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"
-        rows.append(f"| {r['seed']} | {s['cliff_groups']} | {s['surpassed_groups']} | {rate(s['surpass_rate'])} | "
-                    f"{s['rerolls_passed']} of {s['rerolls']} | {rate(s['rescue_pass_rate'])} |")  # fmt: skip
-    dapo = [r["summary"]["cliff_groups"] for r in results if r["arm"] == "dapo"]
-    rows.append(f"\nDAPO arm cliff groups per seed (left unrescued): {dapo}")
+        if not r.get("scaffold", True):
+            rows.append(f"| {r['arm']} | {r['seed']} | {s['cliff_groups']} | scaffold off | | | |")
+            continue
+        rows.append(f"| {r['arm']} | {r['seed']} | {s['cliff_groups']} | {s['surpassed_groups']} | "
+                    f"{rate(s['surpass_rate'])} | {s['rerolls_passed']} of {s['rerolls']} | "
+                    f"{rate(s['rescue_pass_rate'])} |")  # fmt: skip
     return "\n".join(rows)
 
 
-def surpass_spread(results: list[dict]) -> str:
-    """The per-step surpass rate's distribution over all LSPO runs' cliff-bearing steps, beside the paper's."""
-    spread = surpass_distribution([r for res in results if res["arm"] == "lspo" for r in res["train"]])
-    if spread is None:
-        return "No LSPO step attempted a cliff."
-    return (
-        f"Per-step surpass rate over {spread['steps']} cliff-bearing LSPO steps: {100 * spread['at_0']:.1f}% "
-        f"at 0.0, {100 * spread['at_1']:.1f}% at 1.0 (paper: 31% at 0.0, 21% at 1.0)."
-    )
+def surpass_spread(results: list[dict], arms: list[str]) -> str:
+    """Per arm with the scaffold on, the per-step surpass rate's distribution over its runs' cliff-bearing steps,
+    beside the paper's."""
+    lines = []
+    for arm in arms:
+        mine = [res for res in results if res["arm"] == arm and res.get("scaffold", True)]
+        if not mine:
+            continue
+        spread = surpass_distribution([r for res in mine for r in res["train"]])
+        lines.append(f"{arm}: no step attempted a cliff." if spread is None else
+                     f"{arm}: per-step surpass rate over {spread['steps']} cliff-bearing steps: "
+                     f"{100 * spread['at_0']:.1f}% at 0.0, {100 * spread['at_1']:.1f}% at 1.0 (paper: 31% at 0.0, "
+                     "21% at 1.0).")  # fmt: skip
+    return "\n".join(lines) or "No arm has the scaffold on."
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="LSPO vs DAPO with paired seeds.")
+    p = argparse.ArgumentParser(description="Named arms (default: LSPO and DAPO) with paired seeds.")
     p.add_argument("--config", default="configs/demo.yaml")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                   help=f"an arm: a built-in name ({', '.join(ARMS)}) or NAME:overrides; repeatable (default: "
+                        f"{' and '.join(ARMS)})")  # fmt: skip
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
     p.add_argument("--out", default="runs/arms")
     p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this count (default: steps)")
     p.add_argument("--results", default=None, help="append the tables to this Markdown file")
     p.add_argument("--json", default=None, help="write start, peak and last of every held-out metric per run here")
-    p.add_argument("--plot", default=None, help="draw held-out pass@1 per benchmark, both arms, into this PNG")
+    p.add_argument("--plot", default=None, help="draw held-out pass@1 per benchmark, every arm, into this PNG")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    base = load_config(args.config, args.overrides)
+    try:
+        base = load_config(args.config, args.overrides)
+        arms = parse_arms(args.arm, base)
+        for name, overrides in arms.items():
+            for seed in args.seeds:
+                check_reusable(base, name, overrides, seed, args.out)
+    except ConfigError as err:
+        print(f"compare_arms: {err}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
-    results = [run_arm(base, arm, seed, args.out) for seed in args.seeds for arm in ARMS]
+    results = [run_cell(base, name, overrides, seed, args.out, "compare_arms") for seed in args.seeds
+               for name, overrides in arms.items()]  # fmt: skip
     minutes = (time.perf_counter() - start) / 60
     table, horizon_line = peak_table(results, list(base.eval.ks), args.horizon)
     command = " ".join(["tools/compare_arms.py", *(argv if argv is not None else sys.argv[1:])])
     text = "\n\n".join([
-        f"## LSPO vs DAPO on `{args.config}` ({date.today().isoformat()})",
+        f"## {' vs '.join(arms)} on `{args.config}` ({date.today().isoformat()})",
         provenance(command, len(results), minutes),
+        arms_line(arms),
         tables.caption(table),
         horizon_line,
         tables.markdown(table),
         "Per seed:",
         tables.markdown_per_seed(table),
-        "The scaffold's mechanism figures (LSPO arm, whole run; paper: 43% surpassed, 5.8% per-rollout pass rate):",
-        scaffold_figures(results),
-        surpass_spread(results),
+        "The scaffold's mechanism figures per arm (whole run; paper: 43% surpassed, 5.8% per-rollout pass rate):",
+        scaffold_figures(results, list(arms)),
+        surpass_spread(results, list(arms)),
     ])  # fmt: skip
     print(text)
     runs, horizon = traces(results), table.horizon
@@ -138,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare_arms: wrote {tables.plot_curves(runs, args.plot, horizon=horizon)}")
     append_results(args.results, text)
     return 0
+
+
+def arms_line(arms: dict[str, list[str]]) -> str:
+    """What each arm changed on the config, so a table row can be traced to its runs' settings."""
+    return "Arms (overrides on the config): " + "; ".join(f"{name} = `{' '.join(overrides) or 'the config as given'}`"
+                                for name, overrides in arms.items()) + "."  # fmt: skip
 
 
 def provenance(command: str, runs: int, minutes: float) -> str:

@@ -1,0 +1,190 @@
+"""``tools/compare_arms.py``: the ``--arm`` parser (good and bad), the paired-difference table of three arms on
+constructed traces checked by hand, the JSON layout, the refusals before anything trains, and reuse and resume
+of the run directories. Training is replaced by a stand-in that writes a run's files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lspo_jax.train_config import ConfigError, load_config, to_dict
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "compare_arms.py"
+DEMO = str(TOOL.parents[1] / "configs" / "demo.yaml")
+
+# arm -> seed -> [(step, pass@1, gold_logprob)] of one benchmark, the cliff class; steps 0, 10, 20 (demo: 40 steps).
+TRACES = {
+    "dapo": {42: [(0, 0.00, -2.000), (10, 0.00, -1.900), (20, 0.00, -1.950)],
+             43: [(0, 0.00, -2.100), (10, 0.05, -2.000), (20, 0.00, -1.800)]},
+    "lspo": {42: [(0, 0.00, -2.000), (10, 0.10, -1.500), (20, 0.20, -1.200)],
+             43: [(0, 0.00, -2.100), (10, 0.05, -1.700), (20, 0.15, -1.400)]},
+    "none": {42: [(0, 0.00, -2.000), (10, 0.00, -1.950), (20, 0.05, -1.850)],
+             43: [(0, 0.00, -2.100), (10, 0.00, -1.900), (20, 0.00, -2.000)]},
+}  # fmt: skip
+
+
+@pytest.fixture
+def tool():
+    spec = importlib.util.spec_from_file_location("compare_arms", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def base():
+    return load_config(DEMO)
+
+
+# ------------------------------------------------------------------------------------------------- --arm
+def test_arm_parser_good(tool, base):
+    assert tool.parse_arm("dapo") == ("dapo", ["scaffold.enabled=false"])
+    assert tool.parse_arm("none:scaffold.correction=none") == ("none", ["scaffold.correction=none"])
+    # A comma inside brackets belongs to the value: a list override keeps its items.
+    assert tool.parse_arm("wide_2:eval.ks=[1,4],scaffold.splice=group,x.y={a: 1, b: 2}") == (
+        "wide_2", ["eval.ks=[1,4]", "scaffold.splice=group", "x.y={a: 1, b: 2}"])  # fmt: skip
+    # No --arm: the built-in arms, LSPO and DAPO, as the tool always compared them.
+    assert tool.parse_arms([], base) == {"lspo": ["scaffold.enabled=true"], "dapo": ["scaffold.enabled=false"]}
+    arms = tool.parse_arms(["dapo", "lspo", "none:scaffold.correction=none"], base)
+    assert list(arms) == ["dapo", "lspo", "none"] and arms["none"] == ["scaffold.correction=none"]
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("grpo", "--arm grpo: not a built-in arm (lspo, dapo); write grpo:key=value,..."),
+        ("lspo:scaffold.sft_steps=2", "lspo is built in (scaffold.enabled=true); give the variant a new name"),
+        ("", "write NAME:key=value,... with NAME"),
+        (":scaffold.splice=group", "write NAME:key=value,... with NAME"),
+        ("my arm:scaffold.splice=group", "write NAME:key=value,... with NAME"),
+        ("x:", "'' is not key=value"),
+        ("x:scaffold.splice", "'scaffold.splice' is not key=value"),
+        ("x:scaffold.splice=group,,loss.advantage=loo", "'' is not key=value"),
+        ("x:=group", "'=group' is not key=value"),
+    ],
+)
+def test_arm_parser_bad(tool, item, message):
+    with pytest.raises(ConfigError) as err:
+        tool.parse_arm(item)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_arms_are_checked_against_the_config(tool, base):
+    with pytest.raises(ConfigError, match=r"^--arm none: scaffold\.corection: unknown key"):
+        tool.parse_arms(["dapo", "none:scaffold.corection=none"], base)
+    with pytest.raises(ConfigError, match=r"^--arm bad: scaffold\.correction: must be one of"):
+        tool.parse_arms(["bad:scaffold.correction=sometimes"], base)
+    with pytest.raises(ConfigError, match="^--arm dapo: given twice$"):
+        tool.parse_arms(["dapo", "dapo"], base)
+
+
+def test_a_bad_arm_is_one_line_before_anything_trains(tool, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tool, "train_run", lambda *a, **k: pytest.fail("trained"))
+    argv = ["--config", DEMO, "--out", str(tmp_path), "--arm", "dapo", "--arm", "none:scaffold.corection=none"]
+    assert tool.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compare_arms: --arm none: scaffold.corection: unknown key") and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------- tables and JSON
+def fake_train_run(calls: list):
+    """A stand-in for ``run.train_run``: writes the run's config, its trace (from ``TRACES``, by the arm its config
+    makes) and a finished summary, as a real run leaves them."""
+
+    def train_run(config, out, resume):
+        arm = "dapo" if not config.scaffold.enabled else {"token": "lspo", "none": "none"}[config.scaffold.correction]
+        calls.append((arm, config.seed, resume))
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "config.yaml").write_text(yaml.safe_dump(to_dict(config)))
+        records = [{"kind": "eval", "step": s, "benchmark": "cliff", "pass@1": p, "gold_logprob": g,
+                    "gold_logprob_seq": 40 * g} for s, p, g in TRACES[arm][config.seed]]  # fmt: skip
+        records.append({"kind": "train", "step": 1, "scaffold_attempted": 2, "surpass_rate": 0.5})
+        (Path(out) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        on = config.scaffold.enabled
+        summary = {"steps": config.steps, "stopped_early": False, "cliff_groups": 10, "surpassed_groups": 4 * on,
+                   "surpass_rate": 0.4 if on else None, "rerolls": 80 * on, "rerolls_passed": 6 * on,
+                   "rescue_pass_rate": 0.075 if on else None}  # fmt: skip
+        (Path(out) / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    return train_run
+
+
+def test_paired_differences_by_hand(tool, tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(tool, "train_run", fake_train_run(calls))
+    out, out_json = tmp_path / "arms", tmp_path / "arms.json"
+    argv = ["--config", DEMO, "--seeds", "42", "43", "--out", str(out), "--json", str(out_json), "--arm", "dapo",
+            "--arm", "lspo", "--arm", "none:scaffold.correction=none", "eval.ks=[1]"]  # fmt: skip
+    assert tool.main(argv) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["dapo_seed42", "dapo_seed43", "lspo_seed42", "lspo_seed43",
+                                                     "none_seed42", "none_seed43"]  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[lines.index("| benchmark | arm | pass@1 | gold_logprob |") :]
+    # Peaks over steps <= 40 (the demo's steps), per seed 42 / 43: pass@1 dapo 0.00 / 0.05, lspo 0.20 / 0.15, none
+    # 0.05 / 0.00; gold_logprob dapo -1.90 / -1.80, lspo -1.20 / -1.40, none -1.85 / -1.90.
+    # Paired differences from dapo: lspo pass@1 +0.20, +0.10 -> mean +0.15; gold +0.70, +0.40 -> mean +0.55.
+    # none pass@1 +0.05, -0.05 -> mean 0.00; gold +0.05, -0.10 -> mean -0.025.
+    assert table[2:7] == [
+        "| cliff | dapo (n=2) | 2.5 [0.0, 5.0] | -1.850 [-1.900, -1.800] |",
+        "| cliff | lspo (n=2) | 17.5 [15.0, 20.0] | -1.300 [-1.400, -1.200] |",
+        "| cliff | none (n=2) | 2.5 [0.0, 5.0] | -1.875 [-1.900, -1.850] |",
+        "| cliff | lspo - dapo | +15.0 [+10.0, +20.0] | +0.550 [+0.400, +0.700] |",
+        "| cliff | none - dapo | +0.0 [-5.0, +5.0] | -0.025 [-0.100, +0.050] |",
+    ]
+    arms = "dapo = `scaffold.enabled=false`; lspo = `scaffold.enabled=true`; none = `scaffold.correction=none`"
+    assert f"Arms (overrides on the config): {arms}." in lines
+    # The mechanism figures per arm and seed; the scaffold-off arm has only its cliffs.
+    assert "| dapo | 42 | 10 | scaffold off | | | |" in lines
+    assert "| none | 43 | 10 | 4 | 40.0% | 6 of 80 | 7.5% |" in lines
+    assert "lspo: per-step surpass rate over 2 cliff-bearing steps: 0.0% at 0.0, 0.0% at 1.0 (paper: 31% at 0.0, " \
+           "21% at 1.0)." in lines  # fmt: skip
+    # The JSON keeps its layout, arms keyed by name; the log-likelihoods' peak is their max.
+    result = json.loads(out_json.read_text())
+    assert result["horizon"] == 40 and list(result["arms"]) == ["dapo", "lspo", "none"]
+    cliff = result["arms"]["none"]["42"]["cliff"]
+    assert list(cliff) == ["pass@1", "gold_logprob", "gold_logprob_seq"]
+    assert cliff["gold_logprob"] == {"start": -2.0, "peak": -1.85, "last": -1.85}
+    assert cliff["gold_logprob_seq"] == pytest.approx({"start": -80.0, "peak": -74.0, "last": -74.0})
+    # Run again: every finished run is reused; an arm name given other overrides is refused before training.
+    assert tool.main(argv) == 0 and len(calls) == 6
+    capsys.readouterr()
+    assert tool.main([*argv[:-2], "none:scaffold.correction=sequence", "eval.ks=[1]"]) == 2
+    err = capsys.readouterr().err
+    assert "none_seed42/config.yaml: a run with scaffold.correction='none', not 'sequence'" in err and len(calls) == 6
+
+
+def test_the_peak_is_cut_at_the_configs_steps(tool):
+    points = [(0, 0.50), (10, 0.60), (20, 0.55), (30, 0.90)]
+    evals = [{"kind": "eval", "step": s, "benchmark": "math500", "pass@1": p} for s, p in points]
+    results = [{"arm": arm, "seed": 42, "evals": evals, "steps": 20} for arm in ("lspo", "dapo")]
+    table, line = tool.peak_table(results, [1], None)
+    assert table.horizon == 20 and line == "Horizon: validation steps <= 20, the runs' configured steps."
+    assert table.summary("math500", 1, "lspo") == (0.60, 0.60, 0.60)  # not step 30's 0.90
+    assert table.baseline == "dapo" and tool.peak_table(results[:1], [1], None)[0].baseline == "lspo"
+
+
+def test_a_stopped_arm_stops_the_tool_and_resumes(tool, base, tmp_path, monkeypatch):
+    calls = []
+
+    def train_run(config, out, resume):  # what a SIGTERM'd run returns: its summary, stopped early
+        calls.append((config.seed, config.scaffold.enabled, resume))
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "metrics.jsonl").write_text("")
+        summary = {"steps": 3, "stopped_early": len(calls) == 1}
+        (Path(out) / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(tool, "train_run", train_run)
+    lspo = list(tool.ARMS["lspo"])
+    with pytest.raises(SystemExit) as stop:
+        tool.run_cell(base, "lspo", lspo, 42, str(tmp_path), "compare_arms")
+    assert stop.value.code == 75  # the comparison goes no further than a stopped arm
+    # Run again: the stopped arm's summary is not reused as if finished; the arm is trained on.
+    assert tool.run_cell(base, "lspo", lspo, 42, str(tmp_path), "compare_arms")["summary"]["stopped_early"] is False
+    assert tool.run_cell(base, "lspo", lspo, 42, str(tmp_path), "compare_arms")["summary"]["steps"] == 3  # reused
+    assert calls == [(42, True, False), (42, True, False)]
