@@ -2,9 +2,11 @@
 
 Each run is a training output directory (its ``metrics.jsonl``; ``config.yaml`` for the arm and seed),
 given as ``DIR`` (arm from ``scaffold.enabled``: lspo or dapo; seed from the config), ``ARM=DIR`` or
-``ARM:SEED=DIR``. Per (run, benchmark, k) the peak of validation pass@k up to ``--horizon`` steps (default:
-the runs' configured ``steps``, the smallest when they differ), then the mean and [min, max] per arm and the
-difference from the baseline arm (``lspo_jax.tables``). The output says which horizon it used.
+``ARM:SEED=DIR``. Per (run, benchmark, k) the peak of validation pass@k (and of ``gold_logprob``, the gold
+solutions' log-likelihood per token, where the records hold it) up to ``--horizon`` steps (default: the runs'
+configured ``steps``, the smallest when they differ), then the mean and [min, max] per arm and the difference from
+the baseline arm, paired by seed where the arms ran the same seeds (``lspo_jax.tables``). The output says which
+horizon it used.
 
     .venv/bin/python tools/compare_runs.py runs/lspo_seed4{2,3,4} runs/dapo_seed4{2,3,4} --horizon 500 \\
         [--out table.md] [--plot table.png] [--per-seed] [--estimator unbiased]
