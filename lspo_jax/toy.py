@@ -3,8 +3,9 @@
 The CPU demo needs a task where the RL step has something to learn, cliffs really occur and a worked
 solution really helps, with nothing downloaded. Column addition fits: the worked solution spells out each
 column with its carry. The warm-started policy learned 1-3 digit sums from a teacher who forgets carries,
-so the verifier's reward has a habit to remove (what GRPO alone can learn), and it never saw a 4-digit sum,
-which it therefore fails K of K times (the cliff class) while a worked solution shows the extra column.
+so the verifier's reward has a habit to remove (what GRPO alone can learn); it saw a few three-operand sums,
+which it therefore solves rarely (the frontier class: mostly cliffs, within reach), and never a 4-digit sum,
+which it fails K of K times (the beyond-reach cliff class) while a worked solution shows the extra column.
 Rows follow the shared data schema ``{"id", "problem", "answer", "solution", "source", "meta"}``.
 """
 
@@ -38,22 +39,21 @@ def vocab_size() -> int:
     return len(SPECIAL_TOKENS) + len(CHARS)
 
 
-def addition_solution(a: int, b: int, forget_carry: float = 0.0, rng: np.random.Generator | None = None) -> str:
-    """Column addition, least significant digit first: ``7+5=12;4+8+1=13;\\boxed{132}``.
+def addition_solution(*terms: int, forget_carry: float = 0.0, rng: np.random.Generator | None = None) -> str:
+    """Column addition, least significant digit first: ``7+5=12;4+8+1=13;\\boxed{132}`` for 47+85, and any
+    number of terms alike (``4+5+9=18;2+1+3+1=7;\\boxed{78}`` for 24+15+39; a carry may then be 2).
 
     With ``forget_carry`` > 0 it is a sloppy teacher's: each carry is dropped with that probability (a draw of
     ``rng`` per carry), and the boxed answer follows the columns as written, so it is wrong.
     """
     steps, carry, digits = [], 0, []
-    da, db = str(a)[::-1], str(b)[::-1]
-    for i in range(max(len(da), len(db))):
-        x = int(da[i]) if i < len(da) else 0
-        y = int(db[i]) if i < len(db) else 0
+    columns = [str(t)[::-1] for t in terms]
+    for i in range(max(len(c) for c in columns)):
+        column = [int(c[i]) if i < len(c) else 0 for c in columns]
         if carry and forget_carry and rng.random() < forget_carry:
             carry = 0
-        terms = f"{x}+{y}" + (f"+{carry}" if carry else "")
-        total = x + y + carry
-        steps.append(f"{terms}={total}")
+        total = sum(column) + carry
+        steps.append("+".join(map(str, column)) + (f"+{carry}" if carry else "") + f"={total}")
         digits.append(str(total % 10))
         carry = total // 10
     answer = int((str(carry) if carry else "") + "".join(reversed(digits)))
@@ -67,56 +67,89 @@ def addition_rows(
     prefix: str = "add",
     exclude: frozenset[str] = frozenset(),
     teacher: tuple[float, np.random.Generator] | None = None,
+    terms: int = 2,
 ) -> list[dict]:
-    """``n`` distinct problems ``a+b=`` with a and b of ``digits[0]..digits[1]`` digits each, none of whose
+    """``n`` distinct problems ``a+b=`` (``terms`` operands) of ``digits[0]..digits[1]`` digits each, none of whose
     problem text is in ``exclude`` (so training rows can keep clear of the held-out sets). Solutions are
     correct, or a sloppy teacher's with ``teacher = (forget_carry, rng)`` (``addition_solution``)."""
     rng = np.random.default_rng(seed)
     rows, seen = [], set(exclude)
     while len(rows) < n:
-        da, db = rng.integers(digits[0], digits[1] + 1, size=2)
-        a = int(rng.integers(10 ** (da - 1) if da > 1 else 0, 10**da))
-        b = int(rng.integers(10 ** (db - 1) if db > 1 else 0, 10**db))
-        if f"{a}+{b}=" in seen:
+        widths = rng.integers(digits[0], digits[1] + 1, size=terms)
+        values = [int(rng.integers(10 ** (d - 1) if d > 1 else 0, 10**d)) for d in widths]
+        problem = "+".join(map(str, values)) + "="
+        if problem in seen:
             continue
-        seen.add(f"{a}+{b}=")
+        seen.add(problem)
+        forget, teacher_rng = teacher or (0.0, None)
         rows.append(
             {
                 "id": f"{prefix}-{seed}-{len(rows)}",
-                "problem": f"{a}+{b}=",
-                "answer": str(a + b),
-                "solution": addition_solution(a, b, *(teacher or ())),
+                "problem": problem,
+                "answer": str(sum(values)),
+                "solution": addition_solution(*values, forget_carry=forget, rng=teacher_rng),
                 "source": "toy-addition",
-                "meta": {"digits": [int(da), int(db)]},
+                "meta": {"digits": [int(d) for d in widths]},
             }
         )
     return rows
 
 
-# The RL task's difficulty classes, by the digits of both operands. The warm start sees sums of 1-3 digits,
-# so 2-digit sums are mostly solved, 3-digit ones are the frontier, and 4-digit ones (a column more than the
-# warm start ever wrote) are solved 0 of K times: the cliff class, by construction.
-CLASSES = {"2digit": 2, "3digit": 3, "4digit_cliff": 4}
+# The RL task's difficulty classes: name -> (digits of each operand, operands). The warm start sees two-operand
+# sums of 1-3 digits and a small share of three-operand 2-digit sums (``toy_model.FRONTIER_SHARE``), so 2-digit
+# sums are mostly solved, 3-digit ones are learnable, three-operand sums are the frontier (most of their groups
+# fail all K samples, yet the base writes a right one now and then), and 4-digit sums, a column more than the warm
+# start ever wrote, are beyond its reach: solved 0 of K times by construction. The order keeps each class's
+# training stream (its seed is its index) as it was before the frontier class came.
+CLASSES = {"2digit": (2, 2), "3digit": (3, 2), "4digit_cliff_beyond": (4, 2), "3term_frontier": (2, 3)}
+FRONTIER = "3term_frontier"
 HELDOUT_PER_CLASS = 64
 HELDOUT_SPECS = tuple(f"toy:heldout_{name}" for name in CLASSES)  # the demo's benchmarks, one per class
 
 
+def class_seed(name: str) -> int:
+    """The held-out stream of a class: two-operand classes keep the seed they always had (10,000 + digits)."""
+    digits, terms = CLASSES[name]
+    return 10_000 + digits + 100 * (terms - 2)
+
+
 def class_heldout_rows(name: str, n: int = HELDOUT_PER_CLASS) -> list[dict]:
     """The fixed held-out problems of one difficulty class (``CLASSES``): the same for every run seed, so paired
-    seeds are scored on the same problems, and never among the training rows (``training_rows``)."""
-    digits = CLASSES[name]
-    return addition_rows(n, (digits, digits), seed=10_000 + digits, prefix=f"heldout-{name}")
+    seeds are scored on the same problems, and never among the training rows (``training_rows``) nor the warm
+    start's (``warm_start_rows``)."""
+    digits, terms = CLASSES[name]
+    return addition_rows(n, (digits, digits), seed=class_seed(name), prefix=f"heldout-{name}", terms=terms)
+
+
+def heldout_problems() -> frozenset[str]:
+    return frozenset(row["problem"] for name in CLASSES for row in class_heldout_rows(name))
 
 
 def training_rows(n: int = 3000, seed: int = 0) -> list[dict]:
     """The RL prompts: equal shares of the classes, shuffled by ``seed``, none of them a held-out problem."""
-    held = frozenset(row["problem"] for name in CLASSES for row in class_heldout_rows(name))
-    rows = []
-    for i, digits in enumerate(CLASSES.values()):
+    held, rows = heldout_problems(), []
+    for i, (digits, terms) in enumerate(CLASSES.values()):
         share = n // len(CLASSES) + (i < n % len(CLASSES))
-        rows += addition_rows(share, (digits, digits), seed=seed * 10 + i, prefix=f"train{digits}", exclude=held)
+        prefix = f"train{digits}" + (f"x{terms}" if terms != 2 else "")
+        rows += addition_rows(
+            share, (digits, digits), seed=seed * 10 + i, prefix=prefix, exclude=held, terms=terms
+        )  # fmt: skip
     order = np.random.default_rng(seed).permutation(len(rows))
     return [rows[i] for i in order]
+
+
+def warm_start_rows(n: int, frontier_share: float, forget_carry: float, seed: int) -> list[dict]:
+    """The warm start's supervised rows, all by the sloppy teacher: two-operand 1-3 digit sums, and a
+    ``frontier_share`` of them three-operand 2-digit sums (the frontier class's kind, none of its held-out
+    problems), which give the base a low but non-zero skill there."""
+    teacher = (forget_carry, np.random.default_rng(seed + 123))
+    frontier = round(n * frontier_share)
+    rows = addition_rows(n - frontier, (1, 3), seed=seed + 1, prefix="warm", teacher=teacher)
+    if frontier:
+        digits, terms = CLASSES[FRONTIER]
+        rows += addition_rows(frontier, (digits, digits), seed=seed + 2, prefix="warm3term",
+                              exclude=heldout_problems(), teacher=teacher, terms=terms)  # fmt: skip
+    return rows
 
 
 def first_mistake_judge(prompt: str) -> str:

@@ -42,6 +42,10 @@ def model_dir(cache_dir: str) -> str:
 # The warm start's teacher drops each carry with this probability: a habit the RL step can remove.
 FORGET_CARRY = 0.4
 WARM_START_STEPS = 1200
+# The share of the warm start's rows that are three-operand sums (toy.warm_start_rows), chosen by
+# tools/calibrate_frontier.py on seed 0 so that most frontier prompts are cliffs at K = 8 while the base
+# still solves some of them within 64 samples (benchmarks/RESULTS.md).
+FRONTIER_SHARE = 0.02
 
 
 def ensure_model(
@@ -51,12 +55,14 @@ def ensure_model(
     seed: int = 0,
     max_positions: int = 256,
     forget_carry: float = FORGET_CARRY,
+    frontier_share: float = FRONTIER_SHARE,
 ) -> str:
     """The demo's warm-started policy as a Hugging Face directory, trained here at first use (a few minutes).
 
     Full-parameter SFT on 1-3 digit sums written by a sloppy teacher who drops each carry with probability
     ``forget_carry`` (its boxed answer then wrong): the policy learns the format, most short columns and the
-    habit, which the verifier's reward can remove, and never a 4-digit sum, which become the RL task's cliffs.
+    habit, which the verifier's reward can remove, a little of three-operand sums (``frontier_share`` of the
+    rows: the frontier class) and never a 4-digit sum (the beyond-reach class).
     ``steps=0`` keeps the random init; with ``max_positions`` of a few thousand that is a tiny real judge
     model for the first-mistake option, whose prompts (the judge template and a numbered rollout) are about a
     thousand characters.
@@ -65,7 +71,8 @@ def ensure_model(
         return directory
     config = model_config(max_positions)
     tokenizer = toy.char_tokenizer()
-    base = _warm_start(config, tokenizer, steps=steps, seed=seed, forget_carry=forget_carry)
+    rows = toy.warm_start_rows(6000, frontier_share, forget_carry, seed) if steps else []
+    base = _warm_start(config, tokenizer, rows, steps=steps, seed=seed)
     staging = directory + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     hf.save_pretrained(staging, config, {"base": base})
@@ -74,12 +81,10 @@ def ensure_model(
     return directory
 
 
-def _warm_start(config, tokenizer, *, steps: int, seed: int, forget_carry: float, batch: int = 64):
+def _warm_start(config, tokenizer, rows, *, steps: int, seed: int, batch: int = 64):
     base = model.init_params(config, jax.random.key(seed))["base"]
     if steps == 0:
         return base  # the random init: what tests want, without encoding the warm-start rows
-    teacher = (forget_carry, np.random.default_rng(seed + 123))
-    rows = toy.addition_rows(6000, (1, 3), seed=seed + 1, prefix="warm", teacher=teacher)
     examples, _ = data.encode_rows(rows, tokenizer, DataConfig(), instruction=False)  # the task's own format
     prompt_slots = max(len(ex.prompt_ids) for ex in examples)
     target_slots = max(len(ex.solution_ids) for ex in examples)

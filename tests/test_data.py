@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lspo_jax import data, evaluation, packing, qwen_vocab, toy
+from lspo_jax import data, evaluation, packing, qwen_vocab, toy, toy_model
 from lspo_jax.rewards import math_reward
 from lspo_jax.train_config import DataConfig
 
@@ -249,30 +249,50 @@ def test_the_sloppy_teacher_drops_carries_and_boxes_what_it_wrote():
     rng = np.random.default_rng(0)
     assert toy.addition_solution(58, 67) == "8+7=15;5+6+1=12;\\boxed{125}"
     # 8+7 carries 1 into the tens; a teacher who always forgets writes 5+6=11 and boxes 115, not 125.
-    assert toy.addition_solution(58, 67, 1.0, rng) == "8+7=15;5+6=11;\\boxed{115}"
+    assert toy.addition_solution(58, 67, forget_carry=1.0, rng=rng) == "8+7=15;5+6=11;\\boxed{115}"
     # 999+1: every column carries; dropping all of them leaves 9+1=10, 9+0=9, 9+0=9 -> 990.
-    assert toy.addition_solution(999, 1, 1.0, rng) == "9+1=10;9+0=9;9+0=9;\\boxed{990}"
-    sloppy = [toy.addition_solution(58, 67, 0.4, rng) for _ in range(2000)]
+    assert toy.addition_solution(999, 1, forget_carry=1.0, rng=rng) == "9+1=10;9+0=9;9+0=9;\\boxed{990}"
+    sloppy = [toy.addition_solution(58, 67, forget_carry=0.4, rng=rng) for _ in range(2000)]
     assert 0.35 < sloppy.count("8+7=15;5+6=11;\\boxed{115}") / 2000 < 0.45  # 0.4 +- 4.6 std of a binomial
+    # Three operands: 4+5+9 = 18 carries 1, 2+1+3+1 = 7 -> 78; 9+9+9 = 27 carries 2, 9+9+9+2 = 29 -> 297.
+    assert toy.addition_solution(24, 15, 39) == "4+5+9=18;2+1+3+1=7;\\boxed{78}"
+    assert toy.addition_solution(99, 99, 99) == "9+9+9=27;9+9+9+2=29;\\boxed{297}"
 
 
 def test_the_demo_task_has_fixed_held_out_classes_kept_out_of_training():
     held = {name: toy.class_heldout_rows(name) for name in toy.CLASSES}
     for name, rows in held.items():
-        digits = toy.CLASSES[name]
+        digits, terms = toy.CLASSES[name]
         assert len(rows) == toy.HELDOUT_PER_CLASS and len({r["problem"] for r in rows}) == len(rows)
         assert all(len(x) == digits for r in rows for x in r["problem"][:-1].split("+"))
+        assert all(r["problem"].count("+") == terms - 1 for r in rows)
         assert all(int(r["answer"]) == eval(r["problem"][:-1]) for r in rows)  # noqa: S307 (our own a+b text)
+    held_problems = {r["problem"] for name in held for r in held[name]}
     # The same problems for every run seed (paired seeds are scored on one set), none of them trained on.
     for seed in (0, 42):
         rows = data.read_rows("toy:addition", seed=seed)
-        assert not {r["problem"] for r in rows} & {r["problem"] for name in held for r in held[name]}
-        digits = [len(r["problem"].split("+")[0]) for r in rows]
-        assert {d: digits.count(d) for d in (2, 3, 4)} == {2: 1000, 3: 1000, 4: 1000}
+        assert not {r["problem"] for r in rows} & held_problems
+        kinds = [(len(r["problem"].split("+")[0]), r["problem"].count("+") + 1) for r in rows]
+        assert {kind: kinds.count(kind) for kind in toy.CLASSES.values()} == dict.fromkeys(toy.CLASSES.values(), 750)
         assert data.read_rows("toy:heldout_3digit", seed=seed) == held["3digit"]
     assert data.read_rows("toy:addition", seed=0) != data.read_rows("toy:addition", seed=1)
     assert [evaluation.benchmark_name(s) for s in toy.HELDOUT_SPECS] == [
-        "toy_heldout_2digit", "toy_heldout_3digit", "toy_heldout_4digit_cliff"]  # fmt: skip
+        "toy_heldout_2digit", "toy_heldout_3digit", "toy_heldout_4digit_cliff_beyond",
+        "toy_heldout_3term_frontier"]  # fmt: skip
+    # The two-operand classes kept the problems they had before the frontier class came.
+    assert held["3digit"][0]["problem"] == "386+719=" and held["4digit_cliff_beyond"][0]["problem"] == "4614+8554="
+
+
+def test_the_warm_start_sees_a_fixed_share_of_frontier_sums_and_none_held_out():
+    rows = toy.warm_start_rows(6000, toy_model.FRONTIER_SHARE, toy_model.FORGET_CARRY, seed=0)
+    three = [r for r in rows if r["problem"].count("+") == 2]
+    assert len(rows) == 6000 and len(three) == round(6000 * toy_model.FRONTIER_SHARE)
+    assert all(len(x) == 2 for r in three for x in r["problem"][:-1].split("+"))
+    assert not {r["problem"] for r in rows} & {r["problem"] for r in toy.class_heldout_rows(toy.FRONTIER)}
+    # No 4-digit operand: the beyond-reach class stays unseen. Share 0 gives the two-operand rows alone.
+    assert max(len(x) for r in rows for x in r["problem"][:-1].split("+")) == 3
+    plain = toy.warm_start_rows(6000, 0.0, toy_model.FORGET_CARRY, seed=0)
+    assert plain[: len(rows) - len(three)] == rows[: len(rows) - len(three)]
 
 
 # ------------------------------------------------------------------------------------------ benchmark golds

@@ -511,7 +511,9 @@ def test_validation_before_and_after(trained_run):
         k: v for k, v in evals[1].items() if k not in ("kind", "step", "benchmark")
     }
     before = summary["held_out_before"]["train"]
-    assert {"pass@1", "pass@2", "pass@1_unbiased", "pass@2_unbiased", "accuracy", "problems"} == set(before)
+    assert {"pass@1", "pass@2", "pass@1_unbiased", "pass@2_unbiased", "accuracy", "problems", "gold_logprob",
+            "gold_logprob_seq", "gold_solutions", "gold_tokens"} == set(before)  # fmt: skip
+    assert before["gold_solutions"] == 2 and before["gold_logprob"] < 0
     # eval.limit = 2: prompt 0 is a cliff (never passes) and prompt 1 passes in one of its two samples.
     assert before["problems"] == 2 and before["pass@2"] == 0.5 and before["accuracy"] == 0.25
     assert summary["held_out_data"]["train"]["rows"] == summary["held_out_data"]["train"]["kept"] == 2  # eval.limit

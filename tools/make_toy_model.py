@@ -1,11 +1,11 @@
 """Make the demo's warm-started model shipped in ``lspo_jax/assets/toy_model`` (several minutes on 2 cores).
 
-Full-parameter SFT of a 3-layer Qwen2 on generated 1-3 digit sums with worked solutions by a teacher who drops
-each carry with probability ``--forget-carry`` (``lspo_jax.toy_model.ensure_model``). Deterministic on the CPU for a
-given seed.
+Full-parameter SFT of a 3-layer Qwen2 on generated 1-3 digit sums, and a ``--frontier-share`` of three-operand
+2-digit sums, with worked solutions by a teacher who drops each carry with probability ``--forget-carry``
+(``lspo_jax.toy_model.ensure_model``). Deterministic on the CPU for a given seed.
 
     .venv/bin/python tools/make_toy_model.py [--steps 1200] [--seed 0] [--forget-carry 0.4] \\
-        [--out lspo_jax/assets/toy_model]
+        [--frontier-share 0.02] [--out lspo_jax/assets/toy_model]
 """
 
 import argparse
@@ -19,10 +19,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=toy_model.WARM_START_STEPS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--forget-carry", type=float, default=toy_model.FORGET_CARRY)
+    p.add_argument("--frontier-share", type=float, default=toy_model.FRONTIER_SHARE)
     p.add_argument("--out", default=toy_model.SHIPPED_MODEL)
     args = p.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
-    print(toy_model.ensure_model(args.out, steps=args.steps, seed=args.seed, forget_carry=args.forget_carry))
+    print(
+        toy_model.ensure_model(
+            args.out,
+            steps=args.steps,
+            seed=args.seed,
+            forget_carry=args.forget_carry,
+            frontier_share=args.frontier_share,
+        )
+    )
 
 
 if __name__ == "__main__":
