@@ -135,10 +135,14 @@ def _train(args) -> int:
 
 def format_summary(summary: dict) -> str:
     """The end-of-run lines a reader compares with the paper's mechanism figures, and one line per held-out
-    benchmark: the per-sample accuracy and the largest-k pass@k before and after training."""
+    benchmark: the per-sample accuracy, the largest-k pass@k and the gold solutions' log-likelihood (where the
+    benchmark has worked solutions) before and after training."""
 
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    def nats(x):
+        return "n/a" if x is None else f"{x:.3f}"
 
     lines = [
         f"steps {summary['steps']} in {summary['seconds']} s"
@@ -162,6 +166,8 @@ def format_summary(summary: dict) -> str:
         if ks:
             key = f"pass@{ks[-1]}"
             line += f"; {key} before {pct(b.get(key))}, after {pct(a.get(key))}"
+        if "gold_logprob" in b or "gold_logprob" in a:
+            line += f"; gold nats/token before {nats(b.get('gold_logprob'))}, after {nats(a.get('gold_logprob'))}"
         lines.append(line)
     return "\n".join(lines)
 

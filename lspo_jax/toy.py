@@ -115,8 +115,9 @@ def class_seed(name: str) -> int:
 
 def class_heldout_rows(name: str, n: int = HELDOUT_PER_CLASS) -> list[dict]:
     """The fixed held-out problems of one difficulty class (``CLASSES``): the same for every run seed, so paired
-    seeds are scored on the same problems, and never among the training rows (``training_rows``) nor the warm
-    start's (``warm_start_rows``)."""
+    seeds are scored on the same problems, and never among the training rows (``training_rows``); the frontier
+    class's are not among the warm start's either (``warm_start_rows``), whose two-operand rows may hold a few
+    2-digit held-out problems (6 of 64 on seed 0), as they always did."""
     digits, terms = CLASSES[name]
     return addition_rows(n, (digits, digits), seed=class_seed(name), prefix=f"heldout-{name}", terms=terms)
 

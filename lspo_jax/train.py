@@ -145,8 +145,9 @@ def update_base(learner: Learner, rows: dict, advantages, weights, spliced_rows,
 
 def spliced_grad_norm(learner: Learner, batch: dict, spliced_rows: np.ndarray) -> float:
     """The norm of the update's gradient from the spliced rows alone: their advantages, every other row's set to 0
-    (the token-mean still over the whole batch's tokens, as in the update). Over the update's ``grad_norm`` it is
-    the share of the gradient they carry; it costs a gradient pass (``scaffold.grad_share``)."""
+    (the token-mean still over the whole batch's tokens, as in the update). Its ratio to the update's ``grad_norm``
+    is ``spliced_grad_share``: the share of the gradient they carry, above 1 where the other rows' gradients cancel
+    theirs. It costs a gradient pass (``scaffold.grad_share``), counted in ``time_update``."""
     advantages = np.asarray(batch["advantages"])
     keep = spliced_rows.reshape((-1,) + (1,) * (advantages.ndim - 1))
     return learner.rl_grad_norm({**batch, "advantages": np.where(keep, advantages, 0.0).astype(np.float32)})
@@ -396,9 +397,9 @@ def spliced_diagnostics(base_logp: np.ndarray, rows: dict, spliced_rows: np.ndar
     pi_theta+phi`` over spliced tokens (``spliced_ratio_mean``), the 10/50/90% quantiles of its log
     (``spliced_log_ratio_q10`` ...; a token with log ratio far below 0 gets almost no gradient under ``token``),
     and the spliced rows' share of the update's tokens (``spliced_token_share``). None on a step without them."""
-    if not spliced_rows.any():
-        return dict.fromkeys(SPLICED_DIAGNOSTICS)
     mask = rows["mask"][spliced_rows] > 0
+    if not mask.any():
+        return dict.fromkeys(SPLICED_DIAGNOSTICS)
     log_ratio = (base_logp[spliced_rows] - rows["old_logp"][spliced_rows])[mask]
     quantiles = np.quantile(log_ratio, [0.1, 0.5, 0.9])
     return {

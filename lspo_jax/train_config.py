@@ -211,12 +211,13 @@ class ScaffoldConfig:
     ratio), ``none`` (treated as on-policy); see ``train.importance_weights``. ``reroll_n`` re-rolls per cliff
     (null: group_size), sampled at ``reroll_temperature`` (null: the rollout's) with the adapter at
     ``reroll_scale``; the denominators follow both. ``reroll_scale: 0`` is the compute-matched control: no adapter
-    is fitted and each cliff is re-rolled by the base itself, so its rescued rows are on-policy extra samples and
-    what LSPO gains over it is the adapter's, not that of drawing more. ``grad_share`` logs the share of the
-    update's gradient norm the spliced rows carry, at the cost of one more gradient pass a scaffolded step.
-    ``cliff_max_successes``: groups with at most this many passing rows are cliffs. ``adapter``: ``fresh`` (reset
-    every step: A random, B zero, a new SFT state; the paper) or ``persistent`` (kept and fitted
-    further across steps with its own SFT state, reset every ``reset_every`` steps when set; checkpointed with the run).
+    is fitted and each cliff is re-rolled by the base itself, so its rescued rows are extra samples (on-policy at
+    the rollout's temperature) and what LSPO gains over it is the adapter's, not that of drawing more.
+    ``grad_share`` logs the ratio of the spliced rows' gradient norm to the update's, at the cost of one more
+    gradient pass a scaffolded step. ``cliff_max_successes``: groups with at most this many passing rows are
+    cliffs. ``adapter``: ``fresh`` (reset every step: A random, B zero, a new SFT state; the paper) or
+    ``persistent`` (kept and fitted further across steps with its own SFT state, reset every ``reset_every``
+    steps when set; checkpointed with the run).
     """
 
     enabled: bool = True

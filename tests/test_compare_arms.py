@@ -188,3 +188,20 @@ def test_a_stopped_arm_stops_the_tool_and_resumes(tool, base, tmp_path, monkeypa
     assert tool.run_cell(base, "lspo", lspo, 42, str(tmp_path), "compare_arms")["summary"]["stopped_early"] is False
     assert tool.run_cell(base, "lspo", lspo, 42, str(tmp_path), "compare_arms")["summary"]["steps"] == 3  # reused
     assert calls == [(42, True, False), (42, True, False)]
+
+
+def test_what_the_spliced_rows_carried_by_hand(tool):
+    # lspo: two steps spliced rows (q50 -1.0 and -0.5 -> mean -0.75; token shares 2% and 4% -> 3.0%; the gradient
+    # share recorded on one step only, 10%), one step did not (None: left out). dapo has the scaffold off.
+    steps = [
+        {"spliced_log_ratio_q10": -3.0, "spliced_log_ratio_q50": -1.0, "spliced_log_ratio_q90": 0.0,
+         "spliced_token_share": 0.02, "spliced_grad_share": 0.1},
+        {"spliced_log_ratio_q10": -2.0, "spliced_log_ratio_q50": -0.5, "spliced_log_ratio_q90": 0.2,
+         "spliced_token_share": 0.04, "spliced_grad_share": None},
+        {"spliced_token_share": None},
+    ]  # fmt: skip
+    results = [{"arm": "lspo", "train": steps}, {"arm": "dapo", "scaffold": False, "train": [{}]}]
+    table = tool.spliced_figures(results, ["dapo", "lspo"])
+    assert table.splitlines()[2] == "| lspo | 2 | -2.500 | -0.750 | 0.100 | 3.0% | 10.0% |"
+    assert len(table.splitlines()) == 3  # no row for the arm without the scaffold
+    assert tool.spliced_figures(results[1:], ["dapo"]) == "No arm spliced a row."

@@ -97,6 +97,16 @@ def test_shaped_weights_only_the_spliced_rows():
     np.testing.assert_allclose(weights, [[1.0, 1.0], [0.05 / 0.36] * 2], rtol=RTOL)
 
 
+def test_shaped_weights_times_the_engines_truncated_weights():
+    # loss.tis_cap 2: token weights min(exp(behaviour - sampler), 2) = [e^0.5, 2] on row 0 (its sampler_logp is
+    # 0.5 and 1.0 below the behaviour's), 1 on row 1; the spliced row 1's shaping weights 0.05 / 0.36 multiply in.
+    run = run_config("scaffold.correction=shaped", "loss.tis_cap=2.0")
+    base = np.log(np.full((2, 2), 0.5, np.float32))
+    rows = {"mask": np.ones((2, 2)), "sampler_logp": base - np.array([[0.5, 1.0], [0.0, 0.0]], np.float32)}
+    _, weights = train.importance_weights(run, rows, base, base, np.array([False, True]))
+    np.testing.assert_allclose(weights, [[math.exp(0.5), 2.0], [0.05 / 0.36] * 2], rtol=RTOL)
+
+
 @pytest.mark.parametrize(("key", "value"), [("ratio_floor", 0), ("ratio_floor", 1.5), ("shaping_gamma", 0)])
 def test_bad_correction_settings_name_their_key(key, value):
     with pytest.raises(ValueError, match=f"scaffold.{key}"):

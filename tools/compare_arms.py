@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from datetime import date
@@ -178,6 +179,28 @@ def scaffold_figures(results: list[dict], arms: list[str]) -> str:
     return "\n".join(rows)
 
 
+CARRIED = ("spliced_log_ratio_q10", "spliced_log_ratio_q50", "spliced_log_ratio_q90", "spliced_token_share",
+           "spliced_grad_share")  # fmt: skip
+
+
+def spliced_figures(results: list[dict], arms: list[str]) -> str:
+    """Per arm with the scaffold on, what its spliced rows carried into the updates: the mean over its runs' steps
+    that spliced rows of each step's log-ratio quantiles (log pi_theta / pi_mu over spliced tokens), their share
+    of the update's tokens and, where recorded (``scaffold.grad_share``), of its gradient norm."""
+    rows = ["| arm | steps with spliced rows | log ratio q10 | q50 | q90 | token share | gradient-norm share |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for arm in arms:
+        steps = [r for res in results if res["arm"] == arm and res.get("scaffold", True) for r in res["train"]
+                 if r.get("spliced_token_share") is not None]  # fmt: skip
+        if not steps:
+            continue
+        means = [statistics.fmean(v) if (v := [r[k] for r in steps if r.get(k) is not None]) else None for k in CARRIED]
+        cells = [f"{m:.3f}" if m is not None and i < 3 else ("n/a" if m is None else f"{100 * m:.1f}%")
+                 for i, m in enumerate(means)]  # fmt: skip
+        rows.append(f"| {arm} | {len(steps)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) if len(rows) > 2 else "No arm spliced a row."
+
+
 def surpass_spread(results: list[dict], arms: list[str]) -> str:
     """Per arm with the scaffold on, the per-step surpass rate's distribution over its runs' cliff-bearing steps,
     beside the paper's."""
@@ -235,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "The scaffold's mechanism figures per arm (whole run; paper: 43% surpassed, 5.8% per-rollout pass rate):",
         scaffold_figures(results, list(arms)),
         surpass_spread(results, list(arms)),
+        "What the spliced rows carried into the updates (means over the steps that spliced rows):",
+        spliced_figures(results, list(arms)),
     ])  # fmt: skip
     print(text)
     runs, horizon = traces(results), table.horizon
