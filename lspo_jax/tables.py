@@ -26,8 +26,10 @@ from lspo_jax.metrics_log import read_metrics
 
 # The benchmark of validation records written before records named theirs (one pooled held-out set).
 UNNAMED_BENCHMARK = "held_out"
-# Metrics tabulated beside pass@k when the records hold them; like pass@k, higher is better.
-EXTRA_METRICS = ("gold_logprob",)
+# Metrics tabulated beside pass@k when the records hold them; like pass@k, higher is better. ``accuracy`` is the
+# per-sample pass rate over all n samples a problem (pass@1 by the first-k slice reads the first sample alone).
+EXTRA_METRICS = ("accuracy", "gold_logprob")
+PERCENT_METRICS = ("accuracy",)
 Column = int | str  # a table column: k of pass@k, or the name of an ``EXTRA_METRICS`` metric
 
 
@@ -203,7 +205,9 @@ def column_label(column: Column) -> str:
 def _value(column: Column, x: float, sign: str = "") -> str:
     """pass@k in percent with one decimal; a log-likelihood in nats with three (a change of a few thousandths of
     a nat a token is already a visible move of a solution's likelihood)."""
-    return f"{100 * x:{sign}.1f}" if isinstance(column, int) else f"{x:{sign}.3f}"
+    if isinstance(column, int) or column in PERCENT_METRICS:
+        return f"{100 * x:{sign}.1f}"
+    return f"{x:{sign}.3f}"
 
 
 def _summary_cell(table: PeakTable, b: str, column: Column, arm: str) -> str:
@@ -260,9 +264,10 @@ def caption(table: PeakTable) -> str:
     estimator = "first-k slice" if table.estimator == "first_k" else "unbiased estimator"
     gold = (" and peak gold_logprob (the base's mean log-likelihood per token of the gold solutions, nats)"
             if "gold_logprob" in table.extra else "")  # fmt: skip
-    return (f"Peak held-out pass@k (%, {estimator}){gold} over {horizon}, per arm: mean [min, max] over seeds; "
-            "a difference row: the mean [min, max] of the per-seed differences (seeds paired), or the difference "
-            "of the means.")  # fmt: skip
+    accuracy = ", peak per-sample accuracy (%, all n samples)" if "accuracy" in table.extra else ""
+    return (f"Peak held-out pass@k (%, {estimator}){accuracy}{gold} over {horizon}, per arm: mean [min, max] over "
+            "seeds; a difference row: the mean [min, max] of the per-seed differences (seeds paired), or the "
+            "difference of the means.")  # fmt: skip
 
 
 def plot(table: PeakTable, path: str) -> str:

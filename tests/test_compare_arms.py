@@ -100,7 +100,8 @@ def fake_train_run(calls: list):
         calls.append((arm, config.seed, resume))
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "config.yaml").write_text(yaml.safe_dump(to_dict(config)))
-        records = [{"kind": "eval", "step": s, "benchmark": "cliff", "pass@1": p, "gold_logprob": g,
+        # accuracy (all samples' pass rate) written equal to pass@1: the same peaks, in its own column.
+        records = [{"kind": "eval", "step": s, "benchmark": "cliff", "pass@1": p, "accuracy": p, "gold_logprob": g,
                     "gold_logprob_seq": 40 * g} for s, p, g in TRACES[arm][config.seed]]  # fmt: skip
         records.append({"kind": "train", "step": 1, "scaffold_attempted": 2, "surpass_rate": 0.5})
         (Path(out) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -124,17 +125,17 @@ def test_paired_differences_by_hand(tool, tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["dapo_seed42", "dapo_seed43", "lspo_seed42", "lspo_seed43",
                                                      "none_seed42", "none_seed43"]  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
-    table = lines[lines.index("| benchmark | arm | pass@1 | gold_logprob |") :]
+    table = lines[lines.index("| benchmark | arm | pass@1 | accuracy | gold_logprob |") :]
     # Peaks over steps <= 40 (the demo's steps), per seed 42 / 43: pass@1 dapo 0.00 / 0.05, lspo 0.20 / 0.15, none
     # 0.05 / 0.00; gold_logprob dapo -1.90 / -1.80, lspo -1.20 / -1.40, none -1.85 / -1.90.
     # Paired differences from dapo: lspo pass@1 +0.20, +0.10 -> mean +0.15; gold +0.70, +0.40 -> mean +0.55.
     # none pass@1 +0.05, -0.05 -> mean 0.00; gold +0.05, -0.10 -> mean -0.025.
     assert table[2:7] == [
-        "| cliff | dapo (n=2) | 2.5 [0.0, 5.0] | -1.850 [-1.900, -1.800] |",
-        "| cliff | lspo (n=2) | 17.5 [15.0, 20.0] | -1.300 [-1.400, -1.200] |",
-        "| cliff | none (n=2) | 2.5 [0.0, 5.0] | -1.875 [-1.900, -1.850] |",
-        "| cliff | lspo - dapo | +15.0 [+10.0, +20.0] | +0.550 [+0.400, +0.700] |",
-        "| cliff | none - dapo | +0.0 [-5.0, +5.0] | -0.025 [-0.100, +0.050] |",
+        "| cliff | dapo (n=2) | 2.5 [0.0, 5.0] | 2.5 [0.0, 5.0] | -1.850 [-1.900, -1.800] |",
+        "| cliff | lspo (n=2) | 17.5 [15.0, 20.0] | 17.5 [15.0, 20.0] | -1.300 [-1.400, -1.200] |",
+        "| cliff | none (n=2) | 2.5 [0.0, 5.0] | 2.5 [0.0, 5.0] | -1.875 [-1.900, -1.850] |",
+        "| cliff | lspo - dapo | +15.0 [+10.0, +20.0] | +15.0 [+10.0, +20.0] | +0.550 [+0.400, +0.700] |",
+        "| cliff | none - dapo | +0.0 [-5.0, +5.0] | +0.0 [-5.0, +5.0] | -0.025 [-0.100, +0.050] |",
     ]
     arms = "dapo = `scaffold.enabled=false`; lspo = `scaffold.enabled=true`; none = `scaffold.correction=none`"
     assert f"Arms (overrides on the config): {arms}." in lines
@@ -147,7 +148,7 @@ def test_paired_differences_by_hand(tool, tmp_path, monkeypatch, capsys):
     result = json.loads(out_json.read_text())
     assert result["horizon"] == 40 and list(result["arms"]) == ["dapo", "lspo", "none"]
     cliff = result["arms"]["none"]["42"]["cliff"]
-    assert list(cliff) == ["pass@1", "gold_logprob", "gold_logprob_seq"]
+    assert list(cliff) == ["pass@1", "accuracy", "gold_logprob", "gold_logprob_seq"]
     assert cliff["gold_logprob"] == {"start": -2.0, "peak": -1.85, "last": -1.85}
     assert cliff["gold_logprob_seq"] == pytest.approx({"start": -80.0, "peak": -74.0, "last": -74.0})
     # Run again: every finished run is reused; an arm name given other overrides is refused before training.
