@@ -27,7 +27,9 @@ def _train_parser() -> argparse.ArgumentParser:
         f"(--resume continues it); {EXIT_INTERRUPTED} interrupted during start-up.",
     )
     p.add_argument("--config", help="YAML config (defaults apply to keys it does not name); a new run needs one")
-    p.add_argument("--out", required=True, help="output directory: metrics, checkpoints, summary, plots")
+    p.add_argument(
+        "--out", help="output directory: metrics, checkpoints, summary, plots (not needed to --print-config a new run)"
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -58,7 +60,7 @@ def _train_config(args):
     """The run's config: ``--config`` (or, resuming without one, the run's own ``config.yaml``) and overrides."""
     from lspo_jax.train_config import ConfigError, load_config
 
-    saved = os.path.join(args.out, "config.yaml")
+    saved = os.path.join(args.out, "config.yaml") if args.out else None
     if args.resume and not has_checkpoint(args.out):
         raise FileNotFoundError(f"nothing to resume in {args.out}: it holds no checkpoint")
     config_path = args.config
@@ -77,7 +79,10 @@ def _train_config(args):
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    args = _train_parser().parse_args(argv)
+    parser = _train_parser()
+    args = parser.parse_args(argv)
+    if args.out is None and (args.resume or not args.print_config):
+        parser.error("--out is required" + (" to resume" if args.resume else " (only --print-config runs without it)"))
     _quiet_imports()
     try:
         return _train(args)

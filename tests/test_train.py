@@ -1172,6 +1172,13 @@ def test_print_config_shows_what_would_run(trained_run, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["rollout"]["group_size"] == 16 and printed["log"]["wandb"] is False  # with the defaults
     assert not os.path.exists("unused")
+    # A new run's config prints without --out; training or resuming without one is refused in one line.
+    assert cli.train_main(["--config", PAPER_CONFIG, "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == printed
+    for argv in (["--config", PAPER_CONFIG], ["--resume", "--print-config"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.train_main(argv)
+        assert exit_info.value.code == 2 and "--out is required" in capsys.readouterr().err
 
 
 def test_a_damaged_checkpoint_is_named_and_resume_falls_back(trained_run, tmp_path, capsys, monkeypatch, easy_rule):
