@@ -11,8 +11,12 @@ its step; ``restore_readable`` then falls back to the newest step that restores.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import os
 import shutil
+import sys
 from typing import Any
 
 import jax
@@ -66,8 +70,12 @@ class Checkpointer:
             restored = self._manager.restore(step, args=args)
         except Exception as err:  # orbax, tensorstore and json each raise their own kinds for a damaged file
             cause = error_cause(err)
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable: {cause}") from err
-        return restored["state"], restored["meta"]
+        else:
+            return restored["state"], restored["meta"]
+        # Not chained: the error's frames hold orbax's other failed reads, collected (quietly) only once it is gone.
+        with _muted_leftovers():
+            gc.collect()
+        raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable: {cause}")
 
     def restore_readable(
         self, target: dict[str, Any], before: int | None = None
@@ -110,6 +118,24 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+@contextlib.contextmanager
+def _muted_leftovers():
+    """A failed read leaves orbax's other reads of the step failing too: coroutines and asyncio tasks whose
+    exceptions nobody retrieves, reported with full tracebacks when they are collected. The first failure is
+    already the ``CheckpointError``'s cause, so the rest is collected here with those reports muted."""
+    loggers = [logging.getLogger(name) for name in ("asyncio", "absl", "orbax")]
+    levels = [logger.level for logger in loggers]
+    hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _listed(steps: list[int]) -> str:
