@@ -12,11 +12,14 @@ its step; ``restore_readable`` then falls back to the newest step that restores.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
 import shutil
 import sys
+import traceback
+from types import TracebackType
 from typing import Any
 
 import jax
@@ -124,7 +127,9 @@ class Checkpointer:
 def _muted_leftovers():
     """A failed read leaves orbax's other reads of the step failing too: coroutines and asyncio tasks whose
     exceptions nobody retrieves, reported with full tracebacks when they are collected. The first failure is
-    already the ``CheckpointError``'s cause, so the rest is collected here with those reports muted."""
+    already the ``CheckpointError``'s cause, so the rest is collected here with those reports muted. Reads
+    still in flight on orbax's own threads may finish after this; ``_drop_orbax_leftovers`` mutes those."""
+    _drop_orbax_leftovers()
     loggers = [logging.getLogger(name) for name in ("asyncio", "absl", "orbax")]
     levels = [logger.level for logger in loggers]
     hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
@@ -136,6 +141,29 @@ def _muted_leftovers():
         sys.unraisablehook = hook
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+def _raised_in_orbax(tb: TracebackType | None) -> bool:
+    return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in traceback.extract_tb(tb))
+
+
+class _OrbaxLeftoverFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _raised_in_orbax(record.exc_info[2]))
+
+
+@functools.cache
+def _drop_orbax_leftovers() -> None:
+    """From the first failed read on, unretrieved exceptions raised inside orbax are dropped whenever they are
+    collected; every other unraisable exception or asyncio error is reported as before. Installed once."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not _raised_in_orbax(unraisable.exc_traceback):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_OrbaxLeftoverFilter())
 
 
 def _listed(steps: list[int]) -> str:
