@@ -143,23 +143,29 @@ def _muted_leftovers():
             logger.setLevel(level)
 
 
-def _raised_in_orbax(tb: TracebackType | None) -> bool:
-    return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in traceback.extract_tb(tb))
+def _orbax_leftover(error: BaseException | None, tb: TracebackType | None) -> bool:
+    """Raised inside orbax, or a read that finished after orbax closed its event loop (asyncio's frames only)."""
+    frames = traceback.extract_tb(tb)
+    if any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames):
+        return True
+    closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    return closed and bool(frames) and frames[-1].filename.endswith(os.path.join("asyncio", "base_events.py"))
 
 
 class _OrbaxLeftoverFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and _raised_in_orbax(record.exc_info[2]))
+        return not (record.exc_info and _orbax_leftover(record.exc_info[1], record.exc_info[2]))
 
 
 @functools.cache
 def _drop_orbax_leftovers() -> None:
-    """From the first failed read on, unretrieved exceptions raised inside orbax are dropped whenever they are
-    collected; every other unraisable exception or asyncio error is reported as before. Installed once."""
+    """From the first failed read on, orbax's leftovers (``_orbax_leftover``) are dropped whenever they surface:
+    unretrieved exceptions collected late, callbacks of reads that outlived orbax's event loop. Every other
+    unraisable exception or asyncio error is reported as before. Installed once."""
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
-        if not _raised_in_orbax(unraisable.exc_traceback):
+        if not _orbax_leftover(unraisable.exc_value, unraisable.exc_traceback):
             previous(unraisable)
 
     sys.unraisablehook = hook
