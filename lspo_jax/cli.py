@@ -44,7 +44,9 @@ def _enable_compilation_cache() -> None:
     """Keep compiled XLA programs on disk: a second run of the same shapes starts in seconds, not minutes."""
     import jax
 
-    path = os.environ.get("LSPO_JAX_COMPILATION_CACHE", os.path.expanduser("~/.cache/lspo_jax/xla"))
+    from lspo_jax.config import cache_root
+
+    path = os.environ.get("LSPO_JAX_COMPILATION_CACHE", str(cache_root() / "xla"))
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -239,9 +241,8 @@ def _eval_settings(run, args):
 def _eval_model(args):
     """``(run config, policy, params, checkpoint step or None)`` of ``--model``: a training run's checkpoint
     with the run's own config, or a Hugging Face directory with ``--config`` (or the defaults)."""
-    import os
-
     from lspo_jax import export
+    from lspo_jax.config import cache_root
     from lspo_jax.run import load_policy
     from lspo_jax.train_config import load_config
 
@@ -252,7 +253,7 @@ def _eval_model(args):
                                 "checkpoints/ in it)")  # fmt: skip
     else:
         run = load_config(args.config, [f"model.path={json.dumps(args.model)}", *args.overrides])
-        policy, params = load_policy(run, os.path.join(os.path.expanduser("~"), ".cache", "lspo_jax"))
+        policy, params = load_policy(run, str(cache_root()))
         step = None
     return _eval_settings(run, args), policy, params, step
 

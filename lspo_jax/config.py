@@ -8,6 +8,8 @@ serialises these classes; the classes are the source of truth.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 # Projections of a Qwen2 decoder layer that can carry a LoRA adapter (peft's q_proj ... down_proj).
@@ -24,6 +26,14 @@ ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "blocked", "pallas", "splash")
 # multiplies and sums (the default: one pass over the cache on every backend), jax.nn.dot_product_attention,
 # or the Pallas GPU decode kernel (``kernels.decode_attention``).
 DECODE_ATTENTION = ("einsum", "reduce", "xla", "pallas")
+
+
+def cache_root() -> Path:
+    """The project's cache directory (compiled programs, example stores, downloaded files):
+    ``$LSPO_JAX_CACHE``, else ``$XDG_CACHE_HOME/lspo_jax``, else ``~/.cache/lspo_jax``."""
+    if root := os.environ.get("LSPO_JAX_CACHE"):
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lspo_jax"
 
 
 def _check(ok: bool, cls: str, field: str, message: str) -> None:

@@ -35,17 +35,39 @@ REQUIRED = {"shared": ("id", "problem", "answer"), "deepmath": ("question", "fin
 MAX_LISTED = 100  # rows named in ``DataReport.row_errors``; the count is always complete
 
 
-@dataclasses.dataclass(frozen=True)
 class Example:
     """One training prompt: token ids of the prompt and of its worked solution (EOS appended unless it was
-    truncated), if any; the problem and solution texts for a judge that reads them (``first_mistake``)."""
+    truncated), if any; the problem and solution texts for a judge that reads them (``first_mistake``).
 
-    id: str
-    answer: str
-    prompt_ids: tuple[int, ...]
-    solution_ids: np.ndarray | None  # int32
-    problem: str = ""
-    solution: str | None = None
+    ``solution_ids`` is given, or made on first use by ``encode(example)`` (``example_store``: a run's prompts
+    are tokenised up front, its solutions only when the scaffold needs one).
+    """
+
+    __slots__ = ("id", "answer", "prompt_ids", "problem", "solution", "_solution_ids", "_encode")
+
+    def __init__(
+        self,
+        id: str,
+        answer: str,
+        prompt_ids: tuple[int, ...],
+        solution_ids: np.ndarray | None = None,
+        problem: str = "",
+        solution: str | None = None,
+        *,
+        encode: Callable[[Example], np.ndarray | None] | None = None,
+    ):
+        self.id, self.answer, self.prompt_ids, self.problem, self.solution = id, answer, prompt_ids, problem, solution
+        self._solution_ids, self._encode = solution_ids, encode if solution else None
+
+    @property
+    def solution_ids(self) -> np.ndarray | None:  # int32
+        if self._encode is not None:
+            encode, self._encode = self._encode, None
+            self._solution_ids = encode(self)
+        return self._solution_ids
+
+    def __repr__(self) -> str:
+        return f"Example(id={self.id!r}, answer={self.answer!r}, {len(self.prompt_ids)} prompt tokens)"
 
 
 class DataError(ValueError):
@@ -58,7 +80,10 @@ class DataReport:
     """What loading did to the rows, for the run's log.
 
     ``rows`` counts every record of the source; ``rows_invalid`` those skipped for a missing field or a
-    line that is not JSON, the first ``MAX_LISTED`` of them described in ``row_errors``.
+    line that is not JSON, the first ``MAX_LISTED`` of them described in ``row_errors``. Solutions are counted
+    as they are tokenised (``solutions_encoded``): a file's at start, a cached source's when first used, so
+    ``solution_skipped``, ``solution_truncated`` and ``solution_errors`` (a solution that failed to tokenise:
+    never a scaffold target, listed in ``row_errors``) count those so far.
     """
 
     rows: int = 0
@@ -68,8 +93,10 @@ class DataReport:
     prompt_skipped: int = 0
     prompt_truncated: int = 0
     solution_missing: int = 0
+    solutions_encoded: int = 0
     solution_skipped: int = 0
     solution_truncated: int = 0
+    solution_errors: int = 0
     gold_unparseable: list[str] = dataclasses.field(default_factory=list)
 
     def losses(self) -> str | None:
@@ -109,6 +136,19 @@ def read_rows(
     a source with records but none usable is an error, since that is a wrong file rather than bad rows, and
     so is a file that cannot be opened or a parquet file that cannot be read (``DataError`` naming the file).
     """
+    return list(iter_rows(spec, config, seed=seed, report=report, max_rows=max_rows))
+
+
+def iter_rows(
+    spec: str,
+    config: DataConfig | None = None,
+    *,
+    seed: int = 0,
+    report: DataReport | None = None,
+    max_rows: int | None = None,
+) -> Iterator[dict[str, Any]]:
+    """``read_rows`` one row at a time: a parquet file is read a batch of rows at a time, so that a source of
+    gigabytes of solutions is never held whole."""
     config = config or DataConfig()
     report = report if report is not None else DataReport()
     generated = {
@@ -118,18 +158,10 @@ def read_rows(
         **{f"toy:heldout_{name}": lambda name=name: toy.class_heldout_rows(name) for name in toy.CLASSES},
     }
     if spec in generated:
-        return generated[spec]()[:max_rows]
-    path = Path(spec)
-    if not path.exists():
-        raise FileNotFoundError(f"no such data file or directory: {spec}")
-    try:
-        files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet")) if path.is_dir() else [path]
-    except OSError as err:
-        raise DataError(f"{spec}: cannot list the directory ({error_cause(err)})") from err
-    if not files:
-        raise FileNotFoundError(f"no .jsonl or .parquet files in {spec}")
-    rows: list[dict[str, Any]] = []
-    index = 0  # a DeepMath row's id when it has none: its position in the whole source
+        yield from generated[spec]()[:max_rows]
+        return
+    path, files = source_files(spec)
+    index, usable = 0, 0  # index: a DeepMath row's id when it has none, its position in the whole source
     for file in files:
         fmt = config.format if config.format != "auto" else _detect_format(file)
         name = file.name if path.is_dir() else ""
@@ -139,14 +171,26 @@ def read_rows(
             where = f"{name} {where}".strip()
             if record is None:
                 report.invalid(where, "not a JSON object")
-            else:
-                row = _to_shared(record, fmt, config, index, where, report)
-                if row is not None:
-                    rows.append(row)
+            elif (row := _to_shared(record, fmt, config, index, where, report)) is not None:
+                usable += 1
+                yield row
             index += 1
-    if index and not rows:
+    if index and not usable:
         raise DataError(f"{spec}: none of its {index} rows is usable, e.g. {report.row_errors[:3]}")
-    return rows
+
+
+def source_files(spec: str) -> tuple[Path, list[Path]]:
+    """The path of a file or directory source and the data files it holds, in the order they are read."""
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"no such data file or directory: {spec}")
+    try:
+        files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet")) if path.is_dir() else [path]
+    except OSError as err:
+        raise DataError(f"{spec}: cannot list the directory ({error_cause(err)})") from err
+    if not files:
+        raise FileNotFoundError(f"no .jsonl or .parquet files in {spec}")
+    return path, files
 
 
 def _parquet(file: Path, read: Callable[..., Any], **kwargs: Any) -> Any:
@@ -199,9 +243,13 @@ def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, di
         # Only the columns that are used: the three R1 traces of DeepMath-103K run to gigabytes in memory.
         wanted = ("id", "question", "final_answer", "difficulty", "topic", config.solution_field)
         names = _parquet(file, pq.read_schema).names
-        table = _parquet(file, pq.read_table, columns=[n for n in names if fmt == "shared" or n in wanted])
-        for i, record in enumerate(table.to_pylist()):
-            yield f"row {i}", record
+        columns = [n for n in names if fmt == "shared" or n in wanted]
+        batches = _parquet(file, lambda f: pq.ParquetFile(f).iter_batches(PARQUET_BATCH, columns=columns))
+        i = 0
+        while (batch := _parquet(file, lambda _: next(batches, None))) is not None:
+            for record in batch.to_pylist():
+                yield f"row {i}", record
+                i += 1
         return
     with _open(file) as f:
         for line_no, line in enumerate(f, 1):
@@ -212,6 +260,9 @@ def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, di
             except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError): a bad row, counted
                 record = None
             yield f"line {line_no}", record if isinstance(record, dict) else None
+
+
+PARQUET_BATCH = 1024  # rows of a parquet file in memory at once while it is read
 
 
 def _missing(value: Any) -> bool:
@@ -289,12 +340,8 @@ def encode_rows(
         solutions = encode_texts(tokenizer, [row.get("solution") or "" for row in chunk])
         for row, prompt, solution in zip(chunk, prompts, solutions, strict=True):
             report.rows += 1
-            if len(prompt) > config.max_prompt_tokens:
-                if config.prompt_policy == "skip":
-                    report.prompt_skipped += 1
-                    continue
-                report.prompt_truncated += 1
-                prompt = prompt[-config.max_prompt_tokens :]  # keep the end: the template's assistant turn
+            if (prompt := checked_prompt(prompt, config, report)) is None:
+                continue
             solution_ids = _solution(row, solution, tokenizer, config, report)
             text = row.get("solution") or None
             examples.append(
@@ -305,6 +352,17 @@ def encode_rows(
 
 
 ENCODE_CHUNK = 512
+
+
+def checked_prompt(prompt: list[int], config: DataConfig, report: DataReport) -> list[int] | None:
+    """The prompt under ``max_prompt_tokens`` per ``prompt_policy`` (None: skipped), counted in ``report``."""
+    if len(prompt) <= config.max_prompt_tokens:
+        return prompt
+    if config.prompt_policy == "skip":
+        report.prompt_skipped += 1
+        return None
+    report.prompt_truncated += 1
+    return prompt[-config.max_prompt_tokens :]  # keep the end: the template's assistant turn
 
 
 def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
@@ -331,15 +389,20 @@ def _solution(
     if not row.get("solution"):
         report.solution_missing += 1
         return None
-    eos = [tokenizer.eos_token_id]
+    return fit_solution(ids, tokenizer.eos_token_id, config, report)
+
+
+def fit_solution(ids: list[int], eos: int, config: DataConfig, report: DataReport) -> np.ndarray | None:
+    """A solution's ids with EOS, under ``max_solution_tokens`` per ``solution_policy`` (None: skipped); counted."""
+    report.solutions_encoded += 1
     if len(ids) + 1 <= config.max_solution_tokens:  # the whole solution and its EOS fit
-        return np.asarray(ids + eos, np.int32)
+        return np.asarray(ids + [eos], np.int32)
     if config.solution_policy == "skip":
         report.solution_skipped += 1
         return None
     report.solution_truncated += 1
     if config.eos_after_truncated:
-        return np.asarray(ids[: config.max_solution_tokens - 1] + eos, np.int32)
+        return np.asarray(ids[: config.max_solution_tokens - 1] + [eos], np.int32)
     return np.asarray(ids[: config.max_solution_tokens], np.int32)
 
 
@@ -351,12 +414,11 @@ def load_examples(
     counts every record read."""
     report = DataReport()
     rows = read_rows(spec, config, seed=seed, report=report, max_rows=max_rows)
-    golds = rewards.parse_golds((str(r["id"]), str(r["answer"])) for r in rows)
-    bad = set(golds.bad_ids)
+    bad = rewards.parse_golds((i, str(r["answer"])) for i, r in enumerate(rows)).bad  # per row: ids may repeat
     examples, report = encode_rows(
-        [r for r in rows if str(r["id"]) not in bad], tokenizer, config, report, instruction=not is_generated(spec)
+        [r for i, r in enumerate(rows) if i not in bad], tokenizer, config, report, instruction=not is_generated(spec)
     )
-    report.gold_unparseable = list(golds.bad_ids)
+    report.gold_unparseable = [str(rows[i]["id"]) for i in bad]
     report.rows = len(rows) + report.rows_invalid
     return examples, report
 

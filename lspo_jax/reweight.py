@@ -143,7 +143,7 @@ def load_target(run: TrainConfig, config: Any, load_examples) -> TargetScorer:
     examples, report = load_examples(path)
     solved = [ex for ex in examples if ex.solution_ids is not None][: run.l2rr.target_limit]
     if not solved:  # a start-up error naming the file and what loading dropped, not a traceback from l2rr
-        lost = data.DataReport(**report).losses()
+        lost = report.losses()
         raise data.DataError(f"l2rr.target {path}: no example with a worked solution" + (f"; {lost}" if lost else ""))
     target = l2rr.TargetSide.from_examples(
         config, solved, run.data.max_prompt_tokens, run.data.max_solution_tokens,

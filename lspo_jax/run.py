@@ -20,7 +20,20 @@ import yaml
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from lspo_jax import data, evaluation, first_mistake, hf, model, optim, reweight, sharding, toy, toy_model, verify_pool
+from lspo_jax import (
+    data,
+    evaluation,
+    example_store,
+    first_mistake,
+    hf,
+    model,
+    optim,
+    reweight,
+    sharding,
+    toy,
+    toy_model,
+    verify_pool,
+)
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
 from lspo_jax.learner import Learner, Policy, TrainState
@@ -136,10 +149,12 @@ def make_engine(run: TrainConfig, policy: Policy, out_dir: str) -> Any:
 
 def load_examples(
     run: TrainConfig, policy: Policy, spec: str, seed: int, max_rows: int | None = None
-) -> tuple[list[data.Example], dict]:
-    """Tokenised examples of ``spec`` with invalid rows and unparseable gold answers excluded, and the report."""
-    examples, report = data.load_examples(spec, policy.tokenizer, run.data, seed=seed, max_rows=max_rows)
-    return examples, dataclasses.asdict(report)
+) -> tuple[Sequence[data.Example], data.DataReport]:
+    """Tokenised examples of ``spec`` with invalid rows and unparseable gold answers excluded, and the report (its
+    solution counts grow as the run tokenises them: ``example_store``). Only the writing process says when a
+    store is built."""
+    quiet = jax.process_index() != 0
+    return example_store.load_examples(spec, policy.tokenizer, run.data, seed=seed, max_rows=max_rows, quiet=quiet)
 
 
 def validation_specs(run: TrainConfig) -> tuple[str, ...]:
@@ -157,7 +172,8 @@ def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> d
         if name in out:
             raise ConfigError(f"eval.benchmarks: two benchmarks are named {name!r}; rename one of the files")
         path = evaluation.benchmark_path(spec, run.eval.data_dir)
-        out[name] = load_examples(run, policy, path, run.seed, max_rows=run.eval.limit)
+        examples, report = load_examples(run, policy, path, run.seed, max_rows=run.eval.limit)
+        out[name] = examples, dataclasses.asdict(report)
     return out
 
 
@@ -253,7 +269,7 @@ class Run:
             except ValueError as err:
                 raise ConfigError(f"rollout.engine: {err}") from None
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
-        if self.writer and (line := data.DataReport(**self.data_report).losses()):
+        if self.writer and (line := self.data_report.losses()):
             print(f"lspo-train: data.train {run.data.train}: {line}", file=sys.stderr)  # also in summary.json
         self.examples = self.examples[: run.data.limit]  # the first `limit` usable prompts (all when null)
         self.held_out, self.held_out_data = self._held_out()
@@ -481,7 +497,7 @@ class Run:
             "held_out_after": None if stopped else self._held_out_at(self.state.step),
             "held_out_data": self.held_out_data,
             "nonfinite_updates": self.state.nonfinite_total,
-            "data": self.data_report,
+            "data": dataclasses.asdict(self.data_report),
         }
         if self.writer:
             with open(os.path.join(self.out_dir, "summary.json"), "w") as f:

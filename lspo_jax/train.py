@@ -266,7 +266,7 @@ def scaffold_cliffs(learner: Learner, rows: dict, examples, key, phases: Phases,
     """
     run, k = learner.run, learner.run.rollout.group_size
     cliffs = scaffold.find_cliffs(rows["accuracy"], k, valid, max_successes=run.scaffold.cliff_max_successes)
-    usable = cliffs & np.array([ex.solution_ids is not None for ex in examples])
+    usable = np.array([cliff and ex.solution_ids is not None for cliff, ex in zip(cliffs, examples, strict=True)])
     counts = {"cliff_groups": int(cliffs.sum()), "scaffold_no_solution": int((cliffs & ~usable).sum()),
               "scaffold_attempted": int(usable.sum()) if run.scaffold.enabled else 0, "surpassed_groups": 0,
               "spliced_rows": 0, "rerolls": 0, "rerolls_passed": 0}  # fmt: skip

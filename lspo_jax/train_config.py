@@ -85,6 +85,11 @@ class DataConfig:
     ``eos_after_truncated``: the adapter should not learn to stop mid-thought. Rows without a solution are
     counted and never used by the scaffold; rows lacking a required field are counted, listed and skipped.
     ``limit`` keeps the first that many usable prompts (null: all).
+
+    ``cache_dir``: where a file's encoded prompts are kept between runs (``example_store``): ``default`` is
+    ``$LSPO_JAX_CACHE``, else ``$XDG_CACHE_HOME/lspo_jax``, else ``~/.cache/lspo_jax``, then ``examples``; null
+    keeps them in memory only. The first run over a file encodes its prompts into it; a resume or a later run
+    reads them in seconds. Solutions are tokenised when the scaffold first needs one, either way.
     """
 
     train: str = "toy:addition"
@@ -99,9 +104,12 @@ class DataConfig:
     eos_after_truncated: bool = False
     shuffle: bool = True
     limit: int | None = None
+    cache_dir: str | None = "default"
 
     def __post_init__(self) -> None:
         _require(self.limit is None or self.limit > 0, "data.limit", "must be positive or null")
+        _require(self.cache_dir is None or bool(self.cache_dir.strip()), "data.cache_dir",
+                 "must be a directory, default or null")  # fmt: skip
         for name in ("prompt_policy", "solution_policy"):
             _require(getattr(self, name) in ("skip", "truncate"), f"data.{name}", "must be 'skip' or 'truncate'")
         _require(self.format in ("auto", "shared", "deepmath"), "data.format", "must be auto, shared or deepmath")

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import string
+import tempfile
 
 import numpy as np
 import pytest
 
 # The Rust tokenizer would otherwise warn about forking after use when a test spawns worker processes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Example stores go to a directory of the run's own, not the user's cache; the subprocess tests inherit it.
+os.environ.setdefault("LSPO_JAX_CACHE", tempfile.mkdtemp(prefix="lspo_jax_test_cache_"))
 
 
 def _fast_cpu_compiles() -> None:

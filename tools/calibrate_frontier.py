@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from lspo_jax import evaluation, toy, toy_model
+    from lspo_jax.config import cache_root
     from lspo_jax.learner import Generator
     from lspo_jax.run import load_benchmarks, load_policy, make_verifier
     from lspo_jax.train_config import load_config
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         os.path.join(ROOT, "configs", "demo.yaml"),
         [f"model.path={json.dumps(model)}", "seed=0", f"eval.n={args.samples}", *args.overrides],
     )
-    policy, params = load_policy(run, os.path.join(os.path.expanduser("~"), ".cache", "lspo_jax"))
+    policy, params = load_policy(run, str(cache_root()))
     benchmarks = load_benchmarks(run, policy, [f"toy:heldout_{name}" for name in names])
     pool, generator, figures = make_verifier(run), Generator(policy), {}
     try:
