@@ -96,14 +96,25 @@ def sample_responses(run, generator, params, prompts: Sequence[Sequence[int]], k
     ]
 
 
-def correct_table(run, generator, params, examples: Sequence[Any], pool, key) -> np.ndarray:
+class ValidationStopped(Exception):
+    """Validation was asked to stop (``stop()`` became true) and ended before its next batch of samples."""
+
+
+def _check(stop: Callable[[], bool] | None) -> None:
+    if stop is not None and stop():
+        raise ValidationStopped("stopped during validation")
+
+
+def correct_table(run, generator, params, examples: Sequence[Any], pool, key, stop=None) -> np.ndarray:
     """[problems, eval.n] booleans: which samples of each problem pass, in sampling order.
 
-    Problems are sampled ``rollout.prompts_per_step`` at a time, each chunk with its own key.
+    Problems are sampled ``rollout.prompts_per_step`` at a time, each chunk with its own key; ``stop`` (a
+    callable) is asked before each chunk, and when it answers true ``ValidationStopped`` is raised.
     """
     n, chunk_size = run.eval.n, run.rollout.prompts_per_step
     rows = []
     for start in range(0, len(examples), chunk_size):
+        _check(stop)
         chunk = examples[start : start + chunk_size]
         prompts = [ex.prompt_ids for ex in chunk]
         texts = sample_responses(run, generator, params, prompts, jax.random.fold_in(key, start))
@@ -112,14 +123,15 @@ def correct_table(run, generator, params, examples: Sequence[Any], pool, key) ->
     return np.concatenate(rows) if rows else np.zeros((0, n), bool)
 
 
-def evaluate(run, generator, params, examples: Sequence[Any], pool, key, logprobs=None) -> dict[str, float]:
+def evaluate(run, generator, params, examples: Sequence[Any], pool, key, logprobs=None, stop=None) -> dict[str, float]:
     """pass@k (first-k slice and unbiased) over ``eval.n`` samples per problem, for each k of ``eval.ks``; with
-    ``logprobs`` (see ``gold_logprob``) also the gold solutions' log-likelihood."""
-    metrics = pass_at_k_metrics(correct_table(run, generator, params, examples, pool, key), run.eval.ks)
+    ``logprobs`` (see ``gold_logprob``) also the gold solutions' log-likelihood. ``stop``: see ``correct_table``."""
+    metrics = pass_at_k_metrics(correct_table(run, generator, params, examples, pool, key, stop), run.eval.ks)
     if logprobs is not None:
         # As many rows a pass as the RL step's batch, which the log-prob pass's micro-batches are sized for.
         rows = run.rollout.prompts_per_step * run.rollout.group_size
-        metrics.update(gold_logprob(logprobs, examples, run.data.max_prompt_tokens, run.data.max_solution_tokens, rows))
+        limits = run.data.max_prompt_tokens, run.data.max_solution_tokens
+        metrics.update(gold_logprob(logprobs, examples, *limits, rows, stop=stop))
     return metrics
 
 
@@ -129,11 +141,12 @@ def benchmark_key(key, name: str):
 
 
 def evaluate_benchmarks(
-    run, generator, params, benchmarks: Mapping[str, Sequence[Any]], pool, key, logprobs=None
+    run, generator, params, benchmarks: Mapping[str, Sequence[Any]], pool, key, logprobs=None, stop=None
 ) -> dict[str, dict]:
-    """``evaluate`` on each benchmark with at least one problem: name -> its metrics."""
+    """``evaluate`` on each benchmark with at least one problem: name -> its metrics. ``stop``: see
+    ``correct_table``; a stopped validation returns nothing."""
     return {
-        name: evaluate(run, generator, params, examples, pool, benchmark_key(key, name), logprobs)
+        name: evaluate(run, generator, params, examples, pool, benchmark_key(key, name), logprobs, stop)
         for name, examples in benchmarks.items()
         if examples
     }
@@ -149,6 +162,8 @@ def gold_logprob(
     max_prompt_tokens: int,
     max_solution_tokens: int,
     max_rows: int,
+    *,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
     """The teacher-forced log-likelihood of the examples' gold worked solutions (``solution_ids``) after their
     prompts, examples without one left out; ``{}`` when none has one (a benchmark shipped without solutions).
@@ -161,7 +176,8 @@ def gold_logprob(
     rather than averaging each solution's mean, so a long solution weighs by its length and the two metrics
     differ by the constant factor ``gold_tokens / gold_solutions``. ``logprobs`` maps ``packing.pack_sft`` rows
     to per-token log-probs aligned with their tokens (``logprobs.sequence_logprobs``), at most ``max_rows`` rows
-    a call; the rows are as long as the longest prompt and solution need (``packing.sft_slots``).
+    a call; the rows are as long as the longest prompt and solution need (``packing.sft_slots``). ``stop`` is
+    asked before each call, as in ``correct_table``.
     """
     scored = [ex for ex in examples if ex.solution_ids is not None and len(ex.solution_ids)]
     if not scored:
@@ -170,6 +186,7 @@ def gold_logprob(
     slots = packing.sft_slots(prompts, solutions, max_prompt_tokens, max_solution_tokens)
     sums, tokens = [], 0
     for start in range(0, len(scored), max_rows):
+        _check(stop)
         rows = packing.pack_sft(prompts[start : start + max_rows], solutions[start : start + max_rows], *slots)
         gold = rows["mask"] > 0
         logp = np.asarray(logprobs(rows), np.float64)  # float64 sums: a benchmark holds up to millions of tokens

@@ -387,15 +387,20 @@ class Run:
         self.log.write(record)
 
     # ----------------------------------------------------------------------------------------- loop
-    def validate(self) -> dict[str, dict[str, float]] | None:
+    def validate(self, stop: StopFlag | None = None) -> dict[str, dict[str, float]] | None:
         """Score every held-out benchmark (pass@k, and the base's log-likelihood of the gold solutions where the
-        benchmark has them); one ``eval`` record per benchmark. Returns name -> metrics."""
+        benchmark has them); one ``eval`` record per benchmark. Returns name -> metrics. With ``stop``, a stop
+        asked for ends the validation before its next batch (``evaluation.ValidationStopped``), writing nothing."""
         if not any(self.held_out.values()):
             return None
+        if self.writer:
+            problems = sum(len(examples) for examples in self.held_out.values())
+            print(f"lspo-train: validating at step {self.state.step}: {problems} problems x {self.run.eval.n} "
+                  "samples", file=sys.stderr, flush=True)  # fmt: skip
         key = jax.random.fold_in(jax.random.key(self.run.seed + 1), self.state.step)
         results = evaluation.evaluate_benchmarks(
             self.run, self.learner.generator, self.state.params, self.held_out, self.learner.verifier, key,
-            logprobs=self._gold_logprobs,
+            logprobs=self._gold_logprobs, stop=None if stop is None else stop.agreed,
         )  # fmt: skip
         for name, result in results.items():
             self._write({"kind": "eval", "step": self.state.step, "benchmark": name, **result})
@@ -407,10 +412,10 @@ class Run:
         distribution's (logits / T)."""
         return self.learner.logprobs(rows, lora_scale=0.0, temperature=1.0)
 
-    def _validate_once(self) -> None:
+    def _validate_once(self, stop: StopFlag) -> None:
         """Validate at this step unless its records exist (a resumed run validated it before it stopped)."""
         if not any(r["kind"] == "eval" and r["step"] == self.state.step for r in self.history):
-            self.validate()
+            self.validate(stop)
 
     def train(self) -> dict[str, Any]:
         run, start = self.run, time.perf_counter()
@@ -420,14 +425,20 @@ class Run:
         progress = Progress(run.steps, self.state.step, enabled=self.writer)
         # The handlers stay until the end: a signal during the last save or validation is a stop, not a kill.
         with StopFlag() as stop:
-            if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
-                self._validate_once()  # stop or a kill cut short
-            stopped = self._steps(stop, progress)
+            try:
+                if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
+                    self._validate_once(stop)  # stop or a kill cut short
+                stopped = self._steps(stop, progress)
+            except evaluation.ValidationStopped:  # its records are not written, so a resume validates again
+                stopped = True
             progress.close()
             if self.checkpointer.latest_step() != self.state.step:
                 self.save()
             if not stopped:
-                self._validate_once()
+                try:
+                    self._validate_once(stop)
+                except evaluation.ValidationStopped:
+                    stopped = True
         return self._summary(time.perf_counter() - start, stopped)
 
     def _due(self, step: int) -> bool:
@@ -457,7 +468,7 @@ class Run:
             if stopping:
                 return True  # no scheduled validation: a stopping job has a grace period to keep
             if self._due(self.state.step) and self.state.step < run.steps:  # the last one follows the loop
-                self.validate()
+                self.validate(stop)
         return False
 
     def one_step(self, stop: StopFlag | None = None) -> dict[str, Any]:

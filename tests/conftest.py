@@ -57,7 +57,7 @@ def assert_close_relative(actual, desired, rel: float, err_msg: str = "") -> Non
 
 
 # The files whose module fixtures take minutes (8-device checks, vLLM engines, the GPU script's smoke run, whole
-# training runs), run first: under `pytest -n 2 --dist loadfile` (tools/test.sh) they then overlap instead of
+# training runs, the paper's recipe), run first: under `pytest -n 2 --dist loadfile` (tools/test.sh) they then overlap instead of
 # one of them finishing alone at the end while the other worker idles.
 SLOW_FILES_FIRST = (
     "test_sharding.py",
@@ -66,6 +66,7 @@ SLOW_FILES_FIRST = (
     "test_gpu_bench.py",
     "test_train.py",
     "test_multiprocess.py",
+    "test_recipe.py",
 )
 
 
