@@ -57,8 +57,8 @@ def assert_close_relative(actual, desired, rel: float, err_msg: str = "") -> Non
 
 
 # The files whose module fixtures take minutes (8-device checks, vLLM engines, the GPU script's smoke run, whole
-# training runs, the paper's recipe), run first: under `pytest -n 2 --dist loadfile` (tools/test.sh) they then overlap instead of
-# one of them finishing alone at the end while the other worker idles.
+# training runs, the paper's recipe), run first: under `pytest -n 2 --dist loadfile` (tools/test.sh) they then
+# overlap instead of one of them finishing alone at the end while the other worker idles.
 SLOW_FILES_FIRST = (
     "test_sharding.py",
     "test_packing.py",
