@@ -153,16 +153,19 @@ def chunked_token_logprobs(
     ``head_fn`` maps hidden states ``[B, C, D]`` to logits ``[B, C, V]`` (the LM head). Only one chunk's
     logits exist at once: for the 1.5B model's V = 151936 a whole ``[B, T, V]`` float32 array is 0.6 MB per
     token, 5.6 GB per 9216-token row. Each chunk is rematerialised, so the backward pass recomputes its
-    logits instead of keeping them. T is padded up to a multiple of ``chunk_size`` (pad logits are dropped).
+    logits instead of keeping them. T is cut into the fewest chunks of at most ``chunk_size`` positions, all of one
+    size, so it pads fewer positions than chunks (pad logits are dropped): a batch shorter than ``chunk_size`` is one
+    chunk of its own length, not padded to ``chunk_size`` (with V = 151936 that padding was most of a short step).
 
     Returns ``(logp [B, T], entropy [B, T] or None)``; the entropy (``token_entropy``, a metric: no gradient)
     is computed from the same chunk when ``with_entropy``.
     """
     b, t, d = hidden_BTD.shape
     n = -(-t // chunk_size)
-    pad = n * chunk_size - t
-    h_NBCD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk_size, d).swapaxes(0, 1)
-    y_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n, chunk_size).swapaxes(0, 1)
+    size = -(-t // n)
+    pad = n * size - t
+    h_NBCD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, size, d).swapaxes(0, 1)
+    y_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n, size).swapaxes(0, 1)
 
     @jax.checkpoint
     def one_chunk(xs):
@@ -174,7 +177,7 @@ def chunked_token_logprobs(
         return logp_BC, jax.lax.stop_gradient(token_entropy(logits_BCV, temperature))
 
     logp_NBC, entropy_NBC = jax.lax.map(one_chunk, (h_NBCD, y_NBC))
-    unchunk = lambda x_NBC: x_NBC.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
+    unchunk = lambda x_NBC: x_NBC.swapaxes(0, 1).reshape(b, n * size)[:, :t]
     return unchunk(logp_NBC), None if entropy_NBC is None else unchunk(entropy_NBC)
 
 

@@ -222,6 +222,24 @@ def test_chunked_logprobs_equal_full_logits(chunk_size):
         assert_close_relative(got, want, 1e-4)
 
 
+@pytest.mark.parametrize("positions, chunk_size, size", [(11, 5, 4), (11, 16, 11), (11, 11, 11), (12, 4, 4)])
+def test_the_head_runs_on_even_chunks_no_longer_than_the_batch(positions, chunk_size, size):
+    # 11 positions in chunks of at most 5: three chunks, evened out to 4 (one pad position, not 15 - 11 = 4); a
+    # batch shorter than chunk_size is one chunk of its own length: padded to chunk_size, a short step over the
+    # paper's 151,936-word vocabulary spent most of its time on pad logits.
+    seen = []
+
+    def head(h_BCD):
+        seen.append(h_BCD.shape[1])  # at trace time: lax.map traces the chunk once
+        return h_BCD @ jnp.ones((3, 7))
+
+    hidden, targets = jnp.ones((2, positions, 3)), jnp.zeros((2, positions), jnp.int32)
+    logp, _ = losses.chunked_token_logprobs(hidden, head, targets, chunk_size=chunk_size)
+    assert logp.shape == (2, positions) and seen == [size]
+    # uniform logits over 7 words: every log-prob is -log 7, pad positions dropped
+    np.testing.assert_allclose(np.asarray(logp), -np.log(7.0), rtol=1e-6)
+
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_gives_the_same_gradient(remat):
     _, _, _, _, grads = _logprob_outputs(CONFIG, None, _params(), _batch())

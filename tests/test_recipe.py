@@ -35,6 +35,7 @@ STOP_S = 60
 # The recipe's shape, made tiny: the model, the batch and the lengths; every other key is the paper's.
 OVERRIDES = [
     "model.compute_dtype=float32",  # bfloat16 matmuls are emulated (slow) on CPU
+    "data.max_prompt_tokens=256",  # a row is max_prompt_tokens + max_new_tokens wide: 1040 at the recipe's 1024
     "data.max_solution_tokens=64",
     "rollout.prompts_per_step=2",
     "rollout.group_size=2",
