@@ -40,18 +40,6 @@ def _train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _enable_compilation_cache() -> None:
-    """Keep compiled XLA programs on disk: a second run of the same shapes starts in seconds, not minutes."""
-    import jax
-
-    from lspo_jax.config import cache_root
-
-    path = os.environ.get("LSPO_JAX_COMPILATION_CACHE", str(cache_root() / "xla"))
-    if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def has_checkpoint(out_dir: str) -> bool:
     """Whether ``out_dir`` holds a finished checkpoint step (orbax names them by number), without orbax."""
     directory = os.path.join(out_dir, "checkpoints")
@@ -111,7 +99,9 @@ def _train(args) -> int:
 
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
-    _enable_compilation_cache()
+    from lspo_jax.compiles import use_cache
+
+    use_cache(config.compile_cache)  # before anything compiles: JAX decides once per process
     from lspo_jax.run import RunStopped, train_run
     from lspo_jax.sharding import initialize_distributed
 
@@ -242,17 +232,21 @@ def _eval_model(args):
     """``(run config, policy, params, checkpoint step or None)`` of ``--model``: a training run's checkpoint
     with the run's own config, or a Hugging Face directory with ``--config`` (or the defaults)."""
     from lspo_jax import export
+    from lspo_jax.compiles import use_cache
     from lspo_jax.config import cache_root
     from lspo_jax.run import load_policy
     from lspo_jax.train_config import load_config
 
     if export.is_run_dir(args.model):
+        # The cache is set before the checkpoint is read: JAX decides at its first compile whether it uses one.
+        use_cache(load_config(os.path.join(args.model, "config.yaml"), args.overrides).compile_cache)
         run, policy, params, step = export.restore_run(args.model, args.step, args.overrides)
     elif args.step is not None:
         raise FileNotFoundError(f"--step {args.step}: {args.model} is not a training run (no config.yaml and "
                                 "checkpoints/ in it)")  # fmt: skip
     else:
         run = load_config(args.config, [f"model.path={json.dumps(args.model)}", *args.overrides])
+        use_cache(run.compile_cache)
         policy, params = load_policy(run, str(cache_root()))
         step = None
     return _eval_settings(run, args), policy, params, step
@@ -280,7 +274,6 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 
 def _eval(args) -> int:
-    _enable_compilation_cache()
     import time
 
     import jax

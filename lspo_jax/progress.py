@@ -19,6 +19,15 @@ def _postfix(metrics: dict[str, Any]) -> str:
     return f"acc {acc:.2f}, cliffs {cliffs}, rescued {rescued}"
 
 
+def _compiled(metrics: dict[str, Any]) -> str:
+    """What the first step compiled (``compiles.CompileCount``), or that it included compiling if not counted."""
+    if "compiles" not in metrics:
+        return "compilation included"
+    fresh, cached = metrics["compiles"], metrics["compiles_cached"]
+    read = f", {cached} read from the compile cache" if cached else ""
+    return f"{metrics['time_compile']:.1f} s of it compiling {fresh} programs{read}"
+
+
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
@@ -51,7 +60,7 @@ class Progress:
         now = time.perf_counter()
         if self.first_done is None:
             self.first_done = now
-            self.write(f"lspo: step {step} took {now - self.started:.1f} s, compilation included; the time left "
+            self.write(f"lspo: step {step} took {now - self.started:.1f} s, {_compiled(metrics)}; the time left "
                        "counts from the next step")  # fmt: skip
             if self.terminal:
                 self.bar = self._bar(step)

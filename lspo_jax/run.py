@@ -35,6 +35,7 @@ from lspo_jax import (
     verify_pool,
 )
 from lspo_jax.checkpoint import Checkpointer
+from lspo_jax.compiles import CompileCount
 from lspo_jax.config import ModelConfig
 from lspo_jax.learner import Learner, Policy, TrainState
 from lspo_jax.metrics_log import MetricsLog, NullLog, records_until, rewrite, wandb_options
@@ -475,6 +476,7 @@ class Run:
         """One training step, logged: the prompt source's draw, the step, the source's observation of it. A step
         abandoned by ``stop`` leaves the source as it found it, so a resume from the next checkpoint draws the
         same prompts."""
+        compiled = CompileCount()  # the step's programs compiled, in its record (compiles, time_compile)
         key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step)
         snapshot, phases = self.prompts.state_dict(), Phases(stop)
         try:
@@ -483,7 +485,8 @@ class Run:
         except StepAbandoned:
             self.prompts.load_state_dict(snapshot)
             raise
-        metrics = {**result.metrics, **step_rates(result.metrics), **self.prompts.observe(draw, result.prompt_scores)}
+        observed = self.prompts.observe(draw, result.prompt_scores)
+        metrics = {**result.metrics, **step_rates(result.metrics), **observed, **compiled.since()}
         self._write({"kind": "train", **metrics})
         return metrics
 

@@ -479,7 +479,13 @@ def _positive_int(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One training run; every section has defaults, so a YAML file names only what differs."""
+    """One training run; every section has defaults, so a YAML file names only what differs.
+
+    ``compile_cache``: where compiled XLA programs are kept between runs (``compiles.use_cache``): ``default`` is
+    ``$LSPO_JAX_COMPILATION_CACHE`` when set (empty: none), else ``$LSPO_JAX_CACHE``, ``$XDG_CACHE_HOME/lspo_jax``
+    or ``~/.cache/lspo_jax``, then ``xla``; null keeps none. A second run of the same shapes, or a resume, reads
+    its programs back instead of compiling them.
+    """
 
     model: ModelSource = dataclasses.field(default_factory=lambda: ModelSource(path="toy"))
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -497,8 +503,11 @@ class TrainConfig:
     steps: int = 1500
     seed: int = 42
     max_nonfinite_in_row: int = 3
+    compile_cache: str | None = "default"
 
     def __post_init__(self) -> None:
+        _require(self.compile_cache is None or bool(self.compile_cache.strip()), "compile_cache",
+                 "must be a directory, default or null")  # fmt: skip
         _require(self.steps > 0, "steps", "must be positive")
         _require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive")
         # The penalty starts at max_new_tokens - buffer tokens: a larger buffer penalises every response.

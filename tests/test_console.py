@@ -46,6 +46,15 @@ def test_a_log_file_gets_plain_lines_every_few_steps_and_the_compile_step_apart(
     assert lines[2] == "lspo: step 8/10, acc 0.25, cliffs 3, rescued 1, 2.00 s/step, 0:00:04 left"
 
 
+def test_the_first_step_says_what_it_compiled():
+    stream = io.StringIO()
+    bar = Progress(total=10, stream=stream)
+    bar.step(1, {**METRICS, "compiles": 3, "compiles_cached": 21, "time_compile": 4.25})
+    line = stream.getvalue().splitlines()[0]
+    assert line.endswith(", 4.2 s of it compiling 3 programs, 21 read from the compile cache; the time left counts "
+                         "from the next step"), line  # fmt: skip
+
+
 def test_a_resumed_run_counts_from_its_checkpoint_and_a_disabled_one_prints_nothing():
     stream = io.StringIO()
     bar = Progress(total=10, initial=6, stream=stream)

@@ -31,6 +31,7 @@ import yaml
 from compare_arms import append_results, check_reusable, provenance, run_cell, traces
 
 from lspo_jax import tables
+from lspo_jax.compiles import use_cache
 from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
 
 FIGURES = ("surpass_rate", "rescue_pass_rate", "spliced_ratio_mean")
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"ablate: {err}", file=sys.stderr)
         return 2
+    use_cache(base.compile_cache)  # the cells share their programs, and a rerun reads them back
     start, results = time.perf_counter(), []
     for seed in args.seeds:
         for i, (name, overrides) in enumerate(grid_cells):

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from lspo_jax import evaluation, toy, toy_model
+    from lspo_jax.compiles import use_cache
     from lspo_jax.config import cache_root
     from lspo_jax.learner import Generator
     from lspo_jax.run import load_benchmarks, load_policy, make_verifier
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         os.path.join(ROOT, "configs", "demo.yaml"),
         [f"model.path={json.dumps(model)}", "seed=0", f"eval.n={args.samples}", *args.overrides],
     )
+    use_cache(run.compile_cache)
     policy, params = load_policy(run, str(cache_root()))
     benchmarks = load_benchmarks(run, policy, [f"toy:heldout_{name}" for name in names])
     pool, generator, figures = make_verifier(run), Generator(policy), {}

@@ -41,6 +41,7 @@ import yaml
 
 from lspo_jax import tables
 from lspo_jax.cli import has_checkpoint
+from lspo_jax.compiles import use_cache
 from lspo_jax.metrics_log import read_metrics
 from lspo_jax.run import surpass_distribution, train_run
 from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"compare_arms: {err}", file=sys.stderr)
         return 2
+    use_cache(base.compile_cache)  # the arms share their programs, and a rerun reads them back
     start = time.perf_counter()
     results = [run_cell(base, name, overrides, seed, args.out, "compare_arms") for seed in args.seeds
                for name, overrides in arms.items()]  # fmt: skip
