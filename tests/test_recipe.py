@@ -10,6 +10,7 @@ validates step 0 again, trains both steps and validates step 2; ``lspo-eval`` sc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -17,14 +18,17 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
-from lspo_jax import evaluation, qwen_vocab
+from lspo_jax import evaluation
 from lspo_jax.metrics_log import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAPER_CONFIG = os.path.join(ROOT, "configs", "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
+_spec = importlib.util.spec_from_file_location("recipe_toy", os.path.join(ROOT, "tools", "recipe_toy.py"))
+recipe_toy = importlib.util.module_from_spec(_spec)  # the tool builds the same model and rows
+_spec.loader.exec_module(recipe_toy)
+PAPER_CONFIG = recipe_toy.PAPER_CONFIG
+
 BIN = os.path.dirname(sys.executable)  # the console commands installed beside this interpreter
 STEPS = 2
 TIMEOUT_S = 300
@@ -52,44 +56,6 @@ OVERRIDES = [
     f"checkpoint.every={STEPS}",
     f"steps={STEPS}",
 ]
-
-
-def tiny_r1_model(path: str) -> str:
-    """A random Qwen2 with R1-Distill's vocabulary size (151,936) and untied head, and the real R1 tokenizer."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    tokenizer = qwen_vocab.r1_tokenizer()
-    config = Qwen2Config(
-        vocab_size=151_936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    assert len(tokenizer) <= config.vocab_size
-    Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def deepmath_parquet(path: str, rows: int = 64) -> str:
-    """DeepMath-103K's schema (question, final_answer, difficulty, topic, r1_solution_1..3): sums, with worked
-    R1-style solutions, in one parquet file."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rng = np.random.default_rng(0)
-    pairs = rng.integers(10, 99, (rows, 2)).tolist()
-    solution = [f"<think>\n{x} + {y} = {x + y}\n</think>\nThe sum is $\\boxed{{{x + y}}}$." for x, y in pairs]
-    table = pa.table({
-        "question": [f"What is {x} + {y}?" for x, y in pairs],
-        "final_answer": [str(x + y) for x, y in pairs],
-        "difficulty": rng.uniform(1.0, 3.0, rows).round(1).tolist(),
-        "topic": ["Mathematics -> Algebra -> Prealgebra"] * rows,
-        **{f"r1_solution_{k}": solution for k in (1, 2, 3)},
-    })  # fmt: skip
-    pq.write_table(table, path)
-    return path
 
 
 def command(name: str, *argv: str, log: str) -> subprocess.Popen:
@@ -136,8 +102,8 @@ def checkpoint_steps(run_dir: str) -> list[int]:
 def recipe(tmp_path_factory):
     """Run 1 stopped mid-validation, then ``--resume`` to the end: the run directory and both runs' outcomes."""
     tmp = tmp_path_factory.mktemp("recipe")
-    model = tiny_r1_model(str(tmp / "r1_tiny"))
-    train = deepmath_parquet(str(tmp / "deepmath.parquet"))
+    model = recipe_toy.tiny_r1_model(str(tmp / "r1_tiny"))
+    train = recipe_toy.deepmath_parquet(str(tmp / "deepmath.parquet"))
     run_dir = str(tmp / "run")
     argv = ["--config", PAPER_CONFIG, "--out", run_dir, f"model.path={model}", f"data.train={train}", *OVERRIDES]
     first = command("lspo-train", *argv, log=str(tmp / "first.log"))
