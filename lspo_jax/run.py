@@ -423,16 +423,18 @@ class Run:
         if self.state.step == run.steps and self.writer:
             print(f"lspo-train: {self.out_dir} is at step {run.steps} of steps={run.steps}: nothing to train "
                   f"(pass steps=N above {run.steps} to go on)", file=sys.stderr)  # fmt: skip
-        progress = Progress(run.steps, self.state.step, enabled=self.writer)
+        progress = None
         # The handlers stay until the end: a signal during the last save or validation is a stop, not a kill.
         with StopFlag() as stop:
             try:
                 if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
                     self._validate_once(stop)  # stop or a kill cut short
+                progress = Progress(run.steps, self.state.step, enabled=self.writer)  # the first step's time its own
                 stopped = self._steps(stop, progress)
             except evaluation.ValidationStopped:  # its records are not written, so a resume validates again
                 stopped = True
-            progress.close()
+            if progress is not None:
+                progress.close()
             if self.checkpointer.latest_step() != self.state.step:
                 self.save()
             if not stopped:
