@@ -10,8 +10,11 @@ Both take the same inputs as ``flash.blocked_attention`` (``q [B, T, H, E]``, ``
 KV heads, so each query head gets its KV head's copy (``h`` reads ``h // G``); rows are padded to a multiple of
 the kernels' 128-token blocks (padding is segment 0). Off their own hardware both run in Pallas's interpreter:
 correct and slow, which is how the CPU tests check them against the einsum path; ``benchmarks/gpu.py`` checks
-``pallas`` against ``einsum`` on a GPU before timing it. On a mesh the kernel runs per shard (``shard_map``):
-rows split as the batch, heads as ``tp``, each shard its own kernel call.
+``pallas`` against ``einsum`` on a GPU before timing it. Which of the two a program holds is decided when it is
+lowered, for the platform it is lowered for (``jax.lax.platform_dependent``), not from ``jax.default_backend()``
+when it is traced: a program lowered on a CPU for a GPU or a TPU (``tools/lower_check.py``) holds the real kernel.
+On a mesh the kernel runs per shard (``shard_map``): rows split as the batch, heads as ``tp``, each shard its own
+kernel call.
 
 ``decode_attention`` is the decode step's kernel (``model.decode_attend``, ``decode_attention: pallas``):
 ``jax.experimental.pallas.ops.gpu.decode_attention.gqa``, one query per row over the KV cache, split over the
@@ -24,6 +27,7 @@ finite values nobody reads, as a padding query's output is never used.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +37,8 @@ from lspo_jax.axes import logical_spec
 
 BLOCK = 128
 KERNELS = ("pallas", "splash")
-_BACKEND = {"pallas": "gpu", "splash": "tpu"}
+# The lowering platforms each kernel is compiled for; on any other it runs in the interpreter.
+_PLATFORMS = {"pallas": ("cuda",), "splash": ("tpu",)}
 
 
 def segment_attention(
@@ -49,10 +54,21 @@ def segment_attention(
     if pad:
         widen = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
         q_BTHE, k_BTHE, v_BTHE, segment_ids_BT = map(widen, (q_BTHE, k_BTHE, v_BTHE, segment_ids_BT))
-    interpret = jax.default_backend() != _BACKEND[kernel]
-    call = functools.partial(_pallas if kernel == "pallas" else _splash, interpret=interpret)
+    call = _native_or_interpreted(_pallas if kernel == "pallas" else _splash, _PLATFORMS[kernel])
     out_BTHE = _per_shard(call, q_BTHE, k_BTHE, v_BTHE, segment_ids_BT.astype(jnp.int32))
     return out_BTHE[:, :t]
+
+
+def _native_or_interpreted(kernel, platforms: tuple[str, ...]):
+    """``kernel(*arrays, interpret=...)``: compiled where the program is lowered for one of ``platforms``, interpreted
+    elsewhere. Both branches are traced; lowering keeps only the one of its platform (a Python test of the backend at
+    trace time would put the interpreter into a program lowered here for another platform)."""
+    native, interpreted = functools.partial(kernel, interpret=False), functools.partial(kernel, interpret=True)
+
+    def call(*arrays):
+        return jax.lax.platform_dependent(*arrays, **dict.fromkeys(platforms, native), default=interpreted)
+
+    return call
 
 
 def _per_shard(call, q_BTHE, k_BTHE, v_BTHE, segment_ids_BT):
@@ -102,8 +118,7 @@ def decode_attention(q_B1HE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, ma
     visible_BS = mask_B1S[:, 0]
     start_B = jnp.argmax(visible_BS, axis=-1).astype(jnp.int32)
     end_B = (slots - jnp.argmax(visible_BS[:, ::-1], axis=-1)).astype(jnp.int32)
-    interpret = jax.default_backend() != "gpu"
-    call = functools.partial(_pallas_decode, interpret=interpret)
+    call = _native_or_interpreted(_pallas_decode, _PLATFORMS["pallas"])
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return call(q_B1HE, k_BKSE, v_BKSE, start_B, end_B)
@@ -121,15 +136,34 @@ def decode_attention(q_B1HE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, ma
 def _pallas_decode(q_B1HE, k_BKSE, v_BKSE, start_B, end_B, *, interpret: bool):
     from jax.experimental.pallas.ops.gpu import decode_attention
 
-    slots = k_BKSE.shape[2]
-    # The kernel splits the slots into k_splits equal parts of at least 16, each a whole number of its blocks.
-    splits = next(k for k in (16, 8, 4, 2, 1) if slots % k == 0 and slots // k >= 16 and _blocks_fit(slots // k))
+    pad = -k_BKSE.shape[2] % _DECODE_MIN_BLOCK
+    if pad:  # a cache of fewer slots than a block's multiple (generations under 16 tokens): slots past end_B go unread
+        widen = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        k_BKSE, v_BKSE = widen(k_BKSE), widen(v_BKSE)
+    splits, block = _decode_split(k_BKSE.shape[2])
     slots_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, S, K, E]: the kernel's layout (it swaps back inside)
     out_BHE = decode_attention.gqa(
-        q_B1HE[:, 0], slots_first(k_BKSE), slots_first(v_BKSE), start_B, end_B, k_splits=splits, interpret=interpret
-    )
+        q_B1HE[:, 0], slots_first(k_BKSE), slots_first(v_BKSE), start_B, end_B, k_splits=splits, block_k=block,
+        interpret=interpret,
+    )  # fmt: skip
     return out_BHE[:, None].astype(q_B1HE.dtype)
 
 
-def _blocks_fit(split: int, block: int = 128) -> bool:
-    return split % min(block, split) == 0
+# The decode kernel's blocks of slots: Triton takes power-of-two tiles only, the kernel at least 16 slots.
+_DECODE_MIN_BLOCK, _DECODE_MAX_BLOCK = 16, 128
+
+
+def _decode_split(slots: int) -> tuple[int, int]:
+    """``(k_splits, block_k)`` for a cache of ``slots`` (a multiple of 16): the kernel splits the slots into k_splits
+    equal parts of at least 16, each a whole number of its power-of-two blocks. Preferred: a full block (128 slots, or
+    the whole part when it is shorter), then the most splits (flash-decoding's parallelism), then the largest block.
+    A part of 80 slots would be one 80-slot block, which the interpreter takes and Triton refuses: 1280 slots (a
+    1024-token prompt and the first 256-token window) split in 2 parts of 128-slot blocks, not 16 parts of 80."""
+    options = []
+    for k in (16, 8, 4, 2, 1):
+        part = slots // k
+        block = math.gcd(part, _DECODE_MAX_BLOCK)  # the largest power of two up to 128 that divides the part
+        if slots % k == 0 and block >= _DECODE_MIN_BLOCK:
+            options.append((block == min(part, _DECODE_MAX_BLOCK), k, block))
+    _, splits, block = max(options)
+    return splits, block
