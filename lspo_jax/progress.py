@@ -25,7 +25,7 @@ def _compiled(metrics: dict[str, Any]) -> str:
         return "compilation included"
     fresh, cached = metrics["compiles"], metrics["compiles_cached"]
     read = f", {cached} read from the compile cache" if cached else ""
-    return f"{metrics['time_compile']:.1f} s of it compiling {fresh} programs{read}"
+    return f"{metrics['time_compile']:.1f} s of it compiling {fresh} program{'' if fresh == 1 else 's'}{read}"
 
 
 def _duration(seconds: float) -> str:

@@ -41,7 +41,9 @@ def launch(out: str, port: int, process_id: int, *, resume: bool = False) -> sub
     """``lspo-train`` as process ``process_id``; its output goes to a file beside ``out`` (a pipe nobody reads
     until the end could fill and block it)."""
     join = [f"mesh.coordinator=localhost:{port}", "mesh.num_processes=2", f"mesh.process_id={process_id}"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "LSPO_JAX_COMPILATION_CACHE": "", "PYTHONUNBUFFERED": "1"}
+    # The compile cache is the suite's (conftest's LSPO_JAX_CACHE): the resumed processes read back what the stopped
+    # ones compiled, as a restarted job would.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-c", "from lspo_jax.cli import train_main; raise SystemExit(train_main())", "--out", out]
     if resume:  # the run's own config.yaml, as a restarted job would
         cmd += ["--resume", *join]

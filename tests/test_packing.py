@@ -12,8 +12,9 @@ import pytest
 
 from lspo_jax import logprobs, model, optim, packing
 from lspo_jax.config import ModelConfig
+from lspo_jax.learner import Learner
 from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import Run
+from lspo_jax.run import Run, load_policy
 from lspo_jax.train_config import load_config
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
@@ -33,6 +34,31 @@ def test_micro_batching_sizes_by_rows_per_micro_batch():
     assert packing.micro_batching(130, 8, 136) == (136, 1)
     assert packing.micro_batching(300, 8, 136) == (3 * 136, 3)
     assert packing.micro_batching(130, 8) == (144, 1) and packing.micro_batching(9, 8, 16) == (16, 1)
+
+
+def test_micro_batching_reuses_a_compiled_count_up_to_twice_the_fresh_one():
+    # 60 rows bucket to 60 (4 significant bits); a pass that took 72 before takes 72 again (72 <= 2 x 60), one
+    # of 130 does not (more than twice): it compiles its own 60. 300 rows in 136-row micro-batches: 3 of them
+    # fresh, 4 when a step took 4 x 136 before (544 <= 2 x 408). A smaller count never holds the rows.
+    assert packing.micro_batching(60, 1, reuse=72) == (72, 1) and packing.micro_batching(60, 1, reuse=130) == (60, 1)
+    assert packing.micro_batching(300, 8, 136, reuse=4 * 136) == (4 * 136, 4)
+    assert packing.micro_batching(300, 8, 136, reuse=2 * 136) == (3 * 136, 3)
+    assert packing.micro_batching(60, 8, 136, reuse=120) == (120, 1)  # 64 fresh (a multiple of 8): 120 reused
+
+
+def test_learner_packs_a_smaller_step_into_the_buffer_rows_it_already_compiled():
+    run = load_config(DEMO, ["loss.packing=true"])
+    policy, base = load_policy(run, "")
+    learner = Learner(run, policy, base)
+    rows = _rows(seed=5)
+    rows["tokens"] %= policy.config.vocab_size
+    first = learner.place_rows(rows, ("mask",))
+    fewer = {k: v[:-4] for k, v in rows.items()}
+    fresh = packing.pack_rows(fewer, ("mask",), fewer["tokens"].shape[1])
+    again = learner.place_rows(fewer, ("mask",))
+    assert len(fresh.arrays["tokens"]) < len(first.arrays["tokens"]) == len(again.arrays["tokens"])
+    logp = learner.logprobs(fewer, lora_scale=0.0)  # the reused buffer gives the rows' own log-probs
+    assert logp.shape == fewer["tokens"].shape and np.all(logp[fewer["mask"] == 0] == 0)
 
 
 def test_best_fit_decreasing_fills_rows_before_opening_new_ones():
@@ -160,7 +186,7 @@ def test_demo_agrees_with_packing_on_and_off(tmp_path):
     samples, and the same loss and gradient norm up to float32 rounding, whether the passes run packed or padded."""
     records = {}
     for packed in (True, False):
-        overrides = ["steps=3", "eval.limit=1", "eval.n=1", "eval.ks=[1]", "reward.workers=0", "checkpoint.every=100",
+        overrides = ["steps=3", "eval.benchmarks=[]", "reward.workers=0", "checkpoint.every=100",
                      f"loss.packing={packed}"]  # fmt: skip
         job = Run(load_config(DEMO, overrides), str(tmp_path / str(packed)))
         try:
