@@ -157,7 +157,8 @@ def test_paper_recipes_differ_only_in_the_scaffold():
 
 def test_memory_settings_of_the_paper_recipe_and_their_checks():
     lspo = load_config(DEMO.parent / "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
-    assert (lspo.model.remat, lspo.loss.micro_batches, lspo.loss.chunk_size) == ("full", 32, 1024)
+    assert (lspo.model.remat, lspo.model.attention, lspo.loss.packing) == ("dots", "blocked", True)
+    assert (lspo.loss.micro_batches, lspo.loss.chunk_size) == (32, 1024)
     with pytest.raises(ConfigError, match=r"^model\.remat"):
         load_config(None, ["model.remat=sometimes"])
     with pytest.raises(ConfigError, match=r"^model\.attention: must be one of"):
