@@ -13,17 +13,20 @@ Params and optimizer state are split as ``sharding.param_shardings`` / ``opt_sta
 ``fsdp``, tensor parallel over ``tp``) and donated, so a step updates them in place; batch rows are split over
 ``data`` and ``fsdp`` (the row count must divide by their product). Arrays already on the mesh in these
 layouts pass through untouched; host arrays are placed on the way in. On several devices the numbers equal
-one device's up to the order of floating-point sums.
+one device's up to the order of floating-point sums. L2RR's target programs (``l2rr.sharded_target_gradient``,
+``l2rr.sharded_directional_derivatives``) are built alike (``in_mesh``), on the mesh of the params they are given
+(``mesh_of``).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from lspo_jax import logprobs, optim, sharding
 from lspo_jax.config import ModelConfig
@@ -42,6 +45,19 @@ def step_shardings(
         sharding.opt_state_shardings(config, mesh, tx),
         sharding.batch_sharding(mesh),
     )
+
+
+def mesh_of(tree: Any) -> Mesh:
+    """The mesh ``tree``'s arrays are laid out on (their ``NamedSharding``'s), or the 1 x 1 x 1 mesh of the one device
+    they are on: a program built for it takes them as they are. Host arrays give ``sharding.local_mesh()``."""
+    placed = getattr(jax.tree.leaves(tree)[0], "sharding", None)
+    if isinstance(placed, NamedSharding):
+        return placed.mesh
+    if placed is None:
+        return sharding.local_mesh()
+    if len(placed.device_set) != 1:
+        raise ValueError(f"arrays laid out by {placed} are on no mesh: lay them out with a NamedSharding")
+    return sharding.make_mesh(sharding.MeshConfig(1, 1, 1), list(placed.device_set))
 
 
 def in_mesh(mesh: Mesh, fn: Callable) -> Callable:
@@ -168,6 +184,8 @@ def sharded_logprobs(
     def run(params: Params, rows: dict[str, jax.Array]) -> jax.Array:
         return jitted(*select(params, rows))
 
-    # Abstract inputs (ShapeDtypeStructs) give the compiled program without running it: memory plans.
+    # Abstract inputs (ShapeDtypeStructs) give the program without running it: ``lower`` for memory plans, ``trace``
+    # for a lowering for another platform (``.lower(lowering_platforms=...)``, ``tools/lower_check.py``).
     run.lower = lambda params, rows: jitted.lower(*select(params, rows))
+    run.trace = lambda params, rows: jitted.trace(*select(params, rows))
     return run

@@ -84,7 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lspo_jax import logprobs, losses, optim, packing
+from lspo_jax import distributed, logprobs, losses, optim, packing, sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.data import PromptOrder
 from lspo_jax.train_config import PROMPT_LOSS_NORMS, TARGET_LOSSES, L2RRConfig
@@ -599,9 +599,33 @@ def target_gradient(
     return grads
 
 
-@jax.jit
-def _directional_jit(per_prompt_losses: jax.tree_util.Partial, base: Params, tangent: Params) -> jax.Array:
-    return directional_derivatives(per_prompt_losses, base, tangent)
+@functools.cache
+def sharded_target_gradient(
+    config: ModelConfig, mesh: jax.sharding.Mesh, *, num_micro_batches: int = 1, chunk_size: int | None = None
+) -> Callable:
+    """``target_gradient`` on ``mesh``: ``(base, rows) -> g_tgt``, laid out as the base (``sharding.param_shardings``).
+
+    Traced under the mesh as ``distributed``'s programs are, so the model's layout constraints apply and a vendor
+    attention kernel runs per shard. ``rows`` keep the layout they come in (``TargetSide`` splits them as a batch).
+    """
+    base_sh = sharding.param_shardings(config, mesh)[optim.BASE]
+    grad = functools.partial(target_gradient, config, num_micro_batches=num_micro_batches, chunk_size=chunk_size)
+    return jax.jit(distributed.in_mesh(mesh, grad), in_shardings=(base_sh, None), out_shardings=base_sh)
+
+
+@functools.cache
+def sharded_directional_derivatives(config: ModelConfig, mesh: jax.sharding.Mesh) -> Callable:
+    """``directional_derivatives`` on ``mesh``: ``(per_prompt_losses, base, tangent) -> [B]``, replicated.
+
+    ``per_prompt_losses`` is a ``jax.tree_util.Partial`` (its arrays keep the layout they come in, its function is
+    static: one compile per function); ``base`` and ``tangent`` are laid out as the base.
+    """
+    base_sh = sharding.param_shardings(config, mesh)[optim.BASE]
+    return jax.jit(
+        distributed.in_mesh(mesh, directional_derivatives),
+        in_shardings=(None, base_sh, base_sh),
+        out_shardings=sharding.replicated(mesh),
+    )
 
 
 class TargetSide:
@@ -625,8 +649,7 @@ class TargetSide:
         weighted = {name: np.asarray(rows[name]) for name in ("tokens", "attention_mask", "mask")}
         weighted["weight"] = target_row_weights(weighted["mask"], kind)
         # Rows of zeros (no tokens, so no loss) fill the last micro-batch.
-        padded = packing.pad_rows(weighted, -(-len(weighted["mask"]) // num_micro_batches) * num_micro_batches)
-        self._rows = {name: jnp.asarray(value) for name, value in padded.items()}
+        self._rows = packing.pad_rows(weighted, -(-len(weighted["mask"]) // num_micro_batches) * num_micro_batches)
         self._options = {"num_micro_batches": num_micro_batches, "chunk_size": chunk_size}
 
     @classmethod
@@ -659,12 +682,15 @@ class TargetSide:
 
         ``per_prompt_losses_fn`` maps the base params to ``[B]`` losses, e.g. ``PolicyLosses(...).bind(batch)``;
         a ``jax.tree_util.Partial`` of a hashable function compiles once for all steps, any other callable
-        once per callable.
+        once per callable. Both programs run on the mesh the params are laid out on (``distributed.mesh_of``), the
+        target rows split over its data axes.
         """
         base = params[optim.BASE]
         at = base if target_params is None else target_params[optim.BASE]
-        tangent = target_gradient(self._config, at, self._rows, **self._options)
+        mesh = distributed.mesh_of(base)
+        rows = sharding.global_batch(mesh, self._rows)
+        tangent = sharded_target_gradient(self._config, mesh, **self._options)(at, rows)
         fn = per_prompt_losses_fn
         if not isinstance(fn, jax.tree_util.Partial):
             fn = jax.tree_util.Partial(fn)
-        return np.asarray(_directional_jit(fn, base, tangent))
+        return np.asarray(sharded_directional_derivatives(self._config, mesh)(fn, base, tangent))

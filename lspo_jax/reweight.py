@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lspo_jax import data, l2rr
+from lspo_jax import data, distributed, l2rr, sharding
 from lspo_jax.prompts import Draw
 from lspo_jax.train_config import TrainConfig
 
@@ -115,15 +115,23 @@ def _zero_variance(accuracy: np.ndarray, valid: np.ndarray, k: int) -> np.ndarra
     return ~(np.nanmax(acc_GK, axis=1) > np.nanmin(acc_GK, axis=1))
 
 
+# The scores are a forward-mode product (jax.jvp), and cuDNN's attention, the blocked one and the Pallas and splash
+# kernels are custom_vjp functions, which jvp refuses: each is replaced by the written-out function of the same
+# rows that has both rules. cuDNN's by ``xla`` (jax.nn.dot_product_attention's own einsums, one sequence a row);
+# the segment-id ones by ``einsum``, which takes the padded rows as they come (``xla`` would rotate every row to
+# right padding and back, and hold the same scores). Neither keeps memory O(T x block): a layer holds
+# [rows, H, T, T] float32 scores and their tangents, so at long rows ``l2rr.score_micro_batches`` bounds the rows.
+FORWARD_MODE_ATTENTION = {"cudnn": "xla", "blocked": "einsum", "pallas": "einsum", "splash": "einsum"}
+
+
 class TargetScorer:
     """``<g_tgt, g_i>`` of every prompt of an RL batch: the target side's directional derivatives of the batch's
-    per-prompt policy losses (``l2rr.PolicyLosses``, with the run's clip range and temperature)."""
+    per-prompt policy losses (``l2rr.PolicyLosses``, with the run's clip range and temperature), on the mesh of the
+    params they are taken at."""
 
     def __init__(self, run: TrainConfig, config: Any, target: l2rr.TargetSide):
-        # The scores are a forward-mode product (jax.jvp); cuDNN's attention and the blocked one have only a
-        # reverse-mode rule, and the xla kernel and the einsum path are the same functions with both.
-        if config.attention in ("cudnn", "blocked"):
-            config = dataclasses.replace(config, attention="xla" if config.attention == "cudnn" else "einsum")
+        attention = FORWARD_MODE_ATTENTION.get(config.attention, config.attention)
+        config = dataclasses.replace(config, attention=attention)
         self.target = target
         self.losses = l2rr.PolicyLosses(
             config, run.rollout.group_size, normalise=run.l2rr.prompt_loss_norm, eps_low=run.loss.eps_low,
@@ -132,7 +140,8 @@ class TargetScorer:
         )  # fmt: skip
 
     def scores(self, params: Any, batch: dict, target_params: Any = None) -> np.ndarray:
-        return self.target.directional_derivatives(params, self.losses.bind(batch), target_params)
+        rows = sharding.global_batch(distributed.mesh_of(params["base"]), batch)  # split over the data axes
+        return self.target.directional_derivatives(params, self.losses.bind(rows), target_params)
 
 
 def load_target(run: TrainConfig, config: Any, load_examples) -> TargetScorer:

@@ -236,7 +236,7 @@ def _tree_dots(stacked, tree) -> np.ndarray:
 
 
 def _target_gradient(base, rows, kind="nll_token_mean"):
-    # Called as TargetSide calls it, so the compiled program is shared.
+    # With TargetSide's options: the program its mesh program (l2rr.sharded_target_gradient) runs inside.
     weighted = {**rows, "weight": jnp.asarray(l2rr.target_row_weights(rows["mask"], kind))}
     return l2rr.target_gradient(CONFIG, base, weighted, num_micro_batches=1, chunk_size=None)
 

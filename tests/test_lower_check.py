@@ -1,6 +1,6 @@
 """``tools/lower_check.py`` at its reduced shape: every program a run compiles lowers for ``cuda`` and ``tpu`` on one
-device and on fsdp 4 x tp 2 (or is skipped with its reason, or fails as a listed known failure), the kernels are
-chosen when lowering, and a Pallas block that only Triton refuses fails exactly the cells that use it."""
+device and on fsdp 4 x tp 2 (or is skipped with its reason), the kernels are chosen when lowering, and a Pallas block
+that only Triton refuses fails exactly the cells that use it."""
 
 from __future__ import annotations
 
@@ -17,21 +17,6 @@ from lspo_jax import kernels
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "lower_check.py"
 MESHES = ("one", "fsdp4_tp2")  # fsdp8 splits nothing the other two do not (the full check covers it)
-
-# Cells that fail today, each with the substring of its reason, the diagnosis and where the fix belongs; once fixed,
-# the cell lowers and the test asks for its entry to be removed.
-# - reweight.TargetScorer gives forward mode an attention with a jvp rule for cudnn and blocked only: the Pallas and
-#   splash kernels are custom_vjp functions, which jax.jvp refuses.
-# - L2RR's programs (l2rr.target_gradient, l2rr._directional_jit) are not traced under the mesh, so
-#   kernels._per_shard sees no mesh and hands the Mosaic call sharded arrays whole: the partitioner refuses it.
-JVP, MOSAIC = "forward-mode autodiff (jvp) to a custom_vjp", "Mosaic kernels cannot be automatically partitioned"
-KNOWN_FAILURES = {
-    ("l2rr_jvp", "pallas", "one"): JVP,
-    ("l2rr_jvp", "pallas", "fsdp4_tp2"): JVP,
-    ("l2rr_jvp", "splash", "one"): JVP,
-    ("l2rr_jvp", "splash", "fsdp4_tp2"): MOSAIC,
-    ("l2rr_target", "splash", "fsdp4_tp2"): MOSAIC,
-}
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +44,7 @@ def cells(tool, shape):
 def test_every_cell_lowers_or_is_skipped_with_its_reason(tool, cells):
     for cell in cells:
         where = (cell.program, cell.attention, cell.mesh)
-        if where in KNOWN_FAILURES:
-            assert cell.status == "failed", f"{where} now lowers: remove it from KNOWN_FAILURES"
-            assert KNOWN_FAILURES[where] in cell.reason, (where, cell.reason)
-        elif cell.attention == "cudnn" and cell.program != "l2rr_jvp":  # L2RR's forward mode takes xla for cudnn
+        if cell.attention == "cudnn" and cell.program != "l2rr_jvp":  # L2RR's forward mode takes xla for cudnn
             assert cell.status == "skipped" and any(s in cell.reason for s in tool.UNAVAILABLE), (where, cell.reason)
         else:
             assert cell.status == "lowered", (where, cell.platform, cell.reason)
@@ -83,8 +65,7 @@ def test_a_kernel_is_chosen_for_the_platform_it_is_lowered_for(tool, shape):
     """One trace of the log-prob pass with ``pallas``: lowered for cuda it holds the Triton call, lowered for the CPU
     the interpreter's plain HLO (the choice is ``lax.platform_dependent``'s, not ``jax.default_backend()``'s)."""
     mesh = tool.abstract_mesh("fsdp4_tp2")
-    program = tool.PROGRAMS["logprobs_base"](shape, tool.model_config(shape, "logprobs_base", "pallas"), mesh)
-    traced = tool.trace(program, mesh)
+    traced = tool.PROGRAMS["logprobs_base"](shape, tool.model_config(shape, "logprobs_base", "pallas"), mesh)
     triton = f"@{tool.KERNEL_CALLS['pallas']}("
     assert triton in traced.lower(lowering_platforms=("cuda",)).as_text()
     assert triton not in traced.lower(lowering_platforms=("cpu",)).as_text()

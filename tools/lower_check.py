@@ -16,8 +16,9 @@ recipe by default: R1-Distill-Qwen-1.5B, 32 x 16 rows of 1024 prompt + 8192 resp
     logprobs_base          the old-log-prob pass of the rollouts, adapter off (``distributed.sharded_logprobs``)
     logprobs_adapter       the adapter-on pass of the scaffold's re-rolls (their importance-ratio denominators)
     sft                    the adapter's SFT step (``distributed.sharded_sft_step``)
-    l2rr_target, l2rr_jvp  L2RR's target gradient and the directional derivatives of the batch (``l2rr``)
-    prefill, decode        the JAX sampler's prompt pass and decode segment, base alone
+    l2rr_target, l2rr_jvp  L2RR's target gradient and the directional derivatives of the batch
+                           (``l2rr.sharded_target_gradient``, ``l2rr.sharded_directional_derivatives``)
+    prefill, decode        the JAX sampler's prompt pass and decode segment, base alone (``sampler.trace_call``)
     prefill_adapter, decode_adapter   the same with the adapter on (the scaffold's re-rolls)
 
 on one device and on abstract 8-device meshes (``fsdp8``: fsdp 8; ``fsdp4_tp2``: fsdp 4 x tp 2), with each
@@ -78,9 +79,11 @@ MESHES = {"one": (1, 1, 1), "fsdp8": (1, 8, 1), "fsdp4_tp2": (1, 4, 2)}
 # cell is skipped with the error as its reason, not failed.
 UNAVAILABLE = ("cuDNN is not detected", "needs a CUDA GPU")
 # The custom call each kernel lowers to; a program lowered with that attention must hold it. The prompt pass
-# attends with einsums whatever ``decode_attention`` says.
+# attends with einsums whatever ``decode_attention`` says; L2RR's forward mode with what
+# ``reweight.FORWARD_MODE_ATTENTION`` puts in place of a kernel without a jvp rule.
 KERNEL_CALLS = {"pallas": "__gpu$xla.gpu.triton", "splash": "tpu_custom_call"}
 EINSUM_PROGRAMS = ("prefill", "prefill_adapter")
+FORWARD_MODE_PROGRAMS = ("l2rr_jvp",)
 # The reduced shape: the tiny model with the paper's head dim (the kernels' block limits depend on it), rows of
 # 32 + 96 tokens (the kernels pad them to one 128-token block), 4 x 4 rows in 2 micro-batches of 8 (one per device).
 SMALL_OVERRIDES = (
@@ -104,16 +107,9 @@ class Shape:
     model: ModelConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """A jitted function and abstract arguments; ``in_mesh``: traced under the mesh as the run calls it (the sampler
-    sets its mesh with ``jax.set_mesh``; the ``distributed`` programs enter it themselves, L2RR's never do)."""
-
-    jitted: Any
-    args: tuple
-    kwargs: dict = dataclasses.field(default_factory=dict)
-    in_mesh: bool = False
-    label: str = ""  # which of a program's shapes, in a failure's reason
+# What a program's builder returns: its trace, or one per shape a run compiles it at, by label (the decode step: one
+# per cache window). Every builder traces under the mesh as the run does (the project's builders enter it themselves).
+Built = jax.stages.Traced | dict[str, jax.stages.Traced]
 
 
 @dataclasses.dataclass
@@ -201,7 +197,7 @@ def _length(run: TrainConfig) -> int:
     return run.data.max_prompt_tokens + run.rollout.max_new_tokens
 
 
-def rl_program(layout: str, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Program:
+def rl_program(layout: str, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
     run, loss = shape.run, shape.run.loss
     batch, micro = _rollout_rows(shape, mesh, layout, LOSS_KEYS)
     step = distributed.sharded_rl_step(
@@ -209,10 +205,10 @@ def rl_program(layout: str, shape: Shape, config: ModelConfig, mesh: AbstractMes
         clip_c=loss.clip_c, temperature=run.rollout.temperature, num_micro_batches=micro,
         chunk_size=loss.chunk_size, skip_nonfinite=True,
     )  # fmt: skip
-    return Program(step, (*_train_state(config, mesh, run), batch))
+    return step.trace(*_train_state(config, mesh, run), batch)
 
 
-def logprobs_program(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Program:
+def logprobs_program(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
     """The rollouts' pass (adapter off, the rollout's temperature) or the re-rolls' (the scaffold's scale and
     temperature), on packed buffers (``loss.packing``, the recipe's layout)."""
     run = shape.run
@@ -223,11 +219,10 @@ def logprobs_program(adapter: bool, shape: Shape, config: ModelConfig, mesh: Abs
         config, mesh, lora_scale=scale, temperature=temperature, chunk_size=run.loss.chunk_size,
         num_micro_batches=micro,
     )  # fmt: skip
-    # The pass is a function around its jitted program: an outer jit traces it with the same shardings inside.
-    return Program(jax.jit(program), (sharding.abstract_params(config, mesh), rows))
+    return program.trace(sharding.abstract_params(config, mesh), rows)
 
 
-def sft_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Program:
+def sft_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
     """One SFT step on every prompt's worked solution (each a cliff), packed into buffers of prompt + solution."""
     run = shape.run
     length = run.data.max_prompt_tokens + run.data.max_solution_tokens
@@ -237,92 +232,59 @@ def sft_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Progra
     step = distributed.sharded_sft_step(
         config, mesh, rl=run.optim, sft=run.scaffold.sft, num_micro_batches=micro, chunk_size=run.loss.chunk_size
     )
-    return Program(step, (*_train_state(config, mesh, run), rows))
+    return step.trace(*_train_state(config, mesh, run), rows)
 
 
 # ------------------------------------------------------------------------------------------------- L2RR
-def l2rr_target_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Program:
-    """``l2rr.target_gradient`` over ``l2rr.target_limit`` target rows as ``TargetSide`` holds them (host arrays:
-    no sharding of their own)."""
+def l2rr_target_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
+    """``l2rr.sharded_target_gradient`` over ``l2rr.target_limit`` target rows, split over the data axes as
+    ``TargetSide`` places them."""
     run = shape.run
     options = {"num_micro_batches": run.l2rr.target_micro_batches, "chunk_size": run.loss.chunk_size}
     length = run.data.max_prompt_tokens + run.data.max_solution_tokens
     count = -(-(run.l2rr.target_limit or 1) // options["num_micro_batches"]) * options["num_micro_batches"]
-    rows = _rows(count, length, ("tokens", "attention_mask", "mask", "weight"), None)
+    rows = _rows(count, length, ("tokens", "attention_mask", "mask", "weight"), sharding.batch_sharding(mesh, count))
     base = sharding.abstract_params(config, mesh)["base"]
-    return Program(l2rr.target_gradient, (config, base, rows), options)
+    return l2rr.sharded_target_gradient(config, mesh, **options).trace(base, rows)
 
 
-def l2rr_jvp_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Program:
+def l2rr_jvp_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
     """The directional derivatives of the step's padded rows along ``g_tgt`` (laid out as the base), through the
-    per-prompt losses the run's ``reweight.TargetScorer`` builds (its attention for forward mode included)."""
+    per-prompt losses the run's ``reweight.TargetScorer`` builds (its attention for forward mode included), the rows
+    split over the data axes as the scorer places them."""
     run = shape.run
     losses = reweight.TargetScorer(run, config, None).losses
     count = run.rollout.prompts_per_step * run.rollout.group_size
-    batch = _rows(count, _length(run), ("tokens", "attention_mask", *LOSS_KEYS), None)
+    keys = ("tokens", "attention_mask", *LOSS_KEYS)
+    batch = _rows(count, _length(run), keys, sharding.batch_sharding(mesh, count))
     base = sharding.abstract_params(config, mesh)["base"]
-    return Program(l2rr._directional_jit, (jax.tree_util.Partial(losses, batch=batch), base, base))
+    program = l2rr.sharded_directional_derivatives(config, mesh)
+    return program.trace(jax.tree_util.Partial(losses, batch=batch), base, base)
 
 
 # ---------------------------------------------------------------------------------------------- sampler
-def _sampling_params(config: ModelConfig, mesh: AbstractMesh, adapter: bool) -> dict:
-    """The weights a sampling call's programs read (``sampler._decode_weights``): the compute dtype, split per
-    layer, laid out over ``tp`` only (``gather_fsdp``)."""
-    keys = ("base", "lora") if adapter else ("base",)
-    dtype = jnp.dtype(config.compute_dtype)
-    cast = {k: jax.tree.map(lambda a: a.update(dtype=dtype), model.abstract_params(config)[k]) for k in keys}
-    tree = jax.eval_shape(functools.partial(sampler._unstack, config), cast)
-    stacked = sharding.param_shardings(config, mesh, gather_fsdp=True)
-    per_layer = functools.partial(sampler._layer_shardings, num_layers=config.num_layers)
-    shardings = {"base": {**stacked["base"], "layers": per_layer(stacked["base"]["layers"])}}
-    if adapter:
-        shardings["lora"] = per_layer(stacked["lora"])
-    return _abstract(tree, shardings)
-
-
-def prefill_program(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Program:
-    """The prefill of a step's rollouts: ``prompts_per_step`` prompts of ``max_prompt_tokens`` (bucketed as
-    ``sampler._plan`` buckets them), ``group_size`` samples each, host inputs as the sampler passes them."""
+def _sampler_call(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh, decode: bool) -> dict:
+    """``sampler.trace_call`` for a step's rollouts (the base alone) or the scaffold's re-rolls (the adapter on):
+    ``prompts_per_step`` prompts of ``max_prompt_tokens``, ``group_size`` samples each, ``max_new_tokens`` new."""
     run = shape.run
-    prompts = packing.pow2_bucket(run.rollout.prompts_per_step)
-    slots = packing.pow2_bucket(run.data.max_prompt_tokens, sampler.MIN_PROMPT_BUCKET)
-    ends = sampler.window_ends(run.rollout.max_new_tokens, sampler.DEFAULT_CACHE_WINDOW)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    inputs = (
-        *(jax.ShapeDtypeStruct((prompts, slots), jnp.int32) for _ in range(2)),
-        jax.ShapeDtypeStruct((prompts,), jnp.bool_),
-        jax.ShapeDtypeStruct((prompts,), jnp.int32),
-        jax.eval_shape(jax.random.key, 0),
-        scalar,
-        scalar,
-        jax.ShapeDtypeStruct(sampler._eos_array(()).shape, jnp.int32),
-    )
-    static = dict(options=sampler.SamplingOptions(), n=run.rollout.group_size, window=ends[0], total_new=ends[-1])
-    params = _sampling_params(config, mesh, adapter)
-    return Program(sampler._prefill, (config, params, *inputs), static, in_mesh=True)
+    return sampler.trace_call(
+        config, prompts=run.rollout.prompts_per_step, prompt_tokens=run.data.max_prompt_tokens,
+        max_new_tokens=run.rollout.max_new_tokens, n=run.rollout.group_size, adapter=adapter, mesh=mesh, decode=decode,
+    )  # fmt: skip
 
 
-def decode_program(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> tuple[Program, ...]:
-    """The decode segments of every cache window the sampler grows through (``sampler.window_ends``: one program
-    each), from the prefill's state (its output, shapes only) with the cache grown to the prompt and the window,
-    laid out as ``sampler._state_shardings`` says."""
-    prefill = prefill_program(adapter, shape, config, mesh)
-    first = trace(prefill, mesh).out_info
-    config_, params, *inputs = prefill.args
-    key, temperature, scale, eos = inputs[4:]
-    programs = []
-    for end in sampler.window_ends(shape.run.rollout.max_new_tokens, sampler.DEFAULT_CACHE_WINDOW):
-        slots = first.prompt_valid_CP.shape[1] + end
-        grown = first._replace(cache=jax.eval_shape(functools.partial(sampler.grow_cache, length=slots), first.cache))
-        state = _abstract(grown, sampler._state_shardings(config, mesh, grown))
-        args = (config_, params, state, key, temperature, scale, eos, jax.ShapeDtypeStruct((), jnp.int32))
-        static = {"options": prefill.kwargs["options"]}
-        programs.append(Program(sampler._decode_segment, args, static, in_mesh=True, label=f"{slots} cache slots"))
-    return tuple(programs)
+def prefill_program(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
+    return _sampler_call(adapter, shape, config, mesh, decode=False)["prefill"]
 
 
-# Each builds a program, or one per shape a run compiles it at (the decode step: one per cache window).
-PROGRAMS: dict[str, Callable[[Shape, ModelConfig, AbstractMesh], Program | tuple[Program, ...]]] = {
+def decode_program(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
+    """The decode segments of every cache window the sampler grows through, one program each."""
+    traced = _sampler_call(adapter, shape, config, mesh, decode=True)
+    return {label: one for label, one in traced.items() if label != "prefill"}
+
+
+# Each traces a program, or one per shape a run compiles it at (``Built``).
+PROGRAMS: dict[str, Callable[[Shape, ModelConfig, AbstractMesh], Built]] = {
     "rl_packed": functools.partial(rl_program, "packed"),
     "rl_padded": functools.partial(rl_program, "padded"),
     "logprobs_base": functools.partial(logprobs_program, False),
@@ -380,12 +342,13 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:240]
 
 
-def trace(program: Program, mesh: AbstractMesh) -> Any:
-    jitted = program.jitted
-    if program.in_mesh:
-        with jax.sharding.use_abstract_mesh(mesh):
-            return jitted.trace(*program.args, **program.kwargs)
-    return jitted.trace(*program.args, **program.kwargs)
+def kernel_call(program: str, attention: str) -> str | None:
+    """The custom call a module of ``program`` lowered with ``attention`` must hold, if any (``KERNEL_CALLS``)."""
+    if program in EINSUM_PROGRAMS:
+        return None
+    if program in FORWARD_MODE_PROGRAMS:
+        attention = reweight.FORWARD_MODE_ATTENTION.get(attention, attention)
+    return KERNEL_CALLS.get(attention)
 
 
 def lower(traced: Any, cell: Cell, label: str = "") -> None:
@@ -394,7 +357,7 @@ def lower(traced: Any, cell: Cell, label: str = "") -> None:
     start = time.perf_counter()
     try:
         lowered = traced.lower(lowering_platforms=(cell.platform,))
-        target = KERNEL_CALLS.get(cell.attention) if cell.program not in EINSUM_PROGRAMS else None
+        target = kernel_call(cell.program, cell.attention)
         if target is not None and f"@{target}(" not in lowered.as_text():
             raise AssertionError(f"the lowered module holds no {target} call: the kernel's interpreter was lowered")
         cost = lowered.cost_analysis() or {}
@@ -407,17 +370,14 @@ def lower(traced: Any, cell: Cell, label: str = "") -> None:
 def check_program(shape: Shape, name: str, mesh_name: str, attention: str, platforms: Iterable[str]) -> list[Cell]:
     """The cells of one program, mesh and attention: traced once (each of its shapes), lowered for each platform."""
     cells = [Cell(name, platform, mesh_name, attention) for platform in platforms]
-    mesh, start, label = abstract_mesh(mesh_name), time.perf_counter(), ""
+    mesh, start = abstract_mesh(mesh_name), time.perf_counter()
     try:
         built = PROGRAMS[name](shape, model_config(shape, name, attention), mesh)
-        traced = []
-        for program in built if isinstance(built, tuple) else (built,):
-            label = program.label
-            traced.append((label, trace(program, mesh)))
+        traced = list(built.items()) if isinstance(built, dict) else [("", built)]
         flops = dot_flops(traced[-1][1].jaxpr.jaxpr) / 1e12
     except Exception as error:  # a refusal while tracing is every platform's
         status = "skipped" if any(s in str(error) for s in UNAVAILABLE) else "failed"
-        reason = (f"{label}: " if label else "") + one_line(error)
+        reason = one_line(error)
         for cell in cells:
             cell.status, cell.reason, cell.trace_s = status, reason, time.perf_counter() - start
         return cells
