@@ -123,7 +123,6 @@ class Learner:
             run.rollout.max_new_tokens, run.rollout.temperature, run.rollout.top_p, run.rollout.top_k
         )
         self._tx = optim.make_optimizer(run.optim, run.scaffold.sft)
-        self._buffer_rows: dict[tuple, int] = {}  # per pass (its keys, its row length): the most buffer rows taken
         self._layouts = (
             sharding.param_shardings(config, self.mesh),
             sharding.opt_state_shardings(config, self.mesh, self._tx),
@@ -217,9 +216,7 @@ class Learner:
         """``rows``' tokens, layout and ``keys`` on the mesh as a pass takes them (see ``Placed``).
 
         With ``loss.packing`` their real tokens are packed into buffers of the rows' length (``packing.pack_rows``),
-        in micro-batches of ``rows_per_micro`` buffer rows, as many buffer rows as the largest this pass has taken
-        while they hold at most twice the rows' bucket (``packing.micro_batching``'s ``reuse``): a compiled program
-        is reused rather than a new bucket compiled. Padded, the rows go as they are, in ``micro_batches``
+        in micro-batches of ``rows_per_micro`` buffer rows. Padded, the rows go as they are, in ``micro_batches``
         micro-batches (None: as many as ``rows_per_micro`` needs, a power of two).
         """
         shards, length = sharding.batch_shards(self.mesh), rows["tokens"].shape[1]
@@ -227,12 +224,10 @@ class Learner:
             micro = micro_batches or packing.pow2_bucket(-(-len(rows["tokens"]) // self.rows_per_micro(length)))
             arrays = {k: rows[k] for k in ("tokens", "attention_mask", *keys)}
             return Placed(packing.mesh_rows(self.mesh, arrays, multiple=micro), micro)
-        pass_key = (tuple(keys), length)
         packed = packing.pack_rows(
             rows, keys, length, row_multiple=shards, rows_per_micro=self.rows_per_micro(length),
-            one_per_row=not model.packs_segments(self.policy.config), reuse=self._buffer_rows.get(pass_key, 0),
+            one_per_row=not model.packs_segments(self.policy.config),
         )  # fmt: skip
-        self._buffer_rows[pass_key] = max(self._buffer_rows.get(pass_key, 0), len(packed.arrays["tokens"]))
         return Placed(packing.mesh_rows(self.mesh, packed.arrays), packed.micro_batches, packed)
 
     def logprobs(

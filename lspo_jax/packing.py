@@ -185,24 +185,10 @@ def plan_rows(lengths: np.ndarray, length: int, one_per_row: bool = False) -> tu
     return row, offset, len(used)
 
 
-def micro_batching(
-    needed: int, row_multiple: int, rows_per_micro: int | None = None, reuse: int = 0
-) -> tuple[int, int]:
+def micro_batching(needed: int, row_multiple: int, rows_per_micro: int | None = None) -> tuple[int, int]:
     """``(buffer rows, micro-batches)`` for ``needed`` buffer rows with at most ``rows_per_micro`` (a multiple of
     ``row_multiple``) in a micro-batch: one micro-batch of ``row_bucket(needed, row_multiple)`` rows while they fit,
-    else a ``row_bucket`` count of full micro-batches. Either way the row count divides by ``row_multiple``.
-
-    ``reuse``: the row count of a program this pass already compiled. It is taken instead when it holds the rows and
-    is at most twice the fresh count: a step whose rows fit a larger bucket met before pads more rather than
-    compiling a new program, so a run compiles only when its rows outgrow every bucket so far.
-    """
-    count, micro = _fresh_batching(needed, row_multiple, rows_per_micro)
-    if count < reuse <= 2 * count:
-        return reuse, 1 if rows_per_micro is None or reuse <= rows_per_micro else reuse // rows_per_micro
-    return count, micro
-
-
-def _fresh_batching(needed: int, row_multiple: int, rows_per_micro: int | None) -> tuple[int, int]:
+    else a ``row_bucket`` count of full micro-batches. Either way the row count divides by ``row_multiple``."""
     if rows_per_micro is None:
         return row_bucket(needed, row_multiple), 1
     if needed <= rows_per_micro:  # the bucket, unless it would exceed one micro-batch (a 5-bit rows_per_micro)
@@ -219,19 +205,17 @@ def pack_rows(
     row_multiple: int = 1,
     rows_per_micro: int | None = None,
     one_per_row: bool = False,
-    reuse: int = 0,
 ) -> Packed:
     """The real tokens (``attention_mask`` 1) of ``rows`` and their ``keys`` packed into buffers of ``length``.
 
     A key is ``[B, T]`` (per token) or ``[B]`` (per row, e.g. advantages: broadcast over the row's tokens). The
-    buffer row count and micro-batch count are ``micro_batching``'s (``reuse`` as there). ``mask`` is cleared on each
-    segment's first token: nothing of its own segment predicts it, and a packed row's previous slot belongs to another
-    sequence.
+    buffer row count and micro-batch count are ``micro_batching``'s. ``mask`` is cleared on each segment's first
+    token: nothing of its own segment predicts it, and a packed row's previous slot belongs to another sequence.
     """
     real = np.asarray(rows["attention_mask"]) > 0
     rank = np.cumsum(real, axis=1) - 1
     row, offset, needed = plan_rows(real.sum(axis=1), length, one_per_row)
-    count, micro = micro_batching(needed, row_multiple, rows_per_micro, reuse)
+    count, micro = micro_batching(needed, row_multiple, rows_per_micro)
     where = np.where(real, row[:, None] * length + offset[:, None] + rank, -1)
     dest = where[real]
     segment = _segment_numbers(row, offset)
