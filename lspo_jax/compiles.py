@@ -30,6 +30,10 @@ TRACE = "/jax/core/compile/jaxpr_trace_duration"
 LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
+# A step record's keys of ``CompileCount.since``: like its times, they depend on the process's history (what it had
+# compiled before, what the disk cache holds), not on the run: a resumed run's first step compiles again.
+KEYS = ("compiles", "compiles_cached", "time_compile")
+
 
 def cache_dir(setting: str | None) -> str | None:
     """The directory of the ``compile_cache`` setting: ``default`` is ``$LSPO_JAX_COMPILATION_CACHE`` when set

@@ -14,8 +14,11 @@ import pytest
 
 # The Rust tokenizer would otherwise warn about forking after use when a test spawns worker processes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Example stores go to a directory of the run's own, not the user's cache; the subprocess tests inherit it.
-os.environ.setdefault("LSPO_JAX_CACHE", tempfile.mkdtemp(prefix="lspo_jax_test_cache_"))
+# Example stores and compiled programs go to a directory of the test run's own, not the user's cache: one for both
+# xdist workers (they share the run's id) and every subprocess test, which inherit it. A program that one worker or
+# subprocess compiled, another with the same program reads back instead of compiling it again.
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}"
+os.environ.setdefault("LSPO_JAX_CACHE", os.path.join(tempfile.gettempdir(), f"lspo_jax_test_cache_{_RUN_ID}"))
 
 
 def _fast_cpu_compiles() -> None:
@@ -28,6 +31,20 @@ def _fast_cpu_compiles() -> None:
 
 
 _fast_cpu_compiles()
+
+
+def _shared_compile_cache() -> None:
+    """The run's compile cache in this process too (before any test compiles: JAX decides once), keeping programs
+    that took 0.2 s or more to compile: the thousands of smaller ones cost more to write than to compile."""
+    import jax
+
+    from lspo_jax import compiles
+
+    if compiles.use_cache("default") is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+_shared_compile_cache()
 
 
 # float32 results differ between x86 builds (AVX2 or AVX-512 kernels, another tiling of a matmul sums in another

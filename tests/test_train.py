@@ -23,7 +23,7 @@ import numpy as np
 import optax
 import pytest
 
-from lspo_jax import cli, evaluation, logprobs, losses, model, optim, packing, toy, toy_model, train
+from lspo_jax import cli, compiles, evaluation, logprobs, losses, model, optim, packing, toy, toy_model, train
 from lspo_jax import run as run_module
 from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.cli import format_summary
@@ -501,7 +501,8 @@ def test_resume_is_exact(tmp_path, make_config, train_file, easy_rule, trained_r
 
     def train_records(path):
         records = read_metrics(os.path.join(path, "metrics.jsonl"))
-        return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in records if r["kind"] == "train"]
+        return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in compiles.KEYS}
+                for r in records if r["kind"] == "train"]  # fmt: skip
 
     records = train_records(out)
     assert records == train_records(trained_run["dir"])
@@ -1143,7 +1144,8 @@ def cli_verifier(monkeypatch, rule):
 
 def train_records(path):
     records = read_metrics(os.path.join(path, "metrics.jsonl"))
-    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in records if r["kind"] == "train"]
+    return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in compiles.KEYS}
+            for r in records if r["kind"] == "train"]  # fmt: skip
 
 
 def eval_steps(path):
