@@ -650,6 +650,7 @@ class TargetSide:
         weighted["weight"] = target_row_weights(weighted["mask"], kind)
         # Rows of zeros (no tokens, so no loss) fill the last micro-batch.
         self._rows = packing.pad_rows(weighted, -(-len(weighted["mask"]) // num_micro_batches) * num_micro_batches)
+        self._placed: dict[jax.sharding.Mesh, dict[str, jax.Array]] = {}  # the rows on each mesh, copied there once
         self._options = {"num_micro_batches": num_micro_batches, "chunk_size": chunk_size}
 
     @classmethod
@@ -688,7 +689,9 @@ class TargetSide:
         base = params[optim.BASE]
         at = base if target_params is None else target_params[optim.BASE]
         mesh = distributed.mesh_of(base)
-        rows = sharding.global_batch(mesh, self._rows)
+        if mesh not in self._placed:  # the same target rows every step: one host-to-device copy, not one a step
+            self._placed[mesh] = sharding.global_batch(mesh, self._rows)
+        rows = self._placed[mesh]
         tangent = sharded_target_gradient(self._config, mesh, **self._options)(at, rows)
         fn = per_prompt_losses_fn
         if not isinstance(fn, jax.tree_util.Partial):
