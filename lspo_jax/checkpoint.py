@@ -170,6 +170,17 @@ def _drop_orbax_leftovers() -> None:
 
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_OrbaxLeftoverFilter())
+    # A read's completion that a native thread hands to the closed loop fails in ``call_soon_threadsafe`` with no
+    # Python caller, and is printed through ``sys.excepthook`` (a bare traceback of asyncio's frames, at random).
+    previous_excepthook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        frames = traceback.extract_tb(tb)
+        in_asyncio = bool(frames) and all(f"{os.sep}asyncio{os.sep}" in frame.filename for frame in frames)
+        if not (in_asyncio and _orbax_leftover(error, tb)):
+            previous_excepthook(kind, error, tb)
+
+    sys.excepthook = excepthook
 
 
 def _listed(steps: list[int]) -> str:
