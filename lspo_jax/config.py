@@ -12,20 +12,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lspo_jax.options import Attention, DecodeAttention, Remat, choices
+
 # Projections of a Qwen2 decoder layer that can carry a LoRA adapter (peft's q_proj ... down_proj).
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 _DTYPES = ("float32", "bfloat16", "float16")
-# Rematerialisation of the layer scan: "full" saves only each layer's input and recomputes the rest in the
-# backward pass; "dots" also saves the outputs of the weight matmuls (not the attention scores).
-REMAT_POLICIES = ("none", "full", "dots")
-# Attention of cache-free passes: the written-out einsums, jax.nn.dot_product_attention with XLA or cuDNN, the
-# blocked attention of ``flash`` (pure JAX, never a [T, T] score matrix), or a vendor kernel with segment ids
-# (``kernels``: Pallas on GPUs, splash on TPUs).
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "blocked", "pallas", "splash")
-# Attention of the sampler's decode step over the KV cache (``model.decode_attend``): the einsums, broadcast
-# multiplies and sums (the default: one pass over the cache on every backend), jax.nn.dot_product_attention,
-# or the Pallas GPU decode kernel (``kernels.decode_attention``).
-DECODE_ATTENTION = ("einsum", "reduce", "xla", "pallas")
+# The kernels and rematerialisation policies, declared with what each does in ``options``.
+REMAT_POLICIES = choices(Remat)
+ATTENTION_IMPLS = choices(Attention)
+DECODE_ATTENTION = choices(DecodeAttention)
 
 
 def cache_root() -> Path:

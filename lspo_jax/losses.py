@@ -20,8 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lspo_jax.options import ADVANTAGE_ESTIMATORS
+
 Metrics = dict[str, jax.Array]
-ADVANTAGE_ESTIMATORS = ("std", "mean_only", "loo")
 
 
 # ----------------------------------------------------------------------------------------- advantages

@@ -14,7 +14,6 @@ subtree and its optimizer state stay bit-identical.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,70 +24,10 @@ import optax
 
 from lspo_jax import logprobs, losses, model
 from lspo_jax.config import ModelConfig
+from lspo_jax.options import AdamWConfig, RLOptimConfig, SFTOptimConfig  # noqa: F401 (optim's own config names)
 
 Params = dict[str, Any]
 BASE, LORA = "base", "lora"
-
-
-# ----------------------------------------------------------------------------------------- configs
-@dataclasses.dataclass(frozen=True)
-class AdamWConfig:
-    """AdamW with linear warm-up and global-norm clipping.
-
-    ``lr_t = lr * min(1, (t + 1) / warmup_steps)`` for step t = 0, 1, ... (the first step already moves;
-    ``warmup_steps = 0`` is a constant lr). ``max_grad_norm = None`` disables clipping. Weight decay is
-    decoupled (``p -= lr_t * weight_decay * p``) and applies to every parameter of the subtree.
-    """
-
-    lr: float = 1e-3
-    warmup_steps: int = 0
-    weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        name = type(self).__name__
-        checks = {
-            "lr": self.lr > 0,
-            "warmup_steps": isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
-            "weight_decay": self.weight_decay >= 0,
-            "max_grad_norm": self.max_grad_norm is None or self.max_grad_norm > 0,
-            "b1": 0 <= self.b1 < 1,
-            "b2": 0 <= self.b2 < 1,
-            "eps": self.eps > 0,
-        }
-        for field, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{name}.{field}: invalid value {getattr(self, field)!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RLOptimConfig(AdamWConfig):
-    """The base model's optimizer: AdamW lr 1e-6 (the paper's DAPO recipe).
-
-    ``mini_batches`` and ``epochs``: PPO-style updates per RL step, ``epochs`` passes over the step's rows in
-    ``mini_batches`` shuffled mini-batches (default 1 and 1: the paper's one update). Each update's token-mean is
-    over its own mini-batch's tokens (verl's convention); old log-probs stay those of the sampling policy, so from
-    the second update on the clip acts on on-policy rows too. The warm-up counts updates, not steps.
-    """
-
-    lr: float = 1e-6
-    mini_batches: int = 1
-    epochs: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.mini_batches < 1 or self.epochs < 1:
-            raise ValueError(f"mini_batches and epochs must be positive, got {self.mini_batches} and {self.epochs}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTOptimConfig(AdamWConfig):
-    """The adapter's optimizer: AdamW lr 2.5e-5, re-initialised with every fresh adapter."""
-
-    lr: float = 2.5e-5
 
 
 # -------------------------------------------------------------------------------------- transforms

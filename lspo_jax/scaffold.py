@@ -31,8 +31,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from lspo_jax.options import SPLICES
+
 Batch = dict[str, np.ndarray]
-SPLICES = ("partial", "group", "keep_failed")
 
 
 def find_cliffs(

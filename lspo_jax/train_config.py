@@ -16,18 +16,37 @@ from typing import Any
 
 import yaml
 
-from lspo_jax.config import ATTENTION_IMPLS, DECODE_ATTENTION, REMAT_POLICIES, LoraConfig
-from lspo_jax.losses import ADVANTAGE_ESTIMATORS
-from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
-from lspo_jax.scaffold import SPLICES
-
-# How spliced rows are corrected for being sampled with the adapter on (``train.importance_weights``).
-CORRECTIONS = ("token", "sequence", "floor", "shaped", "none")
-ADAPTER_LIFETIMES = ("fresh", "persistent")
-
-
-class ConfigError(ValueError):
-    """A config file or override that does not fit ``TrainConfig``; the message names the dotted key."""
+from lspo_jax import options
+from lspo_jax.config import LoraConfig
+from lspo_jax.options import (  # noqa: F401 (the vocabularies' names, read from here by the tools and tests)
+    ADAPTER_LIFETIMES,
+    CORRECTIONS,
+    PROMPT_LOSS_NORMS,
+    REFERENCES,
+    ROLLOUT_ENGINES,
+    TARGET_LOSSES,
+    AdapterLifetime,
+    Attention,
+    ComputeDtype,
+    ConfigError,
+    Correction,
+    DataFormat,
+    DecodeAttention,
+    Estimator,
+    InstructionPosition,
+    LengthPolicy,
+    Normalisation,
+    PromptLossNorm,
+    Reference,
+    Remat,
+    RLOptimConfig,
+    RolloutEngine,
+    SFTOptimConfig,
+    SolutionField,
+    Splice,
+    TargetLoss,
+    WandbMode,
+)
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -47,20 +66,15 @@ class ModelSource:
     """
 
     path: str = "toy"
-    compute_dtype: str = "float32"
-    remat: str = "none"
-    attention: str = "einsum"
-    decode_attention: str = "reduce"
+    compute_dtype: ComputeDtype = "float32"
+    remat: Remat = "none"
+    attention: Attention = "einsum"
+    decode_attention: DecodeAttention = "reduce"
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
+        options.check(self, "model")
         _require(bool(self.path), "model.path", "must name a Hugging Face directory or 'toy'")
-        _require(self.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype", "float32 or bfloat16")
-        _require(self.remat in REMAT_POLICIES, "model.remat", f"must be one of {REMAT_POLICIES}")
-        _require(self.attention in ATTENTION_IMPLS, "model.attention", f"must be one of {ATTENTION_IMPLS}")
-        _require(
-            self.decode_attention in DECODE_ATTENTION, "model.decode_attention", f"must be one of {DECODE_ATTENTION}"
-        )
         if self.attention == "cudnn":
             _require(self.compute_dtype == "bfloat16", "model.attention", "cudnn needs model.compute_dtype: bfloat16")
 
@@ -93,35 +107,26 @@ class DataConfig:
     """
 
     train: str = "toy:addition"
-    format: str = "auto"
-    solution_field: str = "r1_solution_1"
+    format: DataFormat = "auto"
+    solution_field: SolutionField = "r1_solution_1"
     instruction: str = R1_INSTRUCTION
-    instruction_position: str = "after"
+    instruction_position: InstructionPosition = "after"
     max_prompt_tokens: int = 512
-    prompt_policy: str = "skip"
+    prompt_policy: LengthPolicy = "skip"
     max_solution_tokens: int = 4096
-    solution_policy: str = "truncate"
+    solution_policy: LengthPolicy = "truncate"
     eos_after_truncated: bool = False
     shuffle: bool = True
     limit: int | None = None
     cache_dir: str | None = "default"
 
     def __post_init__(self) -> None:
+        options.check(self, "data")
         _require(self.limit is None or self.limit > 0, "data.limit", "must be positive or null")
         _require(self.cache_dir is None or bool(self.cache_dir.strip()), "data.cache_dir",
                  "must be a directory, default or null")  # fmt: skip
-        for name in ("prompt_policy", "solution_policy"):
-            _require(getattr(self, name) in ("skip", "truncate"), f"data.{name}", "must be 'skip' or 'truncate'")
-        _require(self.format in ("auto", "shared", "deepmath"), "data.format", "must be auto, shared or deepmath")
-        solutions = ("r1_solution_1", "r1_solution_2", "r1_solution_3")
-        _require(self.solution_field in solutions, "data.solution_field", f"must be one of {solutions}")
-        _require(self.instruction_position in ("after", "before", "none"), "data.instruction_position",
-                 "must be after, before or none")  # fmt: skip
         _require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be positive")
         _require(self.max_solution_tokens > 0, "data.max_solution_tokens", "must be positive")
-
-
-ROLLOUT_ENGINES = ("jax", "vllm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,18 +148,18 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    engine: str = "jax"
+    engine: RolloutEngine = "jax"
     vllm_kv_cache_gib: int = 1
     compact_every: int = 16  # sampler.DEFAULT_COMPACT_EVERY
 
     def __post_init__(self) -> None:
+        options.check(self, "rollout")
         _require(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be positive")
         _require(self.group_size > 1, "rollout.group_size", "must be > 1: advantages are normalised per group")
         _require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
         _require(self.temperature > 0, "rollout.temperature", "must be positive")
         _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 disables it)")
-        _require(self.engine in ROLLOUT_ENGINES, "rollout.engine", f"must be one of {ROLLOUT_ENGINES}")
         _require(self.vllm_kv_cache_gib > 0, "rollout.vllm_kv_cache_gib", "must be a positive number of GiB")
         _require(self.compact_every >= 0, "rollout.compact_every", "must be >= 0 (0 never compacts)")
 
@@ -180,7 +185,7 @@ class LossConfig:
     """The clipped surrogate: clip-higher ``eps_low``/``eps_high``, optional dual clip ``clip_c``; ``advantage`` is
     the group baseline (``losses.group_advantages``'s estimator: ``std``, ``mean_only`` or ``loo``)."""
 
-    advantage: str = "std"
+    advantage: Estimator = "std"
     eps_low: float = 0.2
     eps_high: float = 0.28
     clip_c: float | None = None
@@ -195,8 +200,7 @@ class LossConfig:
     tis_cap: float | None = None
 
     def __post_init__(self) -> None:
-        estimators = ADVANTAGE_ESTIMATORS
-        _require(self.advantage in estimators, "loss.advantage", f"must be one of {estimators}, got {self.advantage!r}")
+        options.check(self, "loss")
         _require(self.chunk_size is None or self.chunk_size > 0, "loss.chunk_size", "must be positive or null")
         _require(0 <= self.eps_low < 1, "loss.eps_low", "must be in [0, 1)")
         _require(self.eps_high >= 0, "loss.eps_high", "must be >= 0")
@@ -231,8 +235,8 @@ class ScaffoldConfig:
     enabled: bool = True
     sft_steps: int = 4
     sft: SFTOptimConfig = dataclasses.field(default_factory=SFTOptimConfig)
-    splice: str = "partial"
-    correction: str = "token"
+    splice: Splice = "partial"
+    correction: Correction = "token"
     is_cap: float = 1.0
     ratio_floor: float = 0.2
     shaping_gamma: float = 0.1
@@ -241,7 +245,7 @@ class ScaffoldConfig:
     reroll_temperature: float | None = None
     reroll_scale: float = 1.0
     cliff_max_successes: int = 0
-    adapter: str = "fresh"
+    adapter: AdapterLifetime = "fresh"
     reset_every: int | None = None
     # The SFT, re-roll and log-prob batches hold at least this many cliff prompts (padding repeats one):
     # set it to rollout.prompts_per_step to compile one program per phase, where compiling costs more
@@ -249,11 +253,9 @@ class ScaffoldConfig:
     min_cliff_bucket: int = 1
 
     def __post_init__(self) -> None:
+        options.check(self, "scaffold")
         _require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive")
         _require(self.min_cliff_bucket > 0, "scaffold.min_cliff_bucket", "must be positive")
-        _require(self.splice in SPLICES, "scaffold.splice", f"must be one of {SPLICES}, got {self.splice!r}")
-        known = CORRECTIONS
-        _require(self.correction in known, "scaffold.correction", f"must be one of {known}, got {self.correction!r}")
         _require(self.is_cap > 0, "scaffold.is_cap", "must be positive")
         # Above 1 the floor would lift the ratio of tokens the adapter made less likely, past the clip at 1 + eps_high.
         _require(0 < self.ratio_floor <= 1, "scaffold.ratio_floor", "must be in (0, 1]")
@@ -263,8 +265,6 @@ class ScaffoldConfig:
         _require(temperature is None or temperature > 0, "scaffold.reroll_temperature", "must be positive or null")
         _require(self.reroll_scale >= 0, "scaffold.reroll_scale", "must be >= 0")
         _require(self.cliff_max_successes >= 0, "scaffold.cliff_max_successes", "must be >= 0")
-        lifetimes = ADAPTER_LIFETIMES
-        _require(self.adapter in lifetimes, "scaffold.adapter", f"must be one of {lifetimes}, got {self.adapter!r}")
         _require(self.reset_every is None or self.reset_every > 0, "scaffold.reset_every", "must be positive or null")
         _require(
             self.reset_every is None or self.adapter == "persistent",
@@ -346,19 +346,16 @@ class LogConfig:
 
     wandb: bool = False
     wandb_project: str = "lspo_jax"
-    wandb_mode: str = "offline"
+    wandb_mode: WandbMode = "offline"
 
     def __post_init__(self) -> None:
-        _require(self.wandb_mode in ("online", "offline"), "log.wandb_mode", "must be online or offline")
+        options.check(self, "log")
         _require(bool(self.wandb_project), "log.wandb_project", "must not be empty")
 
 
 # ----------------------------------------------------------------------------- the options' configs
 # Here rather than in first_mistake.py and l2rr.py: those modules use the data and model layers, which read this
 # module, so a config class of theirs here keeps the imports one way.
-REFERENCES = ("teacher", "ground_truth")
-
-
 @dataclasses.dataclass(frozen=True)
 class FirstMistakeConfig:
     """First-mistake advantages (see ``first_mistake``'s docstring); ``enabled: false`` leaves GRPO advantages alone.
@@ -376,7 +373,7 @@ class FirstMistakeConfig:
 
     enabled: bool = False
     judge_path: str | None = None
-    reference: str = "teacher"
+    reference: Reference = "teacher"
     lam: float = 0.0
     max_new_tokens: int = 2048
     teacher_temperature: float = 0.6
@@ -387,8 +384,8 @@ class FirstMistakeConfig:
     sentence_breaks: str = ""
 
     def __post_init__(self) -> None:
+        options.check(self, "first_mistake")
         _require_field(self.judge_path is None or bool(self.judge_path.strip()), "judge_path", "must be a path or null")
-        _require_field(self.reference in REFERENCES, "reference", f"must be one of {REFERENCES}")
         _require_field(math.isfinite(self.lam) and self.lam >= 0, "lam", "must be a finite number >= 0")
         _require_field(self.max_new_tokens > 0, "max_new_tokens", "must be positive")
         temperature = self.teacher_temperature
@@ -400,11 +397,6 @@ class FirstMistakeConfig:
 def _require_field(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field}: {message}")
-
-
-NORMALISATIONS = ("std", "max_abs", "none")
-TARGET_LOSSES = ("nll_token_mean", "nll_example_mean")
-PROMPT_LOSS_NORMS = ("prompt", "batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,9 +426,9 @@ class L2RRConfig:
     g_min: int = 2
     p_e: float = 0.5
     waste_weight: float = 1.0
-    normalise: str = "std"
-    target_loss: str = "nll_token_mean"
-    prompt_loss_norm: str = "prompt"
+    normalise: Normalisation = "std"
+    target_loss: TargetLoss = "nll_token_mean"
+    prompt_loss_norm: PromptLossNorm = "prompt"
     alloc_power: float = 1.5
     explore: float = 0.0
     max_draw_rounds: int = 4
@@ -446,6 +438,7 @@ class L2RRConfig:
     top_k: int = 5
 
     def __post_init__(self) -> None:
+        options.check(self, "l2rr")
         checks = {
             "a": (self.a > 0, "must be positive"),
             "horizon": (self.horizon is None or _positive_int(self.horizon), "must be None or a positive int"),
@@ -453,9 +446,6 @@ class L2RRConfig:
             "g_min": (isinstance(self.g_min, int) and self.g_min >= 2, "must be an int >= 2"),
             "p_e": (0 <= self.p_e <= 1, "must be in [0, 1]"),
             "waste_weight": (self.waste_weight >= 0, "must be >= 0"),
-            "normalise": (self.normalise in NORMALISATIONS, f"must be one of {NORMALISATIONS}"),
-            "target_loss": (self.target_loss in TARGET_LOSSES, f"must be one of {TARGET_LOSSES}"),
-            "prompt_loss_norm": (self.prompt_loss_norm in PROMPT_LOSS_NORMS, f"must be one of {PROMPT_LOSS_NORMS}"),
             "alloc_power": (self.alloc_power >= 0, "must be >= 0"),
             "explore": (0 <= self.explore < 1, "must be in [0, 1)"),
             "max_draw_rounds": (_positive_int(self.max_draw_rounds), "must be a positive int"),
@@ -570,6 +560,9 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: expected {hint}, got {value!r}")
+    if origin is typing.Literal:
+        options.require_choice(hint, value, key)
+        return value
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, f"{key}.")
     if origin is tuple:

@@ -77,7 +77,7 @@ def test_wandb_options_follow_the_log_section(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: `import wandb` raises ImportError
     with pytest.raises(ConfigError, match=r"^log\.wandb: wandb is not installed"):
         wandb_options(load_config(None, ["log.wandb=true"]))
-    with pytest.raises(ConfigError, match=r"log\.wandb_mode: must be online or offline"):
+    with pytest.raises(ConfigError, match=r"^log\.wandb_mode: must be one of \('online', 'offline'\), got 'cloud'$"):
         load_config(None, ["log.wandb_mode=cloud"])
 
 

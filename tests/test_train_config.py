@@ -1,6 +1,7 @@
 """Reading run configs: the shipped YAML and the defaults load, errors name the dotted key, overrides
 apply on top of the file, and ``to_dict`` reads back to an equal config."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,44 @@ def test_option_sections_errors_name_the_key():
         load_config(None, ["first_mistake.lam=-1"])
     with pytest.raises(ConfigError, match=r"data\.limit"):
         load_config(None, ["data.limit=0"])
+
+
+def _option_fields():
+    """(section, field, option type) of every field of TrainConfig's sections typed as one of ``options``' options."""
+    import dataclasses
+    import typing
+
+    for section in dataclasses.fields(TrainConfig):
+        cls = typing.get_type_hints(TrainConfig)[section.name]
+        if dataclasses.is_dataclass(cls):
+            for name, hint in typing.get_type_hints(cls).items():
+                if typing.get_origin(hint) is typing.Literal:
+                    yield section.name, name, hint
+
+
+def test_every_option_is_typed_and_checked_one_way_from_yaml_and_from_python():
+    import dataclasses
+
+    from lspo_jax import options
+
+    found = list(_option_fields())
+    # The axes the method's variants turn on are typed options, not free strings (11 sections' fields in all).
+    assert {(s, n) for s, n, _ in found} >= {("loss", "advantage"), ("scaffold", "splice"),
+                                             ("scaffold", "correction"), ("scaffold", "adapter"),
+                                             ("rollout", "engine"), ("first_mistake", "reference")}  # fmt: skip
+    for section, name, option in found:
+        known = options.choices(option)
+        message = "^" + re.escape(f"{section}.{name}: must be one of {known!r}, got 'bogus'") + "$"
+        with pytest.raises(ConfigError, match=message):  # from YAML, the reader's check
+            load_config(None, [f"{section}.{name}=bogus"])
+        defaults = getattr(TrainConfig(), section)
+        with pytest.raises(ConfigError, match=message):  # built in Python, the section's own check
+            dataclasses.replace(defaults, **{name: "bogus"})
+        for value in known:  # every declared value passes the option's check (a rule on a pair may still refuse it)
+            try:
+                load_config(None, [f"{section}.{name}={value}"])
+            except ConfigError as err:
+                assert "must be one of" not in str(err), (section, name, value)
 
 
 def test_pairs_that_contradict_each_other_name_the_key():

@@ -1,0 +1,155 @@
+"""Every option's vocabulary, typed, and the optimizers' settings: the ground floor the other modules read.
+
+An option is a ``Literal`` of its values, declared here once with what each value means; a config field takes the
+type (``splice: Splice = "partial"``) and ``check`` validates every such field of a config the same way, so the
+YAML reader (``train_config``), a config built in Python and the functions that act on an option agree on one
+vocabulary. The tuples beside them (``SPLICES``) are the same values in declaration order, the first the default.
+Nothing here imports the rest of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A config value that does not fit its field; the message names the dotted key."""
+
+
+# ------------------------------------------------------------------------------------- the vocabularies
+# The group baseline of ``losses.group_advantages``: (r - mean) / std (GRPO), r - mean (Dr. GRPO), or r minus the
+# mean of the other n - 1 rewards (RLOO).
+Estimator = Literal["std", "mean_only", "loo"]
+# How a cliff's verified re-rolls enter its group (``scaffold.splice``): replace failed rows up to a share
+# (the paper's), replace the whole group, or append and keep every failed row.
+Splice = Literal["partial", "group", "keep_failed"]
+# The correction of a spliced row for being sampled with the adapter on (``train.importance_weights``).
+Correction = Literal["token", "sequence", "floor", "shaped", "none"]
+# When the adapter is reset: every step (the paper), or kept across steps with its own SFT state.
+AdapterLifetime = Literal["fresh", "persistent"]
+# What samples the rollouts: the JAX sampler, or a vLLM engine given the base's weights after each update.
+RolloutEngine = Literal["jax", "vllm"]
+# The first-mistake judge's reference solution: the teacher's own verified one, or the dataset's.
+Reference = Literal["teacher", "ground_truth"]
+# L2RR: the scores' normalisation, the target loss, and how a prompt's loss is averaged.
+Normalisation = Literal["std", "max_abs", "none"]
+TargetLoss = Literal["nll_token_mean", "nll_example_mean"]
+PromptLossNorm = Literal["prompt", "batch"]
+# Training data: the row schema, where the instruction goes, and what a too-long prompt or solution gets.
+DataFormat = Literal["auto", "shared", "deepmath"]
+InstructionPosition = Literal["after", "before", "none"]
+LengthPolicy = Literal["skip", "truncate"]
+SolutionField = Literal["r1_solution_1", "r1_solution_2", "r1_solution_3"]
+ComputeDtype = Literal["float32", "bfloat16"]
+# Rematerialisation of the layer scan: "full" saves only each layer's input and recomputes the rest in the
+# backward pass; "dots" also saves the outputs of the weight matmuls (not the attention scores).
+Remat = Literal["none", "full", "dots"]
+# Attention of cache-free passes: the written-out einsums, jax.nn.dot_product_attention with XLA or cuDNN, the
+# blocked attention of ``flash`` (pure JAX, never a [T, T] score matrix), or a vendor kernel with segment ids
+# (``kernels``: Pallas on GPUs, splash on TPUs).
+Attention = Literal["einsum", "xla", "cudnn", "blocked", "pallas", "splash"]
+# Attention of the sampler's decode step over the KV cache (``model.decode_attend``): the einsums, broadcast
+# multiplies and sums (the default: one pass over the cache on every backend), jax.nn.dot_product_attention,
+# or the Pallas GPU decode kernel (``kernels.decode_attention``).
+DecodeAttention = Literal["einsum", "reduce", "xla", "pallas"]
+WandbMode = Literal["online", "offline"]
+
+
+def choices(option: Any) -> tuple[str, ...]:
+    """The values of an option type, in declaration order."""
+    return typing.get_args(option)
+
+
+ADVANTAGE_ESTIMATORS = choices(Estimator)
+SPLICES = choices(Splice)
+CORRECTIONS = choices(Correction)
+ADAPTER_LIFETIMES = choices(AdapterLifetime)
+ROLLOUT_ENGINES = choices(RolloutEngine)
+REFERENCES = choices(Reference)
+NORMALISATIONS = choices(Normalisation)
+TARGET_LOSSES = choices(TargetLoss)
+PROMPT_LOSS_NORMS = choices(PromptLossNorm)
+
+
+def require_choice(option: Any, value: Any, key: str) -> None:
+    """``value`` is one of ``option``'s values, else a ``ConfigError`` that names ``key``."""
+    known = choices(option)
+    if value not in known:
+        raise ConfigError(f"{key}: must be one of {known}, got {value!r}")
+
+
+@functools.cache
+def _option_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    fields = (f.name for f in dataclasses.fields(cls))
+    return tuple((name, hints[name]) for name in fields if typing.get_origin(hints[name]) is Literal)
+
+
+def check(config: Any, section: str) -> None:
+    """Every option field of the dataclass ``config`` holds one of its values (keys named ``section.field``)."""
+    for name, option in _option_fields(type(config)):
+        require_choice(option, getattr(config, name), f"{section}.{name}")
+
+
+# ------------------------------------------------------------------------------------------ optimizers
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW with linear warm-up and global-norm clipping.
+
+    ``lr_t = lr * min(1, (t + 1) / warmup_steps)`` for step t = 0, 1, ... (the first step already moves;
+    ``warmup_steps = 0`` is a constant lr). ``max_grad_norm = None`` disables clipping. Weight decay is
+    decoupled (``p -= lr_t * weight_decay * p``) and applies to every parameter of the subtree.
+    """
+
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        checks = {
+            "lr": self.lr > 0,
+            "warmup_steps": isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+            "weight_decay": self.weight_decay >= 0,
+            "max_grad_norm": self.max_grad_norm is None or self.max_grad_norm > 0,
+            "b1": 0 <= self.b1 < 1,
+            "b2": 0 <= self.b2 < 1,
+            "eps": self.eps > 0,
+        }
+        for field, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name}.{field}: invalid value {getattr(self, field)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOptimConfig(AdamWConfig):
+    """The base model's optimizer: AdamW lr 1e-6 (the paper's DAPO recipe).
+
+    ``mini_batches`` and ``epochs``: PPO-style updates per RL step, ``epochs`` passes over the step's rows in
+    ``mini_batches`` shuffled mini-batches (default 1 and 1: the paper's one update). Each update's token-mean is
+    over its own mini-batch's tokens (verl's convention); old log-probs stay those of the sampling policy, so from
+    the second update on the clip acts on on-policy rows too. The warm-up counts updates, not steps.
+    """
+
+    lr: float = 1e-6
+    mini_batches: int = 1
+    epochs: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mini_batches < 1 or self.epochs < 1:
+            raise ValueError(f"mini_batches and epochs must be positive, got {self.mini_batches} and {self.epochs}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTOptimConfig(AdamWConfig):
+    """The adapter's optimizer: AdamW lr 2.5e-5, re-initialised with every fresh adapter."""
+
+    lr: float = 2.5e-5
