@@ -116,5 +116,6 @@ def test_late_orbax_leftovers_are_dropped_and_every_other_report_kept(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "orbax_read" not in run.stderr, run.stderr
     # The closed loop's callback is reported once: from the user's code, not when asyncio's frames are all there is.
-    assert run.stderr.count("RuntimeError: Event loop is closed") == 1 and "called from user code" in run.stderr, run.stderr
+    reported = run.stderr.count("RuntimeError: Event loop is closed")
+    assert reported == 1 and "called from user code" in run.stderr, run.stderr
     assert "late read failed in user_code" in run.stderr and "task failed in user_code" in run.stderr, run.stderr
