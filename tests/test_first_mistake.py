@@ -47,7 +47,8 @@ def test_config_defaults_and_errors_name_the_field():
         ("max_batch", 0),
         ("judge_path", " "),
     ]:
-        with pytest.raises(ValueError, match=f"^{field}:"):
+        key = f"first_mistake.{field}" if field == "reference" else field  # an option: checked with its section's key
+        with pytest.raises(ValueError, match=f"^{key}:"):
             FirstMistakeConfig(**{field: value})
 
 
