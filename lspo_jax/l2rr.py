@@ -84,10 +84,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lspo_jax import distributed, logprobs, losses, optim, packing, sharding
+from lspo_jax import distributed, logprobs, losses, optim, options, packing, sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.data import PromptOrder
-from lspo_jax.train_config import PROMPT_LOSS_NORMS, TARGET_LOSSES, L2RRConfig
+from lspo_jax.options import PromptLossNorm, TargetLoss
+from lspo_jax.train_config import L2RRConfig
 
 Params = Any
 
@@ -507,7 +508,7 @@ class PolicyLosses:
 
     config: ModelConfig
     group_size: int
-    normalise: str = "prompt"
+    normalise: PromptLossNorm = "prompt"
     eps_low: float = 0.2
     eps_high: float = 0.28
     clip_c: float | None = None
@@ -516,8 +517,7 @@ class PolicyLosses:
     num_micro_batches: int = 1
 
     def __post_init__(self) -> None:
-        if self.normalise not in PROMPT_LOSS_NORMS:
-            raise ValueError(f"PolicyLosses.normalise must be one of {PROMPT_LOSS_NORMS}, got {self.normalise!r}")
+        options.check(self, "PolicyLosses")
         if self.group_size < 1 or self.num_micro_batches < 1:
             raise ValueError("PolicyLosses.group_size and num_micro_batches must be positive")
 
@@ -562,8 +562,7 @@ def target_row_weights(mask: np.ndarray, kind: str) -> np.ndarray:
     ``nll_example_mean``: ``u_r = 1 / (n_r * R)``, the mean over the R rows holding tokens of each row's own
     token-mean (``n_r`` its token count); rows without tokens weigh 0.
     """
-    if kind not in TARGET_LOSSES:
-        raise ValueError(f"target loss must be one of {TARGET_LOSSES}, got {kind!r}")
+    options.require_choice(TargetLoss, kind, "target loss")
     counts = np.sum(np.asarray(mask) > 0, axis=1).astype(np.float64)
     if kind == "nll_token_mean":
         weights = np.full(len(counts), 1.0 / max(counts.sum(), 1.0))
