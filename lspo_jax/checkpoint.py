@@ -1,6 +1,7 @@
-"""Orbax checkpoints of a run: base params, the RL optimizer state, the step and the data order.
+"""Orbax checkpoints of a run: base params, the RL optimizer state, the step's counters and the data order.
 
-The adapter is never written: it lives for one step and is discarded (the deliverable is base-only).
+The train state (``TrainState``) is saved and restored whole, in one call each. LSPO's adapter is never written: it
+lives for one step and is discarded (the deliverable is base-only); a persistent one is.
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-write
 leaves the previous checkpoint intact; ``keep`` bounds how many are kept. Sharded arrays are written by
 the devices (and hosts) that hold them; every process of a multi-host run calls ``save`` and ``restore``.
@@ -12,6 +13,7 @@ its step; ``restore_readable`` then falls back to the newest step that restores.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -32,8 +34,67 @@ class CheckpointError(RuntimeError):
     """A checkpoint step that is missing or cannot be read; the message names the step and the directory."""
 
 
+@dataclasses.dataclass
+class TrainState:
+    """Everything a step reads and writes. ``params["lora"]`` is scratch space for the step's adapter."""
+
+    step: int
+    params: Any
+    opt_state: Any
+    nonfinite_in_row: int = 0
+    nonfinite_total: int = 0
+    # RL updates applied (skipped ones not included): the learning-rate schedule's count. One per step unless
+    # ``optim.mini_batches`` or ``optim.epochs`` is above 1.
+    updates: int = 0
+    # The step at which a persistent adapter (``scaffold.adapter: persistent``) was last reset; None: never.
+    adapter_reset_step: int | None = None
+
+
+# The train state's counters, stored in a checkpoint's JSON meta beside the arrays.
+COUNTERS = ("step", "nonfinite_total", "nonfinite_in_row", "adapter_reset_step", "updates")
+
+
+def checkpoint_state(params: Any, opt_state: Any, *, adapter: bool = False) -> dict[str, Any]:
+    """What a checkpoint holds: the base params and the RL optimizer state, and with ``adapter`` (an adapter lifetime
+    that is checkpointed, ``scaffold.adapter: persistent``) the adapter and its SFT state under ``"adapter"``.
+    LSPO's own adapter, fresh every step, is never stored.
+
+    Optimizer states are stored as their lists of leaves: each tree mirrors ``{"base", "lora"}`` with empty
+    placeholders on the other side, so storing the tree would tie a checkpoint to the adapter's targets.
+    """
+    state = {"base": params["base"], "rl_opt": jax.tree.leaves(opt_state.inner_states["base"])}
+    if adapter:
+        state["adapter"] = {"lora": params["lora"], "sft_opt": jax.tree.leaves(opt_state.inner_states["lora"])}
+    return state
+
+
+def with_rl_state(opt_state: Any, leaves: list[Any], name: str = "base") -> Any:
+    """``opt_state`` with its RL part (``name="lora"``: its SFT part) rebuilt from checkpointed leaves (the inverse
+    of ``checkpoint_state``)."""
+    part = jax.tree.unflatten(jax.tree.structure(opt_state.inner_states[name]), leaves)
+    return opt_state._replace(inner_states={**opt_state.inner_states, name: part})
+
+
+def _restored_state(template: TrainState, restored: dict[str, Any], meta: dict[str, Any]) -> TrainState:
+    """``template`` with the checkpoint's arrays and counters (those of older checkpoints defaulted)."""
+    params = {**template.params, "base": restored["base"]}
+    opt_state = with_rl_state(template.opt_state, restored["rl_opt"])
+    if "adapter" in restored:
+        params["lora"] = restored["adapter"]["lora"]
+        opt_state = with_rl_state(opt_state, restored["adapter"]["sft_opt"], "lora")
+    step, nonfinite_total = int(meta["step"]), int(meta.get("nonfinite_total", 0))
+    return TrainState(
+        step=step, params=params, opt_state=opt_state, nonfinite_total=nonfinite_total,
+        nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
+        adapter_reset_step=meta.get("adapter_reset_step") if "adapter" in restored else None,
+        # A checkpoint from before optim.mini_batches took one update a step.
+        updates=int(meta.get("updates", step - nonfinite_total)),
+    )  # fmt: skip
+
+
 class Checkpointer:
-    """Save and restore ``{"base": params, "rl_opt": RL optimizer state}`` plus a JSON ``meta`` dict."""
+    """Save and restore ``{"base": params, "rl_opt": RL optimizer state}`` plus a JSON ``meta`` dict; a run's whole
+    ``TrainState`` in one call with ``save_state`` and ``restore_state``."""
 
     def __init__(self, directory: str, *, keep: int = 3):
         self.directory = os.path.abspath(directory)
@@ -53,6 +114,21 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._manager.save(step, args=args, force=True)
         self._manager.wait_until_finished()
+
+    def save_state(self, state: TrainState, meta: dict[str, Any], *, adapter: bool = False) -> None:
+        """The whole train state at its step in one checkpoint: arrays (``checkpoint_state``), counters, and the
+        run's own ``meta`` (the prompt source's state, the seed) beside them."""
+        counters = {name: getattr(state, name) for name in COUNTERS}
+        self.save(state.step, checkpoint_state(state.params, state.opt_state, adapter=adapter), {**counters, **meta})
+
+    def restore_state(
+        self, template: TrainState, *, adapter: bool = False
+    ) -> tuple[TrainState, dict[str, Any], list[str]]:
+        """The newest readable checkpoint as a train state in ``template``'s structure and layouts (the inverse of
+        ``save_state``), its meta, and one line per newer step that did not restore (``restore_readable``)."""
+        target = checkpoint_state(template.params, template.opt_state, adapter=adapter)
+        restored, meta, failures = self.restore_readable(target)
+        return _restored_state(template, restored, meta), meta, failures
 
     def restore(self, step: int | None, target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore into the structure, shapes, dtypes and shardings of ``target`` (arrays or ShapeDtypeStructs).

@@ -86,7 +86,6 @@ import numpy as np
 
 from lspo_jax import distributed, logprobs, losses, optim, options, packing, sharding
 from lspo_jax.config import ModelConfig
-from lspo_jax.data import PromptOrder
 from lspo_jax.options import PromptLossNorm, TargetLoss
 from lspo_jax.train_config import L2RRConfig
 
@@ -294,41 +293,6 @@ def _check_observation(num_prompts, indices, zero_variance, target_scores) -> tu
     return indices, zero_variance
 
 
-class UniformSampler(PromptSampler):
-    """Today's behaviour: ``data.PromptOrder``'s seeded permutation per epoch, G rollouts per prompt.
-
-    ``draw`` ignores ``rng`` (the order is a function of ``seed``), so a run draws the prompts it drew before
-    this sampler existed. As there, a step that crosses an epoch boundary may meet a prompt twice.
-    """
-
-    kind = "uniform"
-
-    def __init__(self, num_prompts: int, group_size: int, *, seed: int, shuffle: bool = True):
-        super().__init__(num_prompts, group_size)
-        self.order = PromptOrder(num_prompts, seed=seed, shuffle=shuffle)
-
-    def draw(self, count: int, rng: np.random.Generator | None = None) -> np.ndarray:
-        indices = np.asarray(self.order.take(count), np.int64)
-        self._drawn.extend(int(i) for i in indices)
-        return indices
-
-    def allocate(self, indices: np.ndarray) -> np.ndarray:
-        return self._charge(np.full(len(indices), self.group_size, np.int64))
-
-    def weights(self) -> np.ndarray:
-        return np.full(self.num_prompts, 1.0 / self.num_prompts)
-
-    def _update(self, indices: np.ndarray, zero_variance: np.ndarray, target_scores: np.ndarray | None) -> None:
-        """Nothing: the order is fixed by the seed."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self._bookkeeping(), "order": self.order.state()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._load_bookkeeping(state)
-        self.order.restore(state["order"])
-
-
 class L2RRSampler(PromptSampler):
     """Prompts drawn in proportion to learned weights, rollouts allocated by weight and waste (module doc).
 
@@ -422,15 +386,6 @@ class L2RRSampler(PromptSampler):
 def _logsumexp(x: np.ndarray) -> float:
     top = x.max()
     return float(top + np.log(np.sum(np.exp(x - top))))
-
-
-def make_sampler(
-    num_prompts: int, group_size: int, config: L2RRConfig, *, seed: int, shuffle: bool = True
-) -> PromptSampler:
-    """``L2RRSampler`` when ``config.enabled``, else the ``UniformSampler`` of ``seed`` and ``shuffle``."""
-    if config.enabled:
-        return L2RRSampler(num_prompts, group_size, config)
-    return UniformSampler(num_prompts, group_size, seed=seed, shuffle=shuffle)
 
 
 # ---------------------------------------------------------------------------------------- draw rounds

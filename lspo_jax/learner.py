@@ -26,7 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from lspo_jax import distributed, model, optim, packing, rewards, sharding
+from lspo_jax import distributed, model, optim, packing, rewards, scaffold, sharding
+from lspo_jax.checkpoint import TrainState
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import Params
 from lspo_jax.packing import Rows
@@ -88,22 +89,6 @@ class Placed:
         return result if self.packed is None else self.packed.unpack(result)
 
 
-@dataclasses.dataclass
-class TrainState:
-    """Everything a step reads and writes. ``params["lora"]`` is scratch space for the step's adapter."""
-
-    step: int
-    params: Params
-    opt_state: Any
-    nonfinite_in_row: int = 0
-    nonfinite_total: int = 0
-    # RL updates applied (skipped ones not included): the learning-rate schedule's count. One per step unless
-    # ``optim.mini_batches`` or ``optim.epochs`` is above 1.
-    updates: int = 0
-    # The step at which a persistent adapter (``scaffold.adapter: persistent``) was last reset; None: never.
-    adapter_reset_step: int | None = None
-
-
 class Learner:
     """A run's policy, mesh, programs, verifier, engine and train state (see the module docstring).
 
@@ -122,6 +107,7 @@ class Learner:
         self.decoding = self.generator.decoding(
             run.rollout.max_new_tokens, run.rollout.temperature, run.rollout.top_p, run.rollout.top_k
         )
+        self.adapter_lifetime = scaffold.ADAPTER_LIFETIMES.resolve(run.scaffold.adapter)
         self._tx = optim.make_optimizer(run.optim, run.scaffold.sft)
         self._layouts = (
             sharding.param_shardings(config, self.mesh),
@@ -158,10 +144,7 @@ class Learner:
     def adapter_due(self) -> bool:
         """Whether this step's scaffold starts from a fresh adapter: every step (``scaffold.adapter: fresh``), or for
         a persistent one at its first use and then every ``scaffold.reset_every`` steps."""
-        scaffold, last = self.run.scaffold, self.state.adapter_reset_step
-        if scaffold.adapter == "fresh" or last is None:
-            return True
-        return scaffold.reset_every is not None and self.state.step - last >= scaffold.reset_every
+        return self.adapter_lifetime.due(self.state.step, self.state.adapter_reset_step, self.run.scaffold.reset_every)
 
     # -------------------------------------------------------------------------------------- rollouts
     def sample(

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lspo_jax.options import ADVANTAGE_ESTIMATORS
+from lspo_jax import options
 
 Metrics = dict[str, jax.Array]
 
@@ -36,7 +36,7 @@ def group_advantages(
 ) -> jax.Array:
     """Group-relative advantages; by default group-normalised, ``A_i = (r_i - mean_g) / (std_g + eps)``.
 
-    ``estimator`` (``ADVANTAGE_ESTIMATORS``), over a group of n rewards with mean m:
+    ``estimator`` (a name of ``ESTIMATORS``), over a group of n rewards with mean m:
 
         std        (r_i - m) / (std + eps)                    GRPO / DAPO; std with Bessel's correction
         mean_only  r_i - m                                     Dr. GRPO: no division by the std
@@ -68,29 +68,49 @@ def group_advantages(
         raise ValueError(f"len(rewards)={rewards.shape[0]} is not a multiple of group_size={group_size}")
     if valid is not None and jnp.shape(valid) != rewards.shape:
         raise ValueError(f"valid must have the shape of rewards {rewards.shape}, got {jnp.shape(valid)}")
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {ADVANTAGE_ESTIMATORS}")
+    advantages = ESTIMATORS.resolve(estimator)
     if group_size == 1:
         return jnp.zeros_like(rewards)  # the sample std of one value is undefined; no signal either way
     r_GK = rewards.reshape(-1, group_size)
-    if estimator != "std":
-        valid_GK = jnp.ones(r_GK.shape, bool) if valid is None else jnp.asarray(valid, bool).reshape(r_GK.shape)
-        return _centred_advantages(r_GK, valid_GK, estimator).reshape(-1)
+    valid_GK = None if valid is None else jnp.asarray(valid, bool).reshape(r_GK.shape)
+    return advantages(r_GK, valid_GK, eps).reshape(-1)
+
+
+# Each estimator maps ``[G, K]`` rewards, the valid slots (None: all) and eps to ``[G, K]`` advantages.
+ESTIMATORS = options.Registry(options.Estimator, "advantage estimator")
+
+
+@ESTIMATORS.register("std")
+def std_advantages(r_GK: jax.Array, valid_GK: jax.Array | None, eps: float) -> jax.Array:
+    """GRPO's ``(r - mean) / (std + eps)``."""
     adv_GK = _full_group_advantages(r_GK, eps)
-    if valid is not None:
-        valid_GK = jnp.asarray(valid, bool).reshape(r_GK.shape)
-        # Full groups keep the unmasked arithmetic: XLA may round the masked reductions differently.
-        full_G1 = jnp.all(valid_GK, axis=1, keepdims=True)
-        adv_GK = jnp.where(full_G1, adv_GK, _masked_group_advantages(r_GK, valid_GK, eps))
-    return adv_GK.reshape(-1)
+    if valid_GK is None:
+        return adv_GK
+    # Full groups keep the unmasked arithmetic: XLA may round the masked reductions differently.
+    full_G1 = jnp.all(valid_GK, axis=1, keepdims=True)
+    return jnp.where(full_G1, adv_GK, _masked_group_advantages(r_GK, valid_GK, eps))
 
 
-def _centred_advantages(r_GK: jax.Array, valid_GK: jax.Array, estimator: str) -> jax.Array:
-    """``mean_only`` and ``loo`` over the valid rows of each group; padding rows and constant groups give 0."""
+@ESTIMATORS.register("mean_only")
+def mean_only_advantages(r_GK: jax.Array, valid_GK: jax.Array | None, eps: float) -> jax.Array:
+    """Dr. GRPO's ``r - mean``."""
+    return _centred_advantages(r_GK, valid_GK, leave_one_out=False)
+
+
+@ESTIMATORS.register("loo")
+def loo_advantages(r_GK: jax.Array, valid_GK: jax.Array | None, eps: float) -> jax.Array:
+    """RLOO's ``r - mean of the others`` = ``n / (n - 1) * (r - mean)``."""
+    return _centred_advantages(r_GK, valid_GK, leave_one_out=True)
+
+
+def _centred_advantages(r_GK: jax.Array, valid_GK: jax.Array | None, *, leave_one_out: bool) -> jax.Array:
+    """``r - mean`` (or RLOO's scaled form) over the valid rows of each group; padding rows and constant groups
+    give 0."""
+    valid_GK = jnp.ones(r_GK.shape, bool) if valid_GK is None else valid_GK
     count_G1 = jnp.sum(valid_GK, axis=1, keepdims=True).astype(jnp.float32)
     mean_G1 = jnp.sum(jnp.where(valid_GK, r_GK, 0.0), axis=1, keepdims=True) / jnp.maximum(count_G1, 1.0)
     centred_GK = r_GK - mean_G1
-    if estimator == "loo":  # a group of one valid row has no other rows to average: the where below gives 0
+    if leave_one_out:  # a group of one valid row has no other rows to average: the where below gives 0
         centred_GK = centred_GK * (count_G1 / jnp.maximum(count_G1 - 1.0, 1.0))
     first_G1 = jnp.take_along_axis(r_GK, jnp.argmax(valid_GK, axis=1)[:, None], axis=1)
     constant_G1 = jnp.all((r_GK == first_G1) | ~valid_GK, axis=1, keepdims=True)

@@ -3,8 +3,9 @@
 An option is a ``Literal`` of its values, declared here once with what each value means; a config field takes the
 type (``splice: Splice = "partial"``) and ``check`` validates every such field of a config the same way, so the
 YAML reader (``train_config``), a config built in Python and the functions that act on an option agree on one
-vocabulary. The tuples beside them (``SPLICES``) are the same values in declaration order, the first the default.
-Nothing here imports the rest of the package.
+vocabulary (``choices(Splice)``: its values in declaration order, the first the default). An option that selects
+a strategy (an estimator, a splice, a correction, an adapter lifetime) has a ``Registry`` beside the code that
+implements it, the one place its name is looked up. Nothing here imports the rest of the package.
 """
 
 from __future__ import annotations
@@ -63,17 +64,6 @@ def choices(option: Any) -> tuple[str, ...]:
     return typing.get_args(option)
 
 
-ADVANTAGE_ESTIMATORS = choices(Estimator)
-SPLICES = choices(Splice)
-CORRECTIONS = choices(Correction)
-ADAPTER_LIFETIMES = choices(AdapterLifetime)
-ROLLOUT_ENGINES = choices(RolloutEngine)
-REFERENCES = choices(Reference)
-NORMALISATIONS = choices(Normalisation)
-TARGET_LOSSES = choices(TargetLoss)
-PROMPT_LOSS_NORMS = choices(PromptLossNorm)
-
-
 def require_choice(option: Any, value: Any, key: str) -> None:
     """``value`` is one of ``option``'s values, else a ``ConfigError`` that names ``key``."""
     known = choices(option)
@@ -92,6 +82,35 @@ def check(config: Any, section: str) -> None:
     """Every option field of the dataclass ``config`` holds one of its values (keys named ``section.field``)."""
     for name, option in _option_fields(type(config)):
         require_choice(option, getattr(config, name), f"{section}.{name}")
+
+
+# ------------------------------------------------------------------------------------------- registries
+class Registry(dict):
+    """One option axis's strategies by name: ``@REGISTRY.register("loo")`` files a function (or an object) under a
+    value of ``option``, and ``REGISTRY.resolve(name)`` is the one place a name becomes its strategy. The suite
+    checks that every registry holds exactly its option's values, so a value declared without a strategy (or the
+    reverse) fails there, not mid-run."""
+
+    def __init__(self, option: Any, what: str):
+        super().__init__()
+        self.option, self.what = option, what
+
+    def register(self, name: str):
+        def add(strategy):
+            if name not in choices(self.option):
+                raise ValueError(f"{self.what} {name!r} is not a value of its option {choices(self.option)}")
+            if name in self:
+                raise ValueError(f"{self.what} {name!r} is registered twice")
+            self[name] = strategy
+            return strategy
+
+        return add
+
+    def resolve(self, name: str) -> Any:
+        """The strategy named ``name``; a ``ValueError`` naming the known ones otherwise."""
+        if name not in self:
+            raise ValueError(f"unknown {self.what} {name!r}; known: {tuple(self)}")
+        return self[name]
 
 
 # ------------------------------------------------------------------------------------------ optimizers

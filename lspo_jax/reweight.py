@@ -47,7 +47,7 @@ class L2RRPrompts:
                                  f"prompts a step, but data.train {run.data.train} has {len(examples)} "
                                  "usable ones")  # fmt: skip
         self.run, self.examples = run, examples
-        self.sampler = l2rr.make_sampler(len(examples), run.rollout.group_size, run.l2rr, seed=run.seed)
+        self.sampler = l2rr.L2RRSampler(len(examples), run.rollout.group_size, run.l2rr)
 
     def next_batch(self, learner: Any, key: jax.Array, phases: Any) -> Draw:
         """Draw rounds until ``prompts_per_step`` prompts with a learning signal; each round's sampling and scoring

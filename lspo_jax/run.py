@@ -29,15 +29,16 @@ from lspo_jax import (
     model,
     optim,
     reweight,
+    scaffold,
     sharding,
     toy,
     toy_model,
     verify_pool,
 )
-from lspo_jax.checkpoint import Checkpointer
+from lspo_jax.checkpoint import Checkpointer, TrainState, checkpoint_state
 from lspo_jax.compiles import CompileCount
 from lspo_jax.config import ModelConfig
-from lspo_jax.learner import Learner, Policy, TrainState
+from lspo_jax.learner import Learner, Policy
 from lspo_jax.metrics_log import MetricsLog, NullLog, records_until, rewrite, wandb_options
 from lspo_jax.model import Params
 from lspo_jax.progress import Progress
@@ -178,34 +179,14 @@ def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> d
     return out
 
 
-def checkpoint_state(params: Params, opt_state: Any, *, adapter: bool = False) -> dict[str, Any]:
-    """What a checkpoint holds: the base params and the RL optimizer state, and with ``adapter`` (a run's persistent
-    adapter, ``scaffold.adapter: persistent``) the adapter and its SFT state under ``"adapter"``. LSPO's own
-    adapter, fresh every step, is never stored.
-
-    Optimizer states are stored as their lists of leaves: each tree mirrors ``{"base", "lora"}`` with empty
-    placeholders on the other side, so storing the tree would tie a checkpoint to the adapter's targets.
-    """
-    state = {"base": params["base"], "rl_opt": jax.tree.leaves(opt_state.inner_states["base"])}
-    if adapter:
-        state["adapter"] = {"lora": params["lora"], "sft_opt": jax.tree.leaves(opt_state.inner_states["lora"])}
-    return state
-
-
-def with_rl_state(opt_state: Any, leaves: list[Any], name: str = "base") -> Any:
-    """``opt_state`` with its RL part (``name="lora"``: its SFT part) rebuilt from checkpointed leaves (the inverse
-    of ``checkpoint_state``)."""
-    part = jax.tree.unflatten(jax.tree.structure(opt_state.inner_states[name]), leaves)
-    return opt_state._replace(inner_states={**opt_state.inner_states, name: part})
-
-
 def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str, Any]:
     """Shapes and dtypes of ``checkpoint_state`` for this run, without allocating: a restore target."""
 
     def build():
         params = model.init_params(config, jax.random.key(0))
         opt_state = optim.make_optimizer(run.optim, run.scaffold.sft).init(params)
-        return checkpoint_state(params, opt_state, adapter=run.scaffold.adapter == "persistent")
+        checkpointed = scaffold.ADAPTER_LIFETIMES.resolve(run.scaffold.adapter).checkpointed
+        return checkpoint_state(params, opt_state, adapter=checkpointed)
 
     return jax.eval_shape(build)
 
@@ -328,23 +309,15 @@ class Run:
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        meta = {"step": self.state.step, self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed,
-                "nonfinite_total": self.state.nonfinite_total,
-                "nonfinite_in_row": self.state.nonfinite_in_row,
-                "adapter_reset_step": self.state.adapter_reset_step, "updates": self.state.updates}  # fmt: skip
-        state = checkpoint_state(self.state.params, self.state.opt_state, adapter=self._persistent_adapter)
-        self.checkpointer.save(self.state.step, state, meta)
-
-    @property
-    def _persistent_adapter(self) -> bool:
-        return self.run.scaffold.adapter == "persistent"
+        meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed}
+        self.checkpointer.save_state(self.state, meta, adapter=self.learner.adapter_lifetime.checkpointed)
 
     def _restore(self) -> None:
         """The newest readable checkpoint; newer unreadable ones are set aside (and said so), so the run writes
         those steps again. The run's records are taken up to that step: what followed it is redone."""
-        target = checkpoint_state(self.state.params, self.state.opt_state, adapter=self._persistent_adapter)
-        restored, meta, failures = self.checkpointer.restore_readable(target)
-        step = int(meta["step"])
+        adapter = self.learner.adapter_lifetime.checkpointed
+        state, meta, failures = self.checkpointer.restore_state(self.state, adapter=adapter)
+        step = state.step
         if step > self.run.steps:
             raise ConfigError(
                 f"steps: {self.run.steps} is below the run's step {step} (its checkpoint); pass steps={step} or more"
@@ -360,18 +333,7 @@ class Run:
                 print(f"lspo-train: resuming from step {step}, the newest readable checkpoint; the unreadable ones "
                       f"are in {aside}", file=sys.stderr)  # fmt: skip
         self.history = records_until(os.path.join(self.out_dir, "metrics.jsonl"), step)
-        params = {**self.state.params, "base": restored["base"]}
-        opt_state = with_rl_state(self.state.opt_state, restored["rl_opt"])
-        if "adapter" in restored:
-            params["lora"] = restored["adapter"]["lora"]
-            opt_state = with_rl_state(opt_state, restored["adapter"]["sft_opt"], "lora")
-        self.state = TrainState(
-            step=int(meta["step"]), params=params, opt_state=opt_state,
-            nonfinite_total=int(meta.get("nonfinite_total", 0)), nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
-            adapter_reset_step=meta.get("adapter_reset_step") if "adapter" in restored else None,
-            # A checkpoint from before optim.mini_batches took one update a step.
-            updates=int(meta.get("updates", step - int(meta.get("nonfinite_total", 0)))),
-        )  # fmt: skip
+        self.state = state
         if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
             self.prompts.load_state_dict(meta[self.prompts.meta_key])
 

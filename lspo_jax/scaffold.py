@@ -10,7 +10,7 @@ so GRPO learns nothing from it. LSPO re-rolls each cliff prompt K times with a f
 Failed re-rollouts are dropped; every other row keeps its values, its ``old_logp`` included. A spliced row
 carries the re-rollout's fields, so its ``old_logp`` is the adapter-on log-prob ``log pi_theta+phi``.
 
-That is ``SPLICES[0]``, ``partial``, the paper's. The others (``splice(..., variant=)``, ``scaffold.splice``):
+That is ``partial``, the paper's (the default). The others (``splice(..., variant=)``, ``scaffold.splice``):
 
     group        the cliff group's valid slots <- its re-rollouts in order, passing or not (all of them when
                  there are as many re-rollouts as slots): the group becomes an adapter-on sample
@@ -27,11 +27,11 @@ data-dependent, so a jitted version would need padding to fixed shapes for no ga
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from lspo_jax.options import SPLICES
+from lspo_jax import options
 
 Batch = dict[str, np.ndarray]
 
@@ -97,7 +97,7 @@ def splice(
     reroll_n: int | None = None,
 ) -> tuple[Batch, np.ndarray, SpliceStats]:
     """Replace rows of cliff groups by re-rollouts: by default failed rows by passing re-rollouts (the partial
-    swap; ``variant`` names another of ``SPLICES``, see the module doc).
+    swap; ``variant`` names another of ``SPLICE_VARIANTS``, see the module doc).
 
     Args:
         base: per-row arrays of the sampled batch, rows on axis 0 and grouped consecutively by prompt; must
@@ -121,8 +121,7 @@ def splice(
         ``(spliced, spliced_rows, stats)``: a new dict with the same keys, shapes and dtypes as ``base``
         (inputs are not modified), ``[N]`` bool marking the replaced rows, and the step's ``SpliceStats``.
     """
-    if variant not in SPLICES:
-        raise ValueError(f"unknown splice variant {variant!r}; known: {SPLICES}")
+    variant_ = SPLICE_VARIANTS.resolve(variant)
     acc_GK = _grouped(np.asarray(base["accuracy"]), group_size, "base accuracy")
     cliffs = np.asarray(cliffs, dtype=bool)
     if cliffs.shape != acc_GK.shape[:1]:
@@ -141,8 +140,8 @@ def splice(
 
     valid_GK = _valid(valid, acc_GK.shape)
     # Slots a re-rollout may fill: the failed ones (``group``: all) of valid slots.
-    open_GK = valid_GK if variant == "group" else valid_GK & ~(acc_GK > 0)
-    dst, src, num_surpassed = _slot_pairs(open_GK, reroll_acc_CK > 0, cliff_ids, variant)
+    open_GK = valid_GK if variant_.fills_passing_slots else valid_GK & ~(acc_GK > 0)
+    dst, src, num_surpassed = _slot_pairs(open_GK, reroll_acc_CK > 0, cliff_ids, variant_.order)
     spliced = {key: _replace_rows(key, np.asarray(base[key]), np.asarray(rerolls[key]), dst, src) for key in base}
     spliced_rows = np.zeros(acc_GK.size, dtype=bool)
     spliced_rows[dst] = True
@@ -158,28 +157,41 @@ def splice(
 
 
 def _slot_pairs(
-    open_GK: np.ndarray, reroll_pass_CK: np.ndarray, cliff_ids: np.ndarray, variant: str
+    open_GK: np.ndarray, reroll_pass_CK: np.ndarray, cliff_ids: np.ndarray, order: Callable[[np.ndarray], np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Row pairs (destination in base, source in rerolls): the j-th source re-roll -> the j-th open slot.
-
-    Sources: the passing re-rolls (``partial``), all in order (``group``), passing then failed (``keep_failed``).
-    """
-    k, n = open_GK.shape[1], reroll_pass_CK.shape[1]
+    """Row pairs (destination in base, source in rerolls): the j-th source re-roll -> the j-th open slot, the
+    sources of each cliff in the variant's ``order``."""
+    n = reroll_pass_CK.shape[1]
+    k = open_GK.shape[1]
     dst, src, surpassed = [], [], 0
     for c, g in enumerate(cliff_ids):
         slots = g * k + np.flatnonzero(open_GK[g])
-        passing = np.flatnonzero(reroll_pass_CK[c])
-        if variant == "partial":
-            order = passing
-        elif variant == "group":
-            order = np.arange(n)
-        else:
-            order = np.concatenate([passing, np.flatnonzero(~reroll_pass_CK[c])])
-        m = min(slots.size, order.size)
+        sources = order(reroll_pass_CK[c])
+        m = min(slots.size, sources.size)
         dst.append(slots[:m])
-        src.append(c * n + order[:m])
-        surpassed += int(passing.size > 0)
+        src.append(c * n + sources[:m])
+        surpassed += int(reroll_pass_CK[c].any())
     return _concat_index(dst), _concat_index(src), surpassed
+
+
+@dataclasses.dataclass(frozen=True)
+class SpliceVariant:
+    """A way a cliff's re-rollouts enter its group (``scaffold.splice``; the module doc): which of the group's valid
+    slots are open to them (its failed ones, or with ``fills_passing_slots`` all of them), and ``order``: a
+    cliff's re-rollouts, from their pass flags ``[n]``, in the order they fill its open slots."""
+
+    fills_passing_slots: bool
+    order: Callable[[np.ndarray], np.ndarray]
+
+
+def _passing_first(passing: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.flatnonzero(passing), np.flatnonzero(~passing)])
+
+
+SPLICE_VARIANTS = options.Registry(options.Splice, "splice variant")
+SPLICE_VARIANTS.register("partial")(SpliceVariant(False, np.flatnonzero))  # the passing re-rollouts only
+SPLICE_VARIANTS.register("group")(SpliceVariant(True, lambda passing: np.arange(passing.size)))  # all, in order
+SPLICE_VARIANTS.register("keep_failed")(SpliceVariant(False, _passing_first))
 
 
 def _concat_index(parts: list[np.ndarray]) -> np.ndarray:
@@ -224,3 +236,31 @@ def _grouped(values: np.ndarray, group_size: int, name: str) -> np.ndarray:
     if group_size < 1 or values.size % group_size:
         raise ValueError(f"{name}: {values.size} rows is not a multiple of group_size={group_size}")
     return values.reshape(-1, group_size)
+
+
+# ------------------------------------------------------------------------------------- adapter lifetimes
+class FreshAdapter:
+    """The paper's: a fresh adapter (A random, B zero, a new SFT state) every step, never checkpointed."""
+
+    checkpointed = False  # a checkpoint holds the adapter and its SFT state
+    scheduled = False  # reset on ``scaffold.reset_every``'s schedule
+
+    def due(self, step: int, last_reset: int | None, reset_every: int | None) -> bool:
+        """Whether the step ``step`` starts from a fresh adapter, the last reset having been at ``last_reset``."""
+        return True
+
+
+class PersistentAdapter(FreshAdapter):
+    """Kept and fitted further across steps with its own SFT state, checkpointed with the run; reset at its first
+    use and then every ``reset_every`` steps (None: never again)."""
+
+    checkpointed = True
+    scheduled = True
+
+    def due(self, step: int, last_reset: int | None, reset_every: int | None) -> bool:
+        return last_reset is None or (reset_every is not None and step - last_reset >= reset_every)
+
+
+ADAPTER_LIFETIMES = options.Registry(options.AdapterLifetime, "adapter lifetime")
+ADAPTER_LIFETIMES.register("fresh")(FreshAdapter())
+ADAPTER_LIFETIMES.register("persistent")(PersistentAdapter())

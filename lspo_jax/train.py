@@ -1,16 +1,21 @@
 """The LSPO training step: sample, score, scaffold the cliffs, update the base, discard the adapter.
 
-Per step (the method's steps 1-6), each stage a verb of the run's ``learner.Learner``:
+Per step (the method's steps 1-6), each stage a verb of the run's ``learner.Learner`` and a phase of the step's
+timer, named as in its record (``time_<stage>``, ``Phases.NAMES``), in the order they first run:
 
     sample   B prompts x K rollouts from pi_theta                 (adapter off)
-    reward   math-verify accuracy 0/1, plus the overlong penalty for the shaped reward
-    cliffs   groups with zero total accuracy
-    sft      fresh adapter, ``sft_steps`` AdamW steps on the cliff prompts' worked solutions (adapter only)
-    reroll   K samples per cliff prompt from pi_theta+phi; verify; splice passing ones into failed rows
+    reward   math-verify accuracy 0/1, plus the overlong penalty for the shaped reward (the re-rolls' too)
+    sft      on the cliffs (groups of zero total accuracy, found just before): a fresh adapter, ``sft_steps``
+             AdamW steps on their worked solutions (adapter only)
+    reroll   K samples per cliff prompt from pi_theta+phi; verified (reward), their adapter-on log-probs
+             (logprob), passing ones spliced into failed rows
     logprob  old_logp = log pi_theta on base rows, log pi_theta+phi (already set) on spliced rows
              (``scaffold.correction`` and ``loss.tis_cap`` may change these and add weights: importance_weights)
-    update   advantages on the spliced batch (token-level with a first-mistake judge), clipped surrogate on the
-             base only (lora_scale = 0); ``optim.mini_batches`` x ``optim.epochs`` updates (rl_updates)
+    judge    with a first-mistake teacher only: token advantages of the failed rows (judge_advantages), from
+             GRPO's advantages of the spliced batch (taken untimed just before; without a judge, those are the
+             update's)
+    update   the clipped surrogate on the base only (lora_scale = 0);
+             ``optim.mini_batches`` x ``optim.epochs`` updates (rl_updates)
 
 With ``scaffold.enabled: false`` the same step is the DAPO baseline. The loop (``run``) derives the step's key
 as ``fold_in(seed, step)``, so a resumed run draws exactly what an uninterrupted one would. The step returns
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lspo_jax import losses, packing, scaffold
+from lspo_jax import corrections, losses, packing, scaffold
 from lspo_jax.learner import Learner
 from lspo_jax.prompts import Draw
 from lspo_jax.train_config import TrainConfig
@@ -195,18 +200,8 @@ def importance_weights(run: TrainConfig, rows: dict, base_logp, behaviour_logp, 
     ``loss.tis_cap`` C then multiplies each token's loss by min(exp(behaviour_logp - sampler_logp), C): the
     trainer's log-prob of the sampling policy against the one the engine reported while sampling.
     """
-    cfg, mask = run.scaffold, rows["mask"]
-    old_logp, weights = base_logp, None
-    if cfg.correction == "token":
-        old_logp = behaviour_logp
-    elif cfg.correction == "floor":
-        old_logp = np.asarray(losses.floored_old_logp(base_logp, behaviour_logp, cfg.ratio_floor))
-    elif cfg.correction == "sequence" and spliced_rows.any():
-        row_weights = np.asarray(losses.sequence_weights(base_logp, behaviour_logp, mask, cfg.is_cap))
-        weights = np.where(spliced_rows, row_weights, 1.0).astype(np.float32)
-    elif cfg.correction == "shaped" and spliced_rows.any():
-        token_weights = np.asarray(losses.shaping_weights(base_logp, mask, cfg.shaping_gamma))
-        weights = np.where(spliced_rows[:, None], token_weights, 1.0).astype(np.float32)
+    mask, correction = rows["mask"], corrections.CORRECTIONS.resolve(run.scaffold.correction)
+    old_logp, weights = correction(run.scaffold, base_logp, behaviour_logp, mask, spliced_rows)
     if run.loss.tis_cap is not None:
         tis = np.asarray(losses.token_weights(behaviour_logp, rows["sampler_logp"], mask, run.loss.tis_cap))
         weights = tis if weights is None else (weights if weights.ndim == 2 else weights[:, None]) * tis

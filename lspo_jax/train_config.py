@@ -41,6 +41,7 @@ from lspo_jax.options import (
     TargetLoss,
     WandbMode,
 )
+from lspo_jax.scaffold import ADAPTER_LIFETIMES
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -210,7 +211,7 @@ class LossConfig:
 class ScaffoldConfig:
     """LSPO's scaffold; ``enabled: false`` gives the DAPO baseline arm. The defaults are the paper's method.
 
-    ``splice``: ``partial`` | ``group`` | ``keep_failed`` (``scaffold.SPLICES``). ``correction`` of spliced rows:
+    ``splice``: ``partial`` | ``group`` | ``keep_failed`` (``scaffold.SPLICE_VARIANTS``). Spliced rows' ``correction``:
     ``token`` (per-token ratio over the adapter-on log-prob), ``sequence`` (ratio over the base's own old log-prob
     times the detached row weight ``min(prod_t pi_theta_old / pi_mu, is_cap)``), ``floor`` (the per-token ratio
     clipped from below at ``ratio_floor``), ``shaped`` (LUFFY's ``pi / (pi + shaping_gamma)`` in place of the
@@ -261,7 +262,7 @@ class ScaffoldConfig:
         _require(self.cliff_max_successes >= 0, "scaffold.cliff_max_successes", "must be >= 0")
         _require(self.reset_every is None or self.reset_every > 0, "scaffold.reset_every", "must be positive or null")
         _require(
-            self.reset_every is None or self.adapter == "persistent",
+            self.reset_every is None or ADAPTER_LIFETIMES.resolve(self.adapter).scheduled,
             "scaffold.reset_every",
             "resets a persistent adapter; a fresh one is reset every step (set scaffold.adapter: persistent)",
         )

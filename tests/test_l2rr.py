@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import assert_close_relative
 
-from lspo_jax import data, l2rr, logprobs, losses, packing
+from lspo_jax import l2rr, logprobs, losses, packing
 from lspo_jax.config import ModelConfig
 
 CONFIG = ModelConfig.preset("tiny")
@@ -175,19 +175,6 @@ def test_l2rr_draw_rounds_collect_a_full_batch_and_charge_every_rollout():
     sampler.draw(6, np.random.default_rng(1))
     with pytest.raises(ValueError, match="left in this step"):
         sampler.draw(5, np.random.default_rng(2))
-
-
-def test_uniform_sampler_follows_prompt_order_and_resumes():
-    sampler, order = l2rr.UniformSampler(7, 4, seed=3), data.PromptOrder(7, seed=3)
-    for _ in range(4):  # crosses epoch boundaries
-        indices = sampler.draw(3)
-        assert indices.tolist() == order.take(3)
-        np.testing.assert_array_equal(sampler.allocate(indices), [4, 4, 4])
-        sampler.observe(indices, np.zeros(3, bool))
-    restored = l2rr.make_sampler(7, 4, l2rr.L2RRConfig(), seed=3)
-    restored.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
-    assert restored.draw(5).tolist() == order.take(5)
-    assert sampler.metrics()["sampler/rollouts_total"] == 4 * 3 * 4
 
 
 # ------------------------------------------------------------------------------ directional derivatives

@@ -228,6 +228,27 @@ def test_every_option_is_typed_and_checked_one_way_from_yaml_and_from_python():
                 assert "must be one of" not in str(err), (section, name, value)
 
 
+def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup():
+    from lspo_jax import corrections, losses, options, scaffold
+
+    registries = {
+        "loss.advantage": losses.ESTIMATORS,
+        "scaffold.splice": scaffold.SPLICE_VARIANTS,
+        "scaffold.correction": corrections.CORRECTIONS,
+        "scaffold.adapter": scaffold.ADAPTER_LIFETIMES,
+    }
+    hints = {f"{s}.{n}": hint for s, n, hint in _option_fields()}
+    for key, registry in registries.items():
+        assert registry.option is hints[key], key  # the registry is the one of the field's option type
+        assert tuple(registry) == options.choices(registry.option), key  # every value, in declaration order
+        with pytest.raises(ValueError, match=f"^unknown {registry.what} 'bogus'; known: "):
+            registry.resolve("bogus")
+    with pytest.raises(ValueError, match="'rloo' is not a value of its option"):  # a strategy without its name
+        losses.ESTIMATORS.register("rloo")(lambda r, valid, eps: r)
+    with pytest.raises(ValueError, match="'loo' is registered twice"):
+        losses.ESTIMATORS.register("loo")(lambda r, valid, eps: r)
+
+
 def test_pairs_that_contradict_each_other_name_the_key():
     # Clip-higher: the ratio is clipped to [1 - eps_low, 1 + eps_high] with eps_high >= eps_low (DAPO 0.2 / 0.28).
     with pytest.raises(ConfigError, match=r"^loss\.eps_high: .*got eps_high 0\.1 < eps_low 0\.2$"):

@@ -1,0 +1,135 @@
+"""The step's stages: one set of names (the timer's, the step's docstring, docs/architecture.md) and the order
+``train_step`` runs them in, with a fake learner that records which of its verbs ran in which stage."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import types
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from lspo_jax import train
+from lspo_jax.prompts import Draw
+from lspo_jax.train_config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS, K, RESPONSE = 2, 2, 4  # group 0 has one passing rollout; group 1 is a cliff
+
+
+def documented_stages(text: str, indent: str) -> list[str]:
+    """The stage names of a stage table: a word at ``indent`` followed by two spaces or more."""
+    return re.findall(rf"^{re.escape(indent)}([a-z]+) {{2,}}\S", text, re.MULTILINE)
+
+
+def test_the_stages_have_one_name_set_in_the_code_the_docstring_and_the_docs():
+    assert documented_stages(train.__doc__, "    ") == list(train.Phases.NAMES)
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    assert documented_stages(architecture, " │     ") == list(train.Phases.NAMES)
+
+
+class RecordingPhases(train.Phases):
+    """The step's timer, also keeping the stage each learner verb ran in."""
+
+    def __init__(self):
+        super().__init__()
+        self.open: list[str] = []
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, *, check_stop: bool = True):
+        assert name in self.NAMES, name
+        self.open.append(name)
+        try:
+            with super().__call__(name, check_stop=check_stop):
+                yield
+        finally:
+            self.open.pop()
+
+
+class FakeLearner:
+    """The verbs ``train_step`` calls, on numpy rows: rollouts pass only in group 0's first row, or with the
+    adapter on; each call is logged with its stage and adapter scale."""
+
+    def __init__(self, run, phases: RecordingPhases):
+        self.run, self.phases, self.calls = run, phases, []
+        self.vllm, self.judge, self.verifier = None, None, None
+        self.state = types.SimpleNamespace(step=0, nonfinite_total=0)
+
+    def _log(self, verb: str, scale: float | None = None) -> None:
+        self.calls.append((verb, self.phases.open[-1] if self.phases.open else None, scale))
+
+    def sample(self, prompts, key, *, lora_scale, n=None, temperature=None):
+        self._log("sample", lora_scale)
+        count, slots = len(prompts) * (n or K), self.run.data.max_prompt_tokens + self.run.rollout.max_new_tokens
+        mask = np.zeros((count, slots), np.int32)
+        mask[:, self.run.data.max_prompt_tokens :][:, :RESPONSE] = 1
+        return {"tokens": np.ones((count, slots), np.int32), "attention_mask": np.ones((count, slots), np.int32),
+                "mask": mask, "lengths": np.full(count, RESPONSE, np.int32), "eos": np.ones(count, bool),
+                "sampler_logp": np.zeros((count, slots), np.float32),
+                "scale": np.full(count, lora_scale, np.float32)}  # fmt: skip
+
+    def score(self, rows, golds, *, per_row=False):
+        self._log("score")
+        passing = rows["scale"] > 0
+        passing[0] = True
+        rows["accuracy"] = rows["reward"] = passing.astype(np.float32)
+
+    def adapter_due(self) -> bool:
+        return True
+
+    def reset_adapter(self, key) -> None:
+        self._log("reset_adapter")
+
+    def sft_step(self, batch):
+        self._log("sft_step")
+        return {"sft_loss": 0.5}
+
+    def logprobs(self, rows, *, lora_scale, min_rows=1, temperature=None):
+        self._log("logprobs", lora_scale)
+        return np.where(rows["mask"] > 0, -1.0 - lora_scale, 0.0).astype(np.float32)
+
+    def rl_step(self, batch, *, ends_step=True):
+        self._log("rl_step")
+        self.state.step += 1
+        return {"loss": 0.1, "grad_norm": 1.0, "lr": 1e-3, "finite": True, "pad_fraction": 0.0}
+
+
+def _examples():
+    return [types.SimpleNamespace(prompt_ids=[5, 6, 7], answer="1", solution_ids=[8, 9, 10], problem="1+0",
+                                  solution="1") for _ in range(PROMPTS)]  # fmt: skip
+
+
+@pytest.mark.parametrize("judged", [False, True])
+def test_train_step_runs_its_stages_in_the_documented_order(monkeypatch, judged):
+    overrides = [f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={K}", "scaffold.sft_steps=2",
+                 "scaffold.min_cliff_bucket=1", f"first_mistake.enabled={str(judged).lower()}"]  # fmt: skip
+    run = load_config(str(ROOT / "configs" / "demo.yaml"), overrides)
+    phases = RecordingPhases()
+    learner = FakeLearner(run, phases)
+
+    def judge_advantages(learner_, rows, examples, outcome, valid=None):
+        learner_._log("judge")
+        return np.repeat(outcome[:, None], rows["mask"].shape[1], axis=1), {}
+
+    monkeypatch.setattr(train, "judge_advantages", judge_advantages)
+    result = train.train_step(learner, Draw(_examples(), jax.random.key(0)), phases)
+
+    scale = run.scaffold.reroll_scale
+    want = [("sample", "sample", 0.0), ("score", "reward", None),  # the batch
+            ("reset_adapter", "sft", None), ("sft_step", "sft", None), ("sft_step", "sft", None),  # the cliff's adapter
+            ("sample", "reroll", scale), ("score", "reward", None), ("logprobs", "logprob", scale),  # its re-rolls
+            ("logprobs", "logprob", 0.0), *([("judge", "judge", None)] if judged else []),  # the whole batch
+            ("rl_step", "update", None)]  # fmt: skip
+    assert learner.calls == want
+    # The stages in the order they first ran are the documented order (the judge's only when a teacher judges).
+    first_seen = list(dict.fromkeys(stage for _, stage, _ in learner.calls))
+    assert first_seen == [name for name in train.Phases.NAMES if judged or name != "judge"]
+    # Every stage is timed in the record, 0 where it did not run; the cliff's re-rolls were spliced in.
+    assert {k for k in result.metrics if k.startswith("time_") and k != "time_target"} == {
+        f"time_{name}" for name in train.Phases.NAMES
+    }
+    assert (result.metrics["time_judge"] > 0) == judged
+    assert result.metrics["cliff_groups"] == 1 and result.metrics["spliced_rows"] == K
