@@ -43,26 +43,23 @@ Choices where the method is silent:
 * ``max_sentences`` folds the sentences past the limit into the last numbered one, so a long rollout still
   gets a short list of numbers (its prompt is as long as before).
 
-The judge is any ``generate(prompt_texts) -> replies`` callable (``Judge``); ``SamplerGenerate`` and
-``load_generate`` build one from a model in memory or a Hugging Face directory, sampled by the project's
-JAX sampler or by an engine with ``generate_arrays`` (``VLLMSampler``).
+The judge is any ``generate(prompt_texts) -> replies`` callable (``teacher.Judge``, with the prompts and the reading
+of the replies); ``teacher.SamplerGenerate`` and ``teacher.load_generate`` build one from a model in memory or a
+Hugging Face directory, sampled by the project's JAX sampler or by an engine with ``generate_arrays``
+(``VLLMSampler``). A rollout's sentences and their tokens are ``sentences``'; this module is the step's use of both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from lspo_jax.text import matching_braces
+from lspo_jax.sentences import Span, batch_decode, sentence_token_starts, split_sentences, token_char_ends
+from lspo_jax.teacher import CORRECT, MISTAKE, OUT_OF_RANGE, UNPARSEABLE, Judge, Verdict, written_solution
 from lspo_jax.train_config import FirstMistakeConfig
-
-CORRECT, MISTAKE, UNPARSEABLE, OUT_OF_RANGE = "correct", "mistake", "unparseable", "out_of_range"
-Generate = Callable[[list[str]], list[str]]
-Span = tuple[int, int]  # [start, end) character offsets of one sentence
 
 
 # -------------------------------------------------------------------------------------- token advantages
@@ -112,338 +109,6 @@ def token_advantages(
     recentred_NL = (shaped_NL - baseline_N[:, None]) * mask_NL
     out_NL = np.where(np.repeat(reshape_G, group_size)[:, None], recentred_NL, plain_NL)
     return out_NL.astype(np.float32)
-
-
-# --------------------------------------------------------------------------------------------- sentences
-# Never split inside display or inline math, LaTeX environments or a matched brace group (``\boxed{..}``).
-_MATH = re.compile(
-    r"\$\$.*?\$\$|\\\[.*?\\\]|\\\(.*?\\\)|\\begin\{([^{}]+)\}.*?\\end\{\1\}|\$[^$\n]+\$",
-    re.DOTALL,
-)
-# A run of newlines always ends a sentence; ., ? or ! ends one when whitespace or the end follows.
-_BREAK = re.compile(r"\n+|[.?!]+(?=\s|$)")
-_ABBREVIATIONS = frozenset({"e.g", "i.e", "etc", "vs", "cf", "eq", "eqs", "fig", "approx", "resp"})
-_LIST_MARKER = re.compile(r"\(?(?:\d{1,3}|[a-zA-Z]|[ivx]+)\)?")
-
-
-def split_sentences(text: str, max_sentences: int | None = None, extra_breaks: str = "") -> list[Span]:
-    """``[start, end)`` spans of the sentences of ``text``, stripped of surrounding whitespace, in order.
-
-    A sentence ends at a newline, or at ``.``, ``?`` or ``!`` followed by whitespace (so ``3.5`` does not
-    end one), except after an abbreviation (``e.g.``) or a list marker (``1.``, ``(a).``). Nothing inside
-    ``$..$``, ``$$..$$``, ``\\[..\\]``, ``\\(..\\)``, ``\\begin{env}..\\end{env}`` or a matched ``{..}``
-    is a boundary. Each character of ``extra_breaks`` (e.g. ``;`` for a task that chains its steps that way)
-    also ends a sentence wherever it stands. Past ``max_sentences``, the rest of the text joins the last one.
-    """
-    protected = _protected(text)
-    spans, start = [], 0
-    breaks = _BREAK if not extra_breaks else re.compile(f"{_BREAK.pattern}|[{re.escape(extra_breaks)}]")
-    for match in breaks.finditer(text):
-        if protected[match.start()] or _not_an_end(text, start, match):
-            continue
-        end = match.start() if match.group()[0] == "\n" else match.end()
-        spans.append(_stripped(text, start, end))
-        start = match.end()
-    spans.append(_stripped(text, start, len(text)))
-    spans = [s for s in spans if s[1] > s[0]]
-    if max_sentences is not None and len(spans) > max_sentences:
-        spans = spans[: max_sentences - 1] + [(spans[max_sentences - 1][0], spans[-1][1])]
-    return spans
-
-
-def _protected(text: str) -> np.ndarray:
-    """Per character: True inside a math region or a matched brace group."""
-    protected = np.zeros(len(text) + 1, bool)
-    for match in _MATH.finditer(text):
-        protected[match.start() : match.end()] = True
-    for opened, closed in matching_braces(text).items():
-        protected[opened : closed + 1] = True
-    return protected
-
-
-def _not_an_end(text: str, start: int, match: re.Match) -> bool:
-    if match.group() != ".":
-        return False
-    before = text[start : match.start()].strip()
-    last_word = before.rsplit(maxsplit=1)[-1].lower() if before else ""
-    return last_word in _ABBREVIATIONS or _LIST_MARKER.fullmatch(before) is not None
-
-
-def _stripped(text: str, start: int, end: int) -> Span:
-    while start < end and text[start].isspace():
-        start += 1
-    while end > start and text[end - 1].isspace():
-        end -= 1
-    return start, end
-
-
-def numbered(text: str, spans: Sequence[Span]) -> str:
-    """The sentences as the judge sees them, one per line: ``[1] ...``, ``[2] ...``."""
-    return "\n".join(f"[{i}] {text[start:end]}" for i, (start, end) in enumerate(spans, 1))
-
-
-def token_char_ends(tokenizer: Any, token_ids: Sequence[int], *, window: int | None = 8) -> np.ndarray:
-    """``ends[j] = len(decode(ids[: j + 1]))``: the character offset where token j's text ends.
-
-    Decoded without special tokens, as the verifier's texts are. With ``window``, token j's length is
-    ``len(decode(ids[s : j + 1])) - len(decode(ids[s : j]))`` with ``s = j - window``, two batched decodes of
-    short slices: linear in the length, where decoding every prefix is quadratic. The slice keeps the context
-    that decoders look at (a word's leading space, a multi-byte character split over tokens); when the total
-    still disagrees with the full decoding, every prefix is decoded instead (``window=None`` always does).
-    """
-    ids = [int(t) for t in token_ids]
-    if not ids:
-        return np.zeros(0, np.int64)
-    if window is not None:
-        starts = [max(0, j - window) for j in range(len(ids))]
-        upto = _batch_decode(tokenizer, [ids[s : j + 1] for j, s in enumerate(starts)])
-        before = _batch_decode(tokenizer, [ids[s:j] for j, s in enumerate(starts)])
-        ends = np.cumsum([len(a) - len(b) for a, b in zip(upto, before, strict=True)])
-        if ends[-1] == len(_batch_decode(tokenizer, [ids])[0]):
-            return ends
-    return np.asarray([len(t) for t in _batch_decode(tokenizer, [ids[: j + 1] for j in range(len(ids))])])
-
-
-def _batch_decode(tokenizer: Any, seqs: list[list[int]]) -> list[str]:
-    if hasattr(tokenizer, "batch_decode"):  # transformers
-        return list(tokenizer.batch_decode(seqs, skip_special_tokens=True))
-    return list(tokenizer.decode_batch(seqs, skip_special_tokens=True))  # a bare tokenizers.Tokenizer
-
-
-def sentence_token_starts(spans: Sequence[Span], ends: np.ndarray) -> list[int]:
-    """Per sentence, the index of the token holding its first character (first j with ``ends[j] > start``)."""
-    # A partial multi-byte character can decode longer than the whole one; the running max keeps it sorted.
-    running = np.maximum.accumulate(np.asarray(ends))
-    return [int(np.searchsorted(running, start, side="right")) for start, _ in spans]
-
-
-# ------------------------------------------------------------------------------------------------ prompts
-SOLVE_TEMPLATE = (
-    "Solve the following math problem. Reason step by step, and put your final answer within \\boxed{{}}.\n\n{problem}"
-)
-JUDGE_TEMPLATE = (
-    "You are checking a student's solution to a math problem against a reference solution that is known to be "
-    "correct.\n\nProblem:\n{problem}\n\nReference solution:\n{reference}\n\n"
-    "Student solution, split into numbered sentences:\n{solution}\n\n"
-    "Find the FIRST sentence of the student solution that contains a genuine mistake: an error in reasoning or "
-    "computation that makes the student's final answer wrong. A different but valid approach is not a mistake, "
-    "nor is a slip that the student notices and corrects later, nor equivalent notation or an equivalent form "
-    "of an answer. When in doubt, decide in the student's favour.\n\n"
-    "End your reply with your verdict in a box: \\boxed{{correct}} if the student solution has no genuine "
-    "mistake, otherwise \\boxed{{k}} where k is the number of the first sentence with a genuine mistake (an "
-    "integer from 1 to {n})."
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """A judge's reading of one rollout: ``kind`` (``CORRECT``, ``MISTAKE``, ``UNPARSEABLE``, ``OUT_OF_RANGE``)
-    and, for ``MISTAKE``, the 1-based ``sentence`` of the first mistake."""
-
-    kind: str
-    sentence: int | None = None
-
-
-_BOX_OPEN = re.compile(r"\\boxed\s*\{")
-# A labelled verdict: the label, separators or markdown, then a sentence number or a "correct" word, not
-# followed by more of a word, a decimal part or an operator (``FIRST MISTAKE: 7``, ``**Verdict:** correct``;
-# not ``first mistake is 2+2=5`` or ``3-5``).
-_LABELLED = re.compile(
-    r"(?:first\s+mistake|verdict)(?:\s+is)?[\s*$:=]*"
-    r"((?:sentence|step)?\s*#?\s*[\[(]?\s*[+-]?\d+\s*[\])]?|correct|none|no\s+(?:mistakes?|errors?))(?!\w|[.,]\d|\s*[-+*/=^<>]\s*\w)",
-    re.IGNORECASE,
-)
-_NUMBER = re.compile(r"(?:sentence|step)?\s*#?\s*[\[(]?\s*([+-]?)(\d+)\s*[\])]?")
-_CORRECT_WORDS = frozenset({"correct", "none", "no mistake", "no mistakes", "no error", "no errors"})
-_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
-_MAX_DIGITS = 9  # no rollout has a billion sentences; longer numbers are out of range without int()
-
-
-def parse_verdict(reply: str, num_sentences: int) -> Verdict:
-    """The verdict of a judge's reply on a rollout of ``num_sentences`` sentences.
-
-    Verdicts are ``\\boxed{...}`` (as ``JUDGE_TEMPLATE`` asks) or a labelled ``FIRST MISTAKE: 7`` /
-    ``Verdict: correct``. The last one in the reply wins, after dropping everything up to the last
-    ``</think>`` and from an unclosed ``<think>`` on. A verdict of ``correct`` (or ``none``, ``no mistake``)
-    is ``CORRECT``; an integer (``7``, ``[7]``, ``sentence 7``) is ``MISTAKE`` in 1..n and ``OUT_OF_RANGE``
-    otherwise (0, negative, too large); anything else in the last box, or no verdict at all, is
-    ``UNPARSEABLE``. Conflicting verdicts are not an error: the judge's last word is its verdict.
-    """
-    text = _outside_thinking(reply or "")
-    candidates = [(m.start(), m.group(1)) for m in _LABELLED.finditer(text)] + _boxes(text)
-    if not candidates:
-        return Verdict(UNPARSEABLE)
-    content = _WRAPPERS.sub(r"\1", max(candidates)[1])
-    content = re.sub(r"\s+", " ", content.strip(" \t\n$*`.'\"")).lower()
-    if content in _CORRECT_WORDS:
-        return Verdict(CORRECT)
-    number = _NUMBER.fullmatch(content)
-    if number is None:
-        return Verdict(UNPARSEABLE)
-    sign, digits = number.groups()
-    sentence = -1 if sign == "-" or len(digits) > _MAX_DIGITS else int(digits)
-    return Verdict(MISTAKE, sentence) if 1 <= sentence <= num_sentences else Verdict(OUT_OF_RANGE)
-
-
-def _outside_thinking(reply: str) -> str:
-    close = reply.rfind("</think>")
-    if close >= 0:
-        reply = reply[close + len("</think>") :]
-    opened = reply.find("<think>")
-    return reply if opened < 0 else reply[:opened]
-
-
-def _boxes(text: str) -> list[tuple[int, str]]:
-    """``(position, content)`` of every complete ``\\boxed{...}``, braces matched; an unclosed box is skipped."""
-    pairs = matching_braces(text)
-    opens = [(m.start(), m.end() - 1) for m in _BOX_OPEN.finditer(text)]
-    return [(start, text[brace + 1 : pairs[brace]]) for start, brace in opens if brace in pairs]
-
-
-def written_solution(reply: str) -> str:
-    """The part of a teacher's solution shown as the reference: after the last ``</think>`` when not empty."""
-    after = reply.rsplit("</think>", 1)[-1].strip()
-    return after or reply.strip()
-
-
-# ------------------------------------------------------------------------------------------------- judge
-class Judge:
-    """The teacher's two stages through one engine-agnostic ``generate(prompt_texts) -> replies`` callable.
-
-    Each method makes at most one ``generate`` call for its whole batch. ``generate`` gets the user turns as
-    text; rendering them (chat template, tokens) is its business.
-    """
-
-    def __init__(self, generate: Generate, *, solve_template: str = SOLVE_TEMPLATE, judge_template=JUDGE_TEMPLATE):
-        for name, template, fields in (
-            ("solve_template", solve_template, {"problem": ""}),
-            ("judge_template", judge_template, {"problem": "", "reference": "", "solution": "", "n": 1}),
-        ):
-            try:
-                template.format(**fields)
-            except (KeyError, IndexError, ValueError) as err:
-                raise ValueError(f"{name}: not a template over {sorted(fields)}: {err!r}") from err
-        self.generate = generate
-        self.solve_template, self.judge_template = solve_template, judge_template
-
-    def solve(self, problems: Sequence[str]) -> list[str]:
-        """Stage 1: the teacher's own solution of each problem."""
-        return self._call([self.solve_template.format(problem=p) for p in problems])
-
-    def locate(
-        self, problems: Sequence[str], references: Sequence[str], texts: Sequence[str], spans: Sequence[list[Span]]
-    ) -> list[Verdict]:
-        """Stage 2: the verdict on each rollout ``texts[i]`` (sentences ``spans[i]``) of ``problems[i]``."""
-        prompts = [
-            self.judge_template.format(problem=p, reference=r, solution=numbered(t, s), n=len(s))
-            for p, r, t, s in zip(problems, references, texts, spans, strict=True)
-        ]
-        replies = self._call(prompts)
-        return [parse_verdict(reply, len(s)) for reply, s in zip(replies, spans, strict=True)]
-
-    def _call(self, prompts: list[str]) -> list[str]:
-        if not prompts:
-            return []
-        replies = list(self.generate(prompts))
-        if len(replies) != len(prompts):
-            raise ValueError(f"generate returned {len(replies)} replies for {len(prompts)} prompts")
-        return [reply if isinstance(reply, str) else "" for reply in replies]
-
-
-class SamplerGenerate:
-    """``generate(prompt_texts) -> replies`` from a model in memory.
-
-    Prompts go through ``data.render_prompt`` (the chat template when the tokenizer has one) and are sampled
-    ``max_batch`` at a time by ``sampler.generate_arrays``, or by ``engine.generate_arrays(params, prompts,
-    ...)`` when an engine such as ``VLLMSampler`` is given. ``temperature`` 0 decodes greedily; otherwise
-    call c uses ``fold_in(key(seed), c)``. A prompt longer than ``max_prompt_tokens`` (default: the
-    model's positions minus ``max_new_tokens``) is not sampled and gets an empty reply. ``params`` and ``mesh``
-    are public: when the policy judges itself, assign the current params (and the mesh they are split over)
-    before each step.
-    """
-
-    def __init__(
-        self,
-        config: Any,
-        params: Any,
-        tokenizer: Any,
-        eos_ids: Sequence[int],
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int = 0,
-        max_batch: int = 64,
-        max_prompt_tokens: int | None = None,
-        engine: Any = None,
-        mesh: Any = None,
-    ):
-        self.config, self.params, self.tokenizer, self.engine = config, params, tokenizer, engine
-        self.mesh = mesh  # where the JAX sampler runs (None: this process's first device)
-        self.eos_ids = tuple(int(t) for t in eos_ids)
-        self.max_new_tokens, self.temperature, self.seed, self.max_batch = max_new_tokens, temperature, seed, max_batch
-        room = config.max_position_embeddings - max_new_tokens
-        self.max_prompt_tokens = max_prompt_tokens if max_prompt_tokens is not None else max(room, 1)
-        self.calls = 0
-
-    def __call__(self, prompt_texts: list[str]) -> list[str]:
-        from lspo_jax.data import render_prompt
-
-        prompts = [render_prompt(self.tokenizer, text) for text in prompt_texts]
-        fits = [i for i, p in enumerate(prompts) if 0 < len(p) <= self.max_prompt_tokens]
-        replies = [""] * len(prompts)
-        for first in range(0, len(fits), self.max_batch):
-            rows = fits[first : first + self.max_batch]
-            for i, reply in zip(rows, self._sample([prompts[i] for i in rows]), strict=True):
-                replies[i] = reply
-        return replies
-
-    def _sample(self, prompts: list[list[int]]) -> list[str]:
-        import jax
-
-        from lspo_jax import sampler
-
-        key = jax.random.fold_in(jax.random.key(self.seed), self.calls)
-        self.calls += 1
-        greedy = self.temperature == 0
-        options = dict(
-            key=key, max_new_tokens=self.max_new_tokens, temperature=1.0 if greedy else self.temperature,
-            eos_token_ids=self.eos_ids, n=1, greedy=greedy,
-        )  # fmt: skip
-        if self.engine is not None:
-            batch = self.engine.generate_arrays(self.params, prompts, **options)
-        else:
-            batch = sampler.generate_arrays(self.config, self.params, prompts, mesh=self.mesh, **options)
-        return [
-            self.tokenizer.decode(tokens[: int(length)], skip_special_tokens=True)
-            for tokens, length in zip(batch.tokens, batch.lengths, strict=True)
-        ]
-
-
-def load_generate(path: str, *, dtype: str = "float32", engine: Any = None, **options: Any) -> SamplerGenerate:
-    """A ``SamplerGenerate`` on the Hugging Face directory ``path`` (weights and compute in ``dtype``);
-    ``options`` are ``SamplerGenerate``'s keywords (``max_new_tokens``, ``temperature``, ``seed``, ...)."""
-    from lspo_jax import hf
-
-    config, params = hf.load_pretrained(path, dtype=dtype)
-    config = dataclasses.replace(config, compute_dtype=dtype)
-    tokenizer = hf.load_tokenizer(path)
-    eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, tuple | list) else (int(eos),)
-    return SamplerGenerate(config, params, tokenizer, eos_ids, engine=engine, **options)
-
-
-def make_judge(config: FirstMistakeConfig, *, policy: Any = None, params: Any = None, engine: Any = None) -> Judge:
-    """The judge of ``config``: a model loaded from ``judge_path``, or the policy (``policy.config``,
-    ``.tokenizer``, ``.eos_ids``) with ``params`` when ``judge_path`` is None."""
-    options = dict(
-        max_new_tokens=config.max_new_tokens, temperature=config.teacher_temperature, seed=config.seed,
-        max_batch=config.max_batch, engine=engine,
-    )  # fmt: skip
-    if config.judge_path is not None:
-        return Judge(load_generate(config.judge_path, **options))
-    if policy is None or params is None:
-        raise ValueError("judge_path is null, so the policy judges itself: pass policy and params")
-    return Judge(SamplerGenerate(policy.config, params, policy.tokenizer, policy.eos_ids, **options))
 
 
 # ------------------------------------------------------------------------------------------------ a step
@@ -606,6 +271,6 @@ def _pitfall_token(text: str, ids: Sequence[int], spans: list[Span], sentence: i
     decoding of ``ids`` (no sentence can be placed)."""
     if sentence == 1:
         return 0
-    if _batch_decode(tokenizer, [[int(t) for t in ids]])[0] != text:
+    if batch_decode(tokenizer, [[int(t) for t in ids]])[0] != text:
         return None
     return sentence_token_starts([spans[sentence - 1]], token_char_ends(tokenizer, ids))[0]

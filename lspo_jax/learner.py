@@ -93,7 +93,7 @@ class Learner:
     """A run's policy, mesh, programs, verifier, engine and train state (see the module docstring).
 
     ``verifier``: anything with ``score(responses, golds) -> array`` and ``close()``. ``vllm``: the run's vLLM
-    engine (``rollout.engine: vllm``). ``judge``: the ``first_mistake.Judge`` of a run with that option.
+    engine (``rollout.engine: vllm``). ``judge``: the ``teacher.Judge`` of a run with that option.
     ``target``: the L2RR target's scorer (``reweight.TargetScorer``) of a run with ``l2rr.enabled``.
     """
 
@@ -131,6 +131,10 @@ class Learner:
         """Params and optimizer state in the run's layout on its mesh (``sharding``'s rules)."""
         params_sh, state_sh = self._layouts
         return sharding.shard_params(params, params_sh), jax.device_put(opt_state, state_sh)
+
+    def base_params(self) -> Params:
+        """The current base alone (``{"base": ...}``), as a sampler of the base takes it."""
+        return {"base": self.state.params["base"]}
 
     def reset_adapter(self, key: jax.Array) -> None:
         """A fresh adapter (A random, B zero) and a fresh SFT optimizer state; base and RL state untouched."""
@@ -195,17 +199,23 @@ class Learner:
         slots = rl_rows * (run.data.max_prompt_tokens + run.rollout.max_new_tokens)
         return max(1, slots // length // shards) * shards
 
-    def place_rows(self, rows: Rows, keys: Sequence[str], micro_batches: int | None = None) -> Placed:
-        """``rows``' tokens, layout and ``keys`` on the mesh as a pass takes them (see ``Placed``).
+    def place_rows(
+        self, rows: Rows, keys: Sequence[str], micro_batches: int | None = None, *, min_rows: int | None = None
+    ) -> Placed:
+        """``rows``' tokens, layout and ``keys`` on the mesh as a pass takes them (see ``Placed``): the one place a
+        pass's layout is decided.
 
         With ``loss.packing`` their real tokens are packed into buffers of the rows' length (``packing.pack_rows``),
-        in micro-batches of ``rows_per_micro`` buffer rows. Padded, the rows go as they are, in ``micro_batches``
-        micro-batches (None: as many as ``rows_per_micro`` needs, a power of two).
+        in micro-batches of ``rows_per_micro`` buffer rows. Padded, the rows go as they are (with ``min_rows``: padded
+        to a power-of-two count, at least ``min_rows``, so a varying count reuses a bounded set of programs), in
+        ``micro_batches`` micro-batches (None: as many as ``rows_per_micro`` needs, a power of two).
         """
         shards, length = sharding.batch_shards(self.mesh), rows["tokens"].shape[1]
         if not self.run.loss.packing:
-            micro = micro_batches or packing.pow2_bucket(-(-len(rows["tokens"]) // self.rows_per_micro(length)))
             arrays = {k: rows[k] for k in ("tokens", "attention_mask", *keys)}
+            if min_rows is not None:
+                arrays = packing.pad_rows(arrays, packing.pow2_bucket(max(len(rows["tokens"]), min_rows)))
+            micro = micro_batches or packing.pow2_bucket(-(-len(arrays["tokens"]) // self.rows_per_micro(length)))
             return Placed(packing.mesh_rows(self.mesh, arrays, multiple=micro), micro)
         packed = packing.pack_rows(
             rows, keys, length, row_multiple=shards, rows_per_micro=self.rows_per_micro(length),
@@ -224,12 +234,7 @@ class Learner:
         after another and the LM head in ``loss.chunk_size`` sequence chunks (``logprobs.grouped_logprobs``).
         """
         count, loss = len(rows["tokens"]), self.run.loss
-        if loss.packing:
-            placed = self.place_rows(rows, ())
-        else:
-            padded = {k: rows[k] for k in ("tokens", "attention_mask")}
-            placed = self.place_rows(packing.pad_rows(padded, packing.pow2_bucket(max(count, min_rows))), (),
-                                     loss.micro_batches)  # fmt: skip
+        placed = self.place_rows(rows, (), loss.micro_batches, min_rows=min_rows)
         temperature = temperature or self.run.rollout.temperature
         program = distributed.sharded_logprobs(
             self.policy.config, self.mesh, lora_scale=lora_scale, temperature=temperature,

@@ -24,13 +24,13 @@ from lspo_jax import (
     data,
     evaluation,
     example_store,
-    first_mistake,
     hf,
     model,
     optim,
     reweight,
     scaffold,
     sharding,
+    teacher,
     toy,
     toy_model,
     verify_pool,
@@ -191,12 +191,12 @@ def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str
     return jax.eval_shape(build)
 
 
-def make_judge(run: TrainConfig, policy: Policy, params: Params) -> first_mistake.Judge:
+def make_judge(run: TrainConfig, policy: Policy, params: Any, mesh: Mesh | None = None) -> teacher.Judge:
     """The first-mistake judge of ``run``: ``judge_path: toy:judge`` is the demo task's scripted teacher
-    (``toy.first_mistake_judge``), anything else goes to ``first_mistake.make_judge``."""
+    (``toy.first_mistake_judge``), anything else goes to ``teacher.make_judge``."""
     if run.first_mistake.judge_path == "toy:judge":
-        return first_mistake.Judge(lambda prompts: [toy.first_mistake_judge(p) for p in prompts])
-    return first_mistake.make_judge(run.first_mistake, policy=policy, params=params)
+        return teacher.Judge(lambda prompts: [toy.first_mistake_judge(p) for p in prompts])
+    return teacher.make_judge(run.first_mistake, policy=policy, params=params, mesh=mesh)
 
 
 class Run:
@@ -204,7 +204,7 @@ class Run:
 
     ``verifier`` replaces the math-verify pool: any object with ``score(responses, golds) -> array`` and
     ``close()``. ``judge`` replaces the first-mistake judge built from ``first_mistake`` (a
-    ``first_mistake.Judge``, e.g. over a scripted ``generate``).
+    ``teacher.Judge``, e.g. over a scripted ``generate``).
     """
 
     def __init__(
@@ -266,8 +266,8 @@ class Run:
         if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
             with open(os.path.join(out_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(to_dict(run), f, sort_keys=False)
-        if run.first_mistake.enabled:
-            self.learner.judge = judge or make_judge(run, self.policy, self.state.params)
+        if run.first_mistake.enabled:  # a policy judging itself reads the learner's base at each call
+            self.learner.judge = judge or make_judge(run, self.policy, self.learner.base_params, self.learner.mesh)
         self.log = self._open_log() if self.writer else NullLog()
         verifier = make_verifier(run) if verifier is None else verifier
         self.learner.verifier = verifier if jax.process_count() == 1 else AgreedVerifier(verifier)

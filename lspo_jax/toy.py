@@ -154,7 +154,7 @@ def warm_start_rows(n: int, frontier_share: float, forget_carry: float, seed: in
 
 
 def first_mistake_judge(prompt: str) -> str:
-    """A scripted teacher for the addition task's first-mistake judge (``first_mistake.JUDGE_TEMPLATE``).
+    """A scripted teacher for the addition task's first-mistake judge (``teacher.JUDGE_TEMPLATE``).
 
     It knows the task: a worked solution is a chain of ``;``-separated column sums, so the first numbered
     student sentence that differs from the reference's sentence at the same place is the first mistake;

@@ -332,11 +332,9 @@ def judge_advantages(learner: Learner, rows: dict, examples, outcome, valid=None
     A teacher names the first wrong sentence of each failed rollout in a mixed group; see ``first_mistake``.
     When the policy judges itself (``judge_path: null``) it judges with this step's weights.
     """
-    from lspo_jax.first_mistake import SamplerGenerate, first_mistake_advantages
+    from lspo_jax.first_mistake import first_mistake_advantages
 
     run, judge = learner.run, learner.judge
-    if run.first_mistake.judge_path is None and isinstance(judge.generate, SamplerGenerate):
-        judge.generate.params, judge.generate.mesh = {"base": learner.state.params["base"]}, learner.mesh
     slots = run.data.max_prompt_tokens
     return first_mistake_advantages(
         problems=[ex.problem for ex in examples], golds=[ex.answer for ex in examples],

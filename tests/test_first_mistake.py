@@ -7,24 +7,20 @@ import numpy as np
 import pytest
 
 from lspo_jax import toy, toy_model
-from lspo_jax.first_mistake import (
+from lspo_jax.first_mistake import FirstMistakeConfig, first_mistake_advantages, token_advantages
+from lspo_jax.sampler import SampleBatch
+from lspo_jax.sentences import sentence_token_starts, split_sentences, token_char_ends
+from lspo_jax.teacher import (
     CORRECT,
     MISTAKE,
     OUT_OF_RANGE,
     UNPARSEABLE,
-    FirstMistakeConfig,
     Judge,
     SamplerGenerate,
     Verdict,
-    first_mistake_advantages,
     make_judge,
     parse_verdict,
-    sentence_token_starts,
-    split_sentences,
-    token_advantages,
-    token_char_ends,
 )
-from lspo_jax.sampler import SampleBatch
 from lspo_jax.train_config import from_dict
 
 

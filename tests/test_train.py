@@ -910,7 +910,7 @@ def test_first_mistake_run_with_a_scripted_judge(tmp_path, make_config, monkeypa
     its response tokens, so the group's token advantages sum to 0 and the failed row's suffix sits exactly
     A = -0.70711 below its prefix.
     """
-    from lspo_jax.first_mistake import Judge
+    from lspo_jax.teacher import Judge
 
     config = make_config(
         model__path=toy_model.model_dir(str(tmp_path / "cache")), reward__overlong_factor=0.0, scaffold__enabled=False,
