@@ -109,7 +109,7 @@ import jax.numpy as jnp
 import numpy as np
 import trace_summary  # benchmarks/trace_summary.py, beside this script
 
-from lspo_jax import distributed, logprobs, optim, packing, sampler, sharding, train
+from lspo_jax import distributed, logprobs, losses, optim, packing, sampler, sharding, train
 from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.data import Example
 from lspo_jax.kv_cache import cache_nbytes
@@ -659,8 +659,8 @@ def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig, batch: d
     if batch is None:
         batch = synthetic_rl_batch(config, shapes.train_rows, shapes.train_seq, ctx.args.seed)
     step = distributed.sharded_rl_step(
-        config, mesh, eps_low=loss.eps_low, eps_high=loss.eps_high, clip_c=loss.clip_c,
-        num_micro_batches=loss.micro_batches, chunk_size=loss.chunk_size, skip_nonfinite=True,
+        config, mesh, spec=losses.LossSpec(loss.eps_low, loss.eps_high, loss.clip_c, chunk_size=loss.chunk_size),
+        num_micro_batches=loss.micro_batches, skip_nonfinite=True,
     )  # fmt: skip
     start = time.perf_counter()
     params, opt_state, metrics = jax.block_until_ready(step(params, opt_state, batch))
@@ -953,9 +953,8 @@ def lspo_setup(ctx: Context):
         for i in range(shapes.lspo_prompts)
     ]
     policy = Policy(config=config, tokenizer=IdTokenizer(), eos_ids=())
-    learner = Learner(run, policy, {"base": init_committed(config, args.seed)["base"]})
-    learner.verifier = HalfCliffVerifier({ex.answer for ex in examples[::2]}, shapes.lspo_group)
-    return learner, examples
+    verifier = HalfCliffVerifier({ex.answer for ex in examples[::2]}, shapes.lspo_group)
+    return Learner(run, policy, {"base": init_committed(config, args.seed)["base"]}, verifier=verifier), examples
 
 
 def timed_step(learner: Learner, examples, seed: int) -> tuple[float, dict]:

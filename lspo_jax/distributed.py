@@ -4,10 +4,12 @@ Every program runs on a mesh: a run on one device uses ``sharding.local_mesh()``
 program per pass whatever the device count. Each builder returns a function of arrays only (the config bound),
 built once per argument set (cached: a second run in the same process reuses the compiled programs):
 
-    rl  = sharded_rl_step(config, mesh, rl=..., num_micro_batches=...)   # (params, opt_state, batch)
+    rl  = sharded_rl_step(config, mesh, rl=..., spec=..., num_micro_batches=...)   # (params, opt_state, batch)
           (``skip_nonfinite=True``: ``optim.keep_if_finite``, as the training loop runs it)
-    sft = sharded_sft_step(config, mesh, sft=...)                         # (params, opt_state, batch)
-    lp  = sharded_logprobs(config, mesh, lora_scale=0.0, temperature=T)    # (params, rows)
+    sft = sharded_sft_step(config, mesh, sft=...)                                   # (params, opt_state, batch)
+    lp  = sharded_logprobs(config, mesh, lora_scale=0.0, spec=...)                  # (params, rows)
+
+``spec`` is the run's ``losses.LossSpec`` (clip, temperature, LM-head chunk), one for all of them.
 
 Params and optimizer state are split as ``sharding.param_shardings`` / ``opt_state_shardings`` say (FSDP over
 ``fsdp``, tensor parallel over ``tp``) and donated, so a step updates them in place; batch rows are split over
@@ -28,12 +30,12 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from lspo_jax import logprobs, optim, sharding
+from lspo_jax import logprobs, losses, optim, sharding
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import Params
 from lspo_jax.optim import RLOptimConfig, SFTOptimConfig
 
-_RL, _SFT = RLOptimConfig(), SFTOptimConfig()
+_RL, _SFT, _LOSS = RLOptimConfig(), SFTOptimConfig(), losses.LossSpec()
 
 
 def step_shardings(
@@ -89,12 +91,8 @@ def sharded_rl_step(
     *,
     rl: RLOptimConfig = _RL,
     sft: SFTOptimConfig = _SFT,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    clip_c: float | None = None,
-    temperature: float = 1.0,
+    spec: losses.LossSpec = _LOSS,
     num_micro_batches: int = 1,
-    chunk_size: int | None = None,
     skip_nonfinite: bool = False,
 ) -> Callable:
     """``optim.rl_step`` on ``mesh``: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
@@ -103,30 +101,23 @@ def sharded_rl_step(
     is passed in: they fix the state's structure, hence its layout. ``skip_nonfinite`` wraps the step in
     ``optim.keep_if_finite``.
     """
-    step = functools.partial(
-        optim.rl_step,
-        config,
-        rl=rl,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        clip_c=clip_c,
-        temperature=temperature,
-        num_micro_batches=num_micro_batches,
-        chunk_size=chunk_size,
-    )
+    step = functools.partial(optim.rl_step, config, rl=rl, spec=spec, num_micro_batches=num_micro_batches)
     if skip_nonfinite:
         step = optim.keep_if_finite(step)
     return jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
 
 
 @functools.cache
-def sharded_rl_grad_norm(config: ModelConfig, mesh: Mesh, **loss_options) -> Callable:
+def sharded_rl_grad_norm(
+    config: ModelConfig, mesh: Mesh, *, spec: losses.LossSpec = _LOSS, num_micro_batches: int = 1
+) -> Callable:
     """The norm of ``optim.rl_gradients`` on ``mesh``: ``(params, batch) -> ||grad||``, nothing updated (a
     diagnostic: the part of the update's gradient that some rows carry)."""
     params_sh, batch_sh = sharding.param_shardings(config, mesh), sharding.batch_sharding(mesh)
 
     def norm(base: Params, batch: dict[str, jax.Array]) -> jax.Array:
-        return optax.tree.norm(optim.rl_gradients(config, base, batch, **loss_options)[1])
+        grads = optim.rl_gradients(config, base, batch, spec=spec, num_micro_batches=num_micro_batches)[1]
+        return optax.tree.norm(grads)
 
     jitted = jax.jit(in_mesh(mesh, norm), in_shardings=(params_sh["base"], batch_sh))
     return lambda params, batch: jitted(params["base"], batch)
@@ -155,11 +146,11 @@ def sharded_logprobs(
     mesh: Mesh,
     *,
     lora_scale: float = 0.0,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
+    spec: losses.LossSpec = _LOSS,
     num_micro_batches: int = 1,
 ) -> Callable:
-    """``logprobs.sequence_logprobs`` on ``mesh``: ``(params, rows) -> logp [B, T]``.
+    """``logprobs.sequence_logprobs`` on ``mesh``: ``(params, rows) -> logp [B, T]``, at ``spec``'s temperature and
+    LM-head chunk.
 
     ``rows``: ``tokens`` and a layout (``logprobs.layout``: ``attention_mask``, or packed rows' ``segment_ids``
     and ``positions``), each ``[B, T]``. ``num_micro_batches`` runs the rows in that many groups, one after
@@ -172,8 +163,7 @@ def sharded_logprobs(
 
     def logprob_pass(params: Params, rows: dict[str, jax.Array]) -> jax.Array:
         return logprobs.grouped_logprobs(
-            config, params, rows, lora_scale=lora_scale, temperature=temperature, chunk_size=chunk_size,
-            num_micro_batches=num_micro_batches,
+            config, params, rows, lora_scale=lora_scale, **spec.reading, num_micro_batches=num_micro_batches,
         )  # fmt: skip
 
     jitted = jax.jit(

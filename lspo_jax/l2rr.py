@@ -456,7 +456,8 @@ class PolicyLosses:
 
     The batch is ``optim.rl_step``'s (``tokens``, ``attention_mask``, ``mask``, ``old_logp`` ``[P * K, T]``,
     ``advantages`` ``[P * K]`` or ``[P * K, T]``), prompt i owning rows ``i * K .. i * K + K - 1`` (padding rows
-    masked out). ``normalise``: ``prompt`` divides by the prompt's own token count, ``batch`` by the batch's.
+    masked out). ``normalise``: ``prompt`` divides by the prompt's own token count, ``batch`` by the batch's. ``spec``:
+    the clip, temperature and LM-head chunk, as in the update (``losses.LossSpec``).
     ``num_micro_batches`` evaluates that many chunks of prompts one after another (``lax.map``), so forward-mode
     memory is one chunk's. Frozen and hashable, so ``bind`` gives a jit-stable function.
     """
@@ -464,11 +465,7 @@ class PolicyLosses:
     config: ModelConfig
     group_size: int
     normalise: PromptLossNorm = "prompt"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    clip_c: float | None = None
-    temperature: float = 1.0
-    chunk_size: int | None = None
+    spec: losses.LossSpec = losses.LossSpec()
     num_micro_batches: int = 1
 
     def __post_init__(self) -> None:
@@ -495,13 +492,11 @@ class PolicyLosses:
             {optim.BASE: base},
             groups["tokens"].reshape(p * k, t),
             groups["attention_mask"].reshape(p * k, t),
-            temperature=self.temperature,
-            chunk_size=self.chunk_size,
+            **self.spec.reading,
         )
-        clip = {"eps_low": self.eps_low, "eps_high": self.eps_high, "clip_c": self.clip_c}
 
         def one_prompt(logp_KT, old_KT, adv_K, mask_KT):
-            return losses.policy_loss(logp_KT, old_KT, adv_K, mask_KT, num_tokens=total, **clip)[0]
+            return losses.policy_loss(logp_KT, old_KT, adv_K, mask_KT, num_tokens=total, **self.spec.clip)[0]
 
         return jax.vmap(one_prompt)(logp.reshape(p, k, t), groups["old_logp"], groups["advantages"], groups["mask"])
 

@@ -2,7 +2,7 @@
 
 Built once per run: the policy (model config, tokenizer, EOS ids), the device mesh (one device is a 1 x 1 x 1
 mesh, so every pass has one program), the compiled programs (``distributed``) and the train state, from the
-config; the run attaches the verifier, the judge, the L2RR target and the vLLM engine once it has built them.
+config; and the verifier, the judge, the L2RR target and the vLLM engine, which the run builds and gives it.
 ``train.train_step`` is written in its verbs:
 
     sample       rollouts of prompts from the base (``lora_scale`` 0) or with the adapter on, packed into rows
@@ -19,18 +19,18 @@ first: ``sample`` is also the weight sync.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from lspo_jax import distributed, model, optim, packing, rewards, scaffold, sharding
+from lspo_jax import corrections, distributed, losses, model, optim, packing, rewards, scaffold, sharding
 from lspo_jax.checkpoint import TrainState
 from lspo_jax.config import ModelConfig
 from lspo_jax.model import Params
-from lspo_jax.packing import Rows
+from lspo_jax.packing import Arrays, Rows
 from lspo_jax.sampler import Decoding, SampleBatch, generate_arrays
 from lspo_jax.train_config import TrainConfig
 
@@ -90,24 +90,33 @@ class Placed:
 
 
 class Learner:
-    """A run's policy, mesh, programs, verifier, engine and train state (see the module docstring).
+    """A run's policy, mesh, programs, verifier, engine and train state (see the module docstring), given whole.
 
-    ``verifier``: anything with ``score(responses, golds) -> array`` and ``close()``. ``vllm``: the run's vLLM
-    engine (``rollout.engine: vllm``). ``judge``: the ``teacher.Judge`` of a run with that option.
-    ``target``: the L2RR target's scorer (``reweight.TargetScorer``) of a run with ``l2rr.enabled``.
+    ``verifier``: anything with ``score(responses, golds) -> array`` and ``close()``. ``engine``: a function
+    starting the run's vLLM engine (``rollout.engine: vllm``; ``vllm`` is the engine it started). ``judge``: the
+    ``teacher.Judge`` of a run with ``first_mistake.enabled``. ``target``: the L2RR target's scorer
+    (``reweight.TargetScorer``) of a run with ``l2rr.enabled``. Without a verifier the learner can sample and
+    train but not ``score``.
     """
 
-    def __init__(self, run: TrainConfig, policy: Policy, base: Params, *, mesh: Mesh | None = None):
+    def __init__(
+        self, run: TrainConfig, policy: Policy, base: Params, *, mesh: Mesh | None = None, verifier: Any = None,
+        judge: Any = None, target: Any = None, resume: Callable[[TrainState, bool], TrainState] | None = None,
+        engine: Callable[[], Any] | None = None,
+    ):  # fmt: skip
+        """Built complete: ``resume(fresh, adapter)`` maps the fresh train state, placed on the mesh, to the one the
+        run continues from (a checkpoint's; ``adapter``: whether the adapter lifetime checkpoints the adapter);
+        ``engine`` starts the vLLM engine, called last so that nothing in here can fail after it and leave it
+        running."""
         self.run, self.policy, self.mesh = run, policy, sharding.mesh_or_local(mesh)
-        # Attached by the run once it has built them, the engine last (nothing after it can fail and leave it
-        # running): the verifier (``score``), the judge, the L2RR target's scorer and the vLLM engine.
-        self.verifier, self.judge, self.target = None, None, None
-        self.generator = Generator(policy, self.mesh, compact_every=run.rollout.compact_every)
+        self.verifier, self.judge, self.target = verifier, judge, target
         config = policy.config
-        self.decoding = self.generator.decoding(
-            run.rollout.max_new_tokens, run.rollout.temperature, run.rollout.top_p, run.rollout.top_k
-        )
+        # Each strategy option resolved once: the step hands these on, never the names.
+        self.estimator = losses.ESTIMATORS.resolve(run.loss.advantage)
+        self.splice_variant = scaffold.SPLICE_VARIANTS.resolve(run.scaffold.splice)
+        self.correction = corrections.CORRECTIONS.resolve(run.scaffold.correction)
         self.adapter_lifetime = scaffold.ADAPTER_LIFETIMES.resolve(run.scaffold.adapter)
+        self.loss_spec = losses.LossSpec.of(run)  # the update's, the log-prob passes' and the L2RR target's
         self._tx = optim.make_optimizer(run.optim, run.scaffold.sft)
         self._layouts = (
             sharding.param_shardings(config, self.mesh),
@@ -117,14 +126,17 @@ class Learner:
         params = {"base": base["base"], "lora": model.init_lora(config, jax.random.key(run.seed))}
         self.state = TrainState(step=0, params=params, opt_state=self._tx.init(params))
         self.state.params, self.state.opt_state = self.place(self.state.params, self.state.opt_state)
+        if resume is not None:
+            self.state = resume(self.state, self.adapter_lifetime.checkpointed)
+        rollout = run.rollout
+        self.generator = Generator(policy, self.mesh, engine and engine(), compact_every=rollout.compact_every)
+        self.decoding = self.generator.decoding(
+            rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k
+        )
 
     @property
     def vllm(self) -> Any:
         return self.generator.vllm
-
-    @vllm.setter
-    def vllm(self, engine: Any) -> None:
-        self.generator.vllm = engine
 
     # ------------------------------------------------------------------------------------------ state
     def place(self, params: Params, opt_state: Any) -> tuple[Params, Any]:
@@ -166,28 +178,27 @@ class Learner:
             self.state.params, prompts, decoding, key=key, n=n, lora_scale=lora_scale, fallback=False
         )
         prompt_slots = self.run.data.max_prompt_tokens
-        rows = packing.pack_samples(prompts, sample, prompt_slots)
         prompt_part = np.zeros((len(prompts) * sample.n, prompt_slots), np.float32)
-        rows["sampler_logp"] = np.concatenate([prompt_part, sample.logprobs], axis=1)
-        return rows
+        rows = packing.pack_samples(prompts, sample, prompt_slots)
+        return rows.replace(sampler_logp=np.concatenate([prompt_part, sample.logprobs], axis=1))
 
-    def decode(self, rows: Rows) -> list[str]:
+    def decode(self, rows: Arrays) -> list[str]:
         """The response texts of packed rows (special tokens dropped), as the verifier reads them."""
         return packing.decode_responses(self.policy.tokenizer, rows, self.run.data.max_prompt_tokens)
 
-    def score(self, rows: Rows, golds: Sequence[str], *, per_row: bool = False) -> None:
-        """Add ``accuracy`` (0/1, the verifier) and ``reward`` (accuracy + overlong penalty) to ``rows``.
+    def score(self, rows: Rows, golds: Sequence[str], *, per_row: bool = False) -> Rows:
+        """``rows`` with ``accuracy`` (0/1, the verifier) and ``reward`` (accuracy + overlong penalty).
 
         ``golds`` holds one answer per group of ``group_size`` rows, or one per row with ``per_row``.
         """
         run, texts = self.run, self.decode(rows)
         row_golds = list(golds) if per_row else [golds[i // run.rollout.group_size] for i in range(len(texts))]
-        rows["accuracy"] = np.asarray(self.verifier.score(texts, row_golds), np.float32)
+        accuracy = np.asarray(self.verifier.score(texts, row_golds), np.float32)
         shaped = rewards.shaped_rewards(
-            rows["accuracy"], rows["lengths"], max_len=run.rollout.max_new_tokens,
+            accuracy, rows["lengths"], max_len=run.rollout.max_new_tokens,
             buffer=min(run.reward.overlong_buffer, run.rollout.max_new_tokens), factor=run.reward.overlong_factor,
         )  # fmt: skip
-        rows["reward"] = np.asarray(shaped.reward, np.float32)
+        return rows.replace(accuracy=accuracy, reward=np.asarray(shaped.reward, np.float32))
 
     # -------------------------------------------------------------------------------------- passes
     def rows_per_micro(self, length: int) -> int:
@@ -200,7 +211,7 @@ class Learner:
         return max(1, slots // length // shards) * shards
 
     def place_rows(
-        self, rows: Rows, keys: Sequence[str], micro_batches: int | None = None, *, min_rows: int | None = None
+        self, rows: Arrays, keys: Sequence[str], micro_batches: int | None = None, *, min_rows: int | None = None
     ) -> Placed:
         """``rows``' tokens, layout and ``keys`` on the mesh as a pass takes them (see ``Placed``): the one place a
         pass's layout is decided.
@@ -224,7 +235,7 @@ class Learner:
         return Placed(packing.mesh_rows(self.mesh, packed.arrays), packed.micro_batches, packed)
 
     def logprobs(
-        self, rows: Rows, *, lora_scale: float, min_rows: int = 1, temperature: float | None = None
+        self, rows: Arrays, *, lora_scale: float, min_rows: int = 1, temperature: float | None = None
     ) -> np.ndarray:
         """``log pi(tokens[t] | tokens[<t])`` at ``temperature`` (default the rollout's), zero off the response mask.
 
@@ -233,17 +244,16 @@ class Learner:
         number of rows reuses a bounded set of compiled programs. The pass runs like the RL step: micro-batches one
         after another and the LM head in ``loss.chunk_size`` sequence chunks (``logprobs.grouped_logprobs``).
         """
-        count, loss = len(rows["tokens"]), self.run.loss
-        placed = self.place_rows(rows, (), loss.micro_batches, min_rows=min_rows)
-        temperature = temperature or self.run.rollout.temperature
+        count, spec = len(rows["tokens"]), self.loss_spec
+        placed = self.place_rows(rows, (), self.run.loss.micro_batches, min_rows=min_rows)
+        spec = dataclasses.replace(spec, temperature=temperature) if temperature else spec
         program = distributed.sharded_logprobs(
-            self.policy.config, self.mesh, lora_scale=lora_scale, temperature=temperature,
-            chunk_size=loss.chunk_size, num_micro_batches=placed.micro_batches,
-        )  # fmt: skip
+            self.policy.config, self.mesh, lora_scale=lora_scale, spec=spec, num_micro_batches=placed.micro_batches
+        )
         logp = placed.unpack(sharding.fetch(program(self.state.params, placed.arrays)))[:count]
         return np.where(rows["mask"] > 0, logp, 0.0).astype(np.float32)
 
-    def sft_step(self, batch: Rows) -> dict[str, Any]:
+    def sft_step(self, batch: Arrays) -> dict[str, Any]:
         """One adapter-only SFT update on ``batch`` (``packing.pack_sft`` rows), in micro-batches of at most
         ``rows_per_micro`` rows: the scaffold's activation memory does not grow with the number of cliffs."""
         state = self.state
@@ -255,27 +265,22 @@ class Learner:
         state.params, state.opt_state, metrics = program(state.params, state.opt_state, placed.arrays)
         return {**metrics, "sft_micro_batches": placed.micro_batches}
 
-    def _loss_options(self, micro_batches: int) -> dict[str, Any]:
-        run, loss = self.run, self.run.loss
-        return dict(eps_low=loss.eps_low, eps_high=loss.eps_high, clip_c=loss.clip_c, chunk_size=loss.chunk_size,
-                    temperature=run.rollout.temperature, num_micro_batches=micro_batches)  # fmt: skip
-
     def _rl_program(self, micro_batches: int):
         run = self.run
         return distributed.sharded_rl_step(
-            self.policy.config, self.mesh, rl=run.optim, sft=run.scaffold.sft, skip_nonfinite=True,
-            **self._loss_options(micro_batches),
+            self.policy.config, self.mesh, rl=run.optim, sft=run.scaffold.sft, spec=self.loss_spec,
+            num_micro_batches=micro_batches, skip_nonfinite=True,
         )  # fmt: skip
 
-    def rl_grad_norm(self, batch: Rows) -> float:
+    def rl_grad_norm(self, batch: Arrays) -> float:
         """The norm of the RL gradient ``rl_step`` would take on ``batch``, with nothing updated."""
         placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
         program = distributed.sharded_rl_grad_norm(
-            self.policy.config, self.mesh, **self._loss_options(placed.micro_batches)
+            self.policy.config, self.mesh, spec=self.loss_spec, num_micro_batches=placed.micro_batches
         )
         return float(jax.device_get(program(self.state.params, placed.arrays)))
 
-    def rl_step(self, batch: Rows, *, ends_step: bool = True) -> dict[str, Any]:
+    def rl_step(self, batch: Arrays, *, ends_step: bool = True) -> dict[str, Any]:
         """One RL update of the base on ``batch``; a non-finite loss or gradient skips it whole (and is counted).
         ``ends_step=False``: an update that is not the step's last (``optim.mini_batches``, ``optim.epochs``).
 
@@ -298,7 +303,7 @@ class Learner:
         return {**metrics, "lr": lr, "finite": finite, "pad_fraction": pad_fraction}
 
     def prompt_scores(
-        self, batch: Rows, params: Params | None = None, target_params: Params | None = None
+        self, batch: Arrays, params: Params | None = None, target_params: Params | None = None
     ) -> np.ndarray:
         """``<g_tgt, g_i>`` per prompt of ``batch`` at ``params`` (default the current base), ``g_tgt`` at
         ``target_params`` (default the same) (``reweight.TargetScorer``)."""
@@ -307,6 +312,6 @@ class Learner:
     def close(self) -> None:
         if self.vllm is not None:
             self.vllm.close()
-            self.vllm = None
+            self.generator.vllm = None
         if self.verifier is not None:
             self.verifier.close()

@@ -14,6 +14,7 @@ Conventions shared by every function here:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,7 +33,7 @@ def group_advantages(
     eps: float = 1e-6,
     valid: jax.Array | None = None,
     *,
-    estimator: str = "std",
+    estimator: str | Callable = "std",
 ) -> jax.Array:
     """Group-relative advantages; by default group-normalised, ``A_i = (r_i - mean_g) / (std_g + eps)``.
 
@@ -56,7 +57,7 @@ def group_advantages(
         group_size: K, rollouts per prompt (slots per prompt when ``valid`` is given).
         eps: added to the standard deviation (``std`` only).
         valid: optional ``[N]`` bool, False on padding rows; None treats every row as valid.
-        estimator: ``std``, ``mean_only`` or ``loo``.
+        estimator: ``std``, ``mean_only`` or ``loo``, or the function ``ESTIMATORS`` files under one.
 
     Returns:
         ``[N]`` float32 advantages.
@@ -215,6 +216,36 @@ def masked_mean(x: jax.Array, mask: jax.Array, num_tokens: jax.Array | float | N
 
 
 # ------------------------------------------------------------------------------------------- losses
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """How a run reads its policy's tokens, the same in the update, the log-prob passes and L2RR's per-prompt
+    losses: the clip range (``eps_low``, ``eps_high``) and dual clip (``clip_c``) of ``policy_loss``, the
+    ``temperature`` of the log-probs (the sampling one: ``softmax(logits / temperature)``) and the LM head's
+    ``chunk_size`` (``chunked_token_logprobs``). Frozen and hashable: a static argument of the jitted programs."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    clip_c: float | None = None
+    temperature: float = 1.0
+    chunk_size: int | None = None
+
+    @classmethod
+    def of(cls, run: Any) -> LossSpec:
+        """A run's (``train_config.TrainConfig``): ``loss``'s clip and chunk, ``rollout.temperature``."""
+        loss = run.loss
+        return cls(loss.eps_low, loss.eps_high, loss.clip_c, run.rollout.temperature, loss.chunk_size)
+
+    @property
+    def clip(self) -> dict[str, Any]:
+        """``policy_loss``'s clip keywords."""
+        return {"eps_low": self.eps_low, "eps_high": self.eps_high, "clip_c": self.clip_c}
+
+    @property
+    def reading(self) -> dict[str, Any]:
+        """The log-prob functions' keywords (``temperature``, ``chunk_size``)."""
+        return {"temperature": self.temperature, "chunk_size": self.chunk_size}
+
+
 def policy_loss(
     logp: jax.Array,
     old_logp: jax.Array,

@@ -28,6 +28,7 @@ from lspo_jax.options import AdamWConfig, RLOptimConfig, SFTOptimConfig  # noqa:
 
 Params = dict[str, Any]
 BASE, LORA = "base", "lora"
+_LOSS = losses.LossSpec()  # the paper's clip, temperature 1, the LM head unchunked
 
 
 # -------------------------------------------------------------------------------------- transforms
@@ -109,22 +110,23 @@ def rl_step(
     batch: Mapping[str, jax.Array],
     *,
     rl: RLOptimConfig = RLOptimConfig(),
-    **loss_options: Any,
+    spec: losses.LossSpec = _LOSS,
+    num_micro_batches: int = 1,
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
     """One RL update of the base: ``policy_loss`` token-mean over the whole batch, adapter off.
 
-    ``loss_options`` are ``rl_gradients``' keywords: the clip (``eps_low``, ``eps_high``, ``clip_c``), the sampling
-    ``temperature``, ``num_micro_batches`` and ``chunk_size``.
+    ``spec``: the clip, temperature and LM-head chunk (``losses.LossSpec``); ``num_micro_batches`` accumulates the
+    gradient over that many groups of rows (``losses.accumulate_gradients``).
 
     ``batch``: ``tokens``, ``mask`` (response tokens) and ``old_logp``, all ``[B, T]`` and aligned as in
     ``logprobs.sequence_logprobs``, ``advantages`` ``[B]`` or ``[B, T]``, and the rows' layout: ``attention_mask``
     (left-padded rows) or ``segment_ids`` and ``positions`` (packed rows, ``packing.pack_rows``). The forward pass
     gets only ``params["base"]`` with ``lora_scale = 0``, so the adapter is neither computed nor differentiated.
-    ``chunk_size`` runs the LM head in sequence chunks (see ``logprobs.sequence_logprobs``).
+    ``spec.chunk_size`` runs the LM head in sequence chunks (see ``logprobs.sequence_logprobs``).
     Jittable with ``config`` and the keyword arguments static.
     """
     with jax.named_scope("rl_grad"):
-        loss, grads, metrics = rl_gradients(config, params[BASE], batch, **loss_options)
+        loss, grads, metrics = rl_gradients(config, params[BASE], batch, spec=spec, num_micro_batches=num_micro_batches)
     with jax.named_scope("rl_update"):
         params, opt_state = update_subtree(adamw_transform(rl), BASE, grads, params, opt_state)
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
@@ -135,23 +137,17 @@ def rl_gradients(
     base: Params,
     batch: Mapping[str, jax.Array],
     *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    clip_c: float | None = None,
-    temperature: float = 1.0,
+    spec: losses.LossSpec = _LOSS,
     num_micro_batches: int = 1,
-    chunk_size: int | None = None,
 ) -> tuple[jax.Array, Params, losses.Metrics]:
     """``rl_step``'s ``(loss, gradient w.r.t. the base, metrics)`` before the optimizer: ``batch`` as there."""
 
     def loss_fn(base: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
         logp, entropy = logprobs.logprobs_and_entropy(
-            config, {BASE: base}, micro["tokens"], **logprobs.layout(micro), temperature=temperature,
-            chunk_size=chunk_size,
-        )  # fmt: skip
-        clip = {"eps_low": eps_low, "eps_high": eps_high, "clip_c": clip_c}
+            config, {BASE: base}, micro["tokens"], **logprobs.layout(micro), **spec.reading
+        )
         loss, metrics = losses.policy_loss(
-            logp, micro["old_logp"], micro["advantages"], micro["mask"], num_tokens=num_tokens, **clip
+            logp, micro["old_logp"], micro["advantages"], micro["mask"], num_tokens=num_tokens, **spec.clip
         )
         metrics["entropy"] = losses.masked_mean(entropy, micro["mask"])
         return loss, metrics

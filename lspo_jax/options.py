@@ -106,8 +106,11 @@ class Registry(dict):
 
         return add
 
-    def resolve(self, name: str) -> Any:
-        """The strategy named ``name``; a ``ValueError`` naming the known ones otherwise."""
+    def resolve(self, name: Any) -> Any:
+        """The strategy named ``name`` (a strategy of this registry, already resolved, is returned as it is); a
+        ``ValueError`` naming the known ones otherwise."""
+        if not isinstance(name, str) and any(name is strategy for strategy in self.values()):
+            return name
         if name not in self:
             raise ValueError(f"unknown {self.what} {name!r}; known: {tuple(self)}")
         return self[name]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,7 +21,40 @@ from jax.sharding import Mesh
 
 from lspo_jax import sharding
 
-Rows = dict[str, np.ndarray]
+Arrays = Mapping[str, np.ndarray]  # per-row arrays, rows on axis 0, as a pass reads them
+
+
+class Rows(Mapping[str, np.ndarray]):
+    """A step's rollouts as one frozen record of per-row arrays (``tokens``, ``attention_mask``, ``mask``,
+    ``lengths``, ``eos``, ``sampler_logp``; ``accuracy`` and ``reward`` once scored; ``old_logp`` once the update's
+    denominators are known). A stage adds or replaces fields with ``replace`` and gets a new record: what one stage
+    read is never changed under it by the next, and no field exists before its value does."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, fields: Arrays | None = None, /, **more: np.ndarray):
+        self._fields = {**(fields or {}), **more}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._fields[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={getattr(v, 'shape', '?')}" for k, v in self._fields.items())
+        return f"Rows({shapes})"
+
+    def replace(self, **fields: np.ndarray) -> Rows:
+        """A new record with ``fields`` added or replaced."""
+        return Rows(self._fields, **fields)
+
+    def take(self, index: Any) -> Rows:
+        """The rows at ``index`` (a slice, indices or a mask) of every field."""
+        return Rows({name: value[index] for name, value in self._fields.items()})
 
 
 def pow2_bucket(n: int, minimum: int = 1) -> int:
@@ -63,13 +96,13 @@ def pack_samples(prompts: Sequence[Sequence[int]], sample: Any, prompt_slots: in
     n = sample.n
     prompt_ids, prompt_mask = left_pad([prompts[row // n] for row in range(len(sample.lengths))], prompt_slots)
     response_mask = (np.arange(sample.tokens.shape[1])[None, :] < sample.lengths[:, None]).astype(np.int32)
-    return {
-        "tokens": np.concatenate([prompt_ids, np.where(response_mask > 0, sample.tokens, 0)], axis=1),
-        "attention_mask": np.concatenate([prompt_mask, response_mask], axis=1),
-        "mask": np.concatenate([np.zeros_like(prompt_mask), response_mask], axis=1),
-        "lengths": sample.lengths.astype(np.int32),
-        "eos": sample.eos.astype(bool),
-    }
+    return Rows(
+        tokens=np.concatenate([prompt_ids, np.where(response_mask > 0, sample.tokens, 0)], axis=1),
+        attention_mask=np.concatenate([prompt_mask, response_mask], axis=1),
+        mask=np.concatenate([np.zeros_like(prompt_mask), response_mask], axis=1),
+        lengths=sample.lengths.astype(np.int32),
+        eos=sample.eos.astype(bool),
+    )
 
 
 def pack_sft(prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], prompt_slots: int, target_slots: int):
@@ -88,12 +121,12 @@ def pack_sft(prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
     }
 
 
-def pad_rows(rows: Rows, count: int) -> Rows:
+def pad_rows(rows: Arrays, count: int) -> dict[str, np.ndarray]:
     """Append all-zero rows (masked everywhere) up to ``count`` rows."""
     return {k: np.concatenate([v, np.zeros((count - len(v), *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
 
 
-def mesh_rows(mesh: Mesh, rows: Rows, *, multiple: int = 1) -> dict[str, jax.Array]:
+def mesh_rows(mesh: Mesh, rows: Arrays, *, multiple: int = 1) -> dict[str, jax.Array]:
     """``rows`` as global arrays split over the mesh's data axes, padded with masked rows to a count that
     divides by the data-parallel device count times ``multiple`` (e.g. the micro-batch count)."""
     rows = {k: np.asarray(v) for k, v in rows.items()}
@@ -102,7 +135,7 @@ def mesh_rows(mesh: Mesh, rows: Rows, *, multiple: int = 1) -> dict[str, jax.Arr
     return sharding.global_batch(mesh, pad_rows(rows, -(-count // step) * step))
 
 
-def decode_responses(tokenizer, rows: Rows, prompt_slots: int) -> list[str]:
+def decode_responses(tokenizer, rows: Arrays, prompt_slots: int) -> list[str]:
     """Response texts (special tokens dropped) of packed rows, for the verifier."""
     texts = []
     for tokens, length in zip(rows["tokens"], rows["lengths"], strict=True):
@@ -198,7 +231,7 @@ def micro_batching(needed: int, row_multiple: int, rows_per_micro: int | None = 
 
 
 def pack_rows(
-    rows: Rows,
+    rows: Arrays,
     keys: Sequence[str],
     length: int,
     *,

@@ -23,7 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from lspo_jax import data, distributed, l2rr, sharding
+from lspo_jax import data, distributed, l2rr, losses, sharding
+from lspo_jax.packing import Rows
 from lspo_jax.prompts import Draw
 from lspo_jax.train_config import TrainConfig
 
@@ -62,7 +63,7 @@ class L2RRPrompts:
                 compact = learner.sample([ex.prompt_ids for ex in picked], jax.random.fold_in(draw_key, len(rounds)),
                                          lora_scale=0.0, n=1)  # fmt: skip
             with phases("reward", check_stop=False):  # one stop check per round, before its sampling
-                learner.score(compact, [ex.answer for ex in picked], per_row=True)
+                compact = learner.score(compact, [ex.answer for ex in picked], per_row=True)
                 rows, valid = in_slots(compact, counts, k)
             rounds.append((rows, valid))
             zero_variance = _zero_variance(rows["accuracy"], valid, k)
@@ -76,7 +77,7 @@ class L2RRPrompts:
         if len(order) < batch_size:
             raise RuntimeError(f"only {len(order)} prompts could be drawn for a batch of {batch_size}")
         slots = (order[:, None] * k + np.arange(k)).reshape(-1)
-        rows = {name: np.concatenate([r[name] for r, _ in rounds])[slots] for name in rounds[0][0]}
+        rows = Rows({name: np.concatenate([r[name] for r, _ in rounds])[slots] for name in rounds[0][0]})
         valid = np.concatenate([v for _, v in rounds])[slots]
         examples = [self.examples[i] for i in drawn.indices[order]]
         record = DrawRecord(drawn, int(drawn.usable.sum()))
@@ -126,17 +127,16 @@ FORWARD_MODE_ATTENTION = {"cudnn": "xla", "blocked": "einsum", "pallas": "einsum
 
 class TargetScorer:
     """``<g_tgt, g_i>`` of every prompt of an RL batch: the target side's directional derivatives of the batch's
-    per-prompt policy losses (``l2rr.PolicyLosses``, with the run's clip range and temperature), on the mesh of the
-    params they are taken at."""
+    per-prompt policy losses (``l2rr.PolicyLosses``, with the run's ``losses.LossSpec``, the update's), on the mesh
+    of the params they are taken at."""
 
     def __init__(self, run: TrainConfig, config: Any, target: l2rr.TargetSide):
         attention = FORWARD_MODE_ATTENTION.get(config.attention, config.attention)
         config = dataclasses.replace(config, attention=attention)
         self.target = target
         self.losses = l2rr.PolicyLosses(
-            config, run.rollout.group_size, normalise=run.l2rr.prompt_loss_norm, eps_low=run.loss.eps_low,
-            eps_high=run.loss.eps_high, clip_c=run.loss.clip_c, temperature=run.rollout.temperature,
-            chunk_size=run.loss.chunk_size, num_micro_batches=run.l2rr.score_micro_batches,
+            config, run.rollout.group_size, normalise=run.l2rr.prompt_loss_norm, spec=losses.LossSpec.of(run),
+            num_micro_batches=run.l2rr.score_micro_batches,
         )  # fmt: skip
 
     def scores(self, params: Any, batch: dict, target_params: Any = None) -> np.ndarray:

@@ -237,7 +237,8 @@ class Run:
             raise
 
     def _load(self, run: TrainConfig, *, resume: bool, verifier: Any, judge: Any) -> None:
-        """Model, data and state (restored when resuming), then config.yaml; then judge, verifier and engine."""
+        """Model, data, judge, verifier, the learner (its state restored when resuming; the engine last), then
+        config.yaml and the metrics log. What started is closed if a later part fails."""
         out_dir = self.out_dir
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
         mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
@@ -256,23 +257,30 @@ class Run:
         self.examples = self.examples[: run.data.limit]  # the first `limit` usable prompts (all when null)
         self.held_out, self.held_out_data = self._held_out()
         self.prompts, target = self._prompt_source()
-        # Params and optimizer state are committed to the mesh like the arrays a restore returns: jit keys its cache
-        # on placement, so a run resumed in the same process (tests, notebooks) reuses the compiled programs.
-        self.learner = Learner(run, self.policy, base, mesh=mesh)
-        self.learner.target = target
         self.history: list[dict[str, Any]] = []  # every record of the run, those before a resume included
-        if resume:
-            self._restore()
-        if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
-            with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-                yaml.safe_dump(to_dict(run), f, sort_keys=False)
         if run.first_mistake.enabled:  # a policy judging itself reads the learner's base at each call
-            self.learner.judge = judge or make_judge(run, self.policy, self.learner.base_params, self.learner.mesh)
-        self.log = self._open_log() if self.writer else NullLog()
+            judge = judge or make_judge(run, self.policy, lambda: self.learner.base_params(), mesh)
         verifier = make_verifier(run) if verifier is None else verifier
-        self.learner.verifier = verifier if jax.process_count() == 1 else AgreedVerifier(verifier)
-        if run.rollout.engine == "vllm":  # last: nothing after it can fail and leave the engine running
-            self.learner.vllm = make_engine(run, self.policy, out_dir)
+        engine = (lambda: make_engine(run, self.policy, out_dir)) if run.rollout.engine == "vllm" else None
+        try:
+            # Params and optimizer state are committed to the mesh like the arrays a restore returns: jit keys its
+            # cache on placement, so a run resumed in the same process (tests, notebooks) reuses its programs.
+            self.learner = Learner(
+                run, self.policy, base, mesh=mesh, target=target, judge=judge, engine=engine,
+                verifier=verifier if jax.process_count() == 1 else AgreedVerifier(verifier),
+                resume=self._restore if resume else None,
+            )  # fmt: skip
+        except BaseException:
+            verifier.close()
+            raise
+        try:
+            if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
+                with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+                    yaml.safe_dump(to_dict(run), f, sort_keys=False)
+            self.log = self._open_log() if self.writer else NullLog()
+        except BaseException:
+            self.learner.close()
+            raise
 
     def _prompt_source(self) -> tuple[Any, Any]:
         """The run's prompt source (``prompts``) and, with ``l2rr.enabled``, the L2RR target's scorer."""
@@ -312,11 +320,11 @@ class Run:
         meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed}
         self.checkpointer.save_state(self.state, meta, adapter=self.learner.adapter_lifetime.checkpointed)
 
-    def _restore(self) -> None:
-        """The newest readable checkpoint; newer unreadable ones are set aside (and said so), so the run writes
-        those steps again. The run's records are taken up to that step: what followed it is redone."""
-        adapter = self.learner.adapter_lifetime.checkpointed
-        state, meta, failures = self.checkpointer.restore_state(self.state, adapter=adapter)
+    def _restore(self, fresh: TrainState, adapter: bool) -> TrainState:
+        """The state of the newest readable checkpoint, in ``fresh``'s layout (``adapter``: whether it holds the
+        adapter); newer unreadable ones are set aside (and said so), so the run writes those steps again. The run's
+        records are taken up to that step: what followed it is redone."""
+        state, meta, failures = self.checkpointer.restore_state(fresh, adapter=adapter)
         step = state.step
         if step > self.run.steps:
             raise ConfigError(
@@ -333,9 +341,9 @@ class Run:
                 print(f"lspo-train: resuming from step {step}, the newest readable checkpoint; the unreadable ones "
                       f"are in {aside}", file=sys.stderr)  # fmt: skip
         self.history = records_until(os.path.join(self.out_dir, "metrics.jsonl"), step)
-        self.state = state
         if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
             self.prompts.load_state_dict(meta[self.prompts.meta_key])
+        return state
 
     def _open_log(self) -> MetricsLog:
         """The run's metrics log, cut back to the restored step: a resumed run's records read as if it had

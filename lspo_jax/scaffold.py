@@ -7,8 +7,9 @@ so GRPO learns nothing from it. LSPO re-rolls each cliff prompt K times with a f
     for each cliff group g (in increasing g), with failed base slots f_1 < f_2 < ... of g
     and passing re-rollouts p_1 < p_2 < ... of g:   row f_j  <-  re-rollout p_j,  j = 1 .. min(#f, #p)
 
-Failed re-rollouts are dropped; every other row keeps its values, its ``old_logp`` included. A spliced row
-carries the re-rollout's fields, so its ``old_logp`` is the adapter-on log-prob ``log pi_theta+phi``.
+Failed re-rollouts are dropped; every other row keeps its values. A spliced row carries the re-rollout's fields,
+and the training step carries the re-rollouts' adapter-on log-probs ``log pi_theta+phi`` along (``carry``): the
+spliced rows' importance-ratio denominators.
 
 That is ``partial``, the paper's (the default). The others (``splice(..., variant=)``, ``scaffold.splice``):
 
@@ -93,24 +94,26 @@ def splice(
     group_size: int,
     valid: np.ndarray | None = None,
     *,
-    variant: str = "partial",
+    variant: str | SpliceVariant = "partial",
     reroll_n: int | None = None,
+    carry: tuple[str, ...] = (),
 ) -> tuple[Batch, np.ndarray, SpliceStats]:
     """Replace rows of cliff groups by re-rollouts: by default failed rows by passing re-rollouts (the partial
     swap; ``variant`` names another of ``SPLICE_VARIANTS``, see the module doc).
 
     Args:
         base: per-row arrays of the sampled batch, rows on axis 0 and grouped consecutively by prompt; must
-            hold ``"accuracy"`` ``[N]`` (0/1). Typically also ``tokens``, ``mask`` and ``old_logp`` ``[N, T]``
-            and ``reward`` ``[N]``. Every key of ``base`` is spliced, so ``rerolls`` must hold the same keys.
+            hold ``"accuracy"`` ``[N]`` (0/1). Typically also ``tokens`` and ``mask`` ``[N, T]`` and ``reward``
+            ``[N]``. Every key of ``base`` is spliced, so ``rerolls`` must hold the same keys.
         rerolls: the re-rollouts of the cliff groups, ``reroll_n`` consecutive rows per cliff group, cliff groups
-            in increasing group index (the order of ``np.flatnonzero(cliffs)``); ``old_logp`` holds the
-            adapter-on log-probs.
+            in increasing group index (the order of ``np.flatnonzero(cliffs)``).
         cliffs: ``[N // K]`` bool from ``find_cliffs``.
         group_size: K.
         valid: optional ``[N]`` bool, False on padding slots of groups smaller than K: never spliced into.
-        variant: ``partial``, ``group`` or ``keep_failed``.
+        variant: ``partial``, ``group`` or ``keep_failed``, or the ``SPLICE_VARIANTS`` entry of one.
         reroll_n: re-rollouts per cliff group (default K).
+        carry: fields only the re-rollouts hold (e.g. their adapter-on log-probs): the result holds them too, the
+            spliced rows' values and zeros on every other row, at the base's token length.
 
     Token length: axis 1 of every field with ``ndim >= 2`` is the token axis. A re-roll field shorter than
     its base field is right-padded with zeros (pad token 0, mask 0, log-prob 0: masked out everywhere); a
@@ -118,7 +121,7 @@ def splice(
     Sample re-rollouts with the same generation limit as the base rollouts.
 
     Returns:
-        ``(spliced, spliced_rows, stats)``: a new dict with the same keys, shapes and dtypes as ``base``
+        ``(spliced, spliced_rows, stats)``: a new dict with the same keys, shapes and dtypes as ``base`` (and ``carry``)
         (inputs are not modified), ``[N]`` bool marking the replaced rows, and the step's ``SpliceStats``.
     """
     variant_ = SPLICE_VARIANTS.resolve(variant)
@@ -143,6 +146,10 @@ def splice(
     open_GK = valid_GK if variant_.fills_passing_slots else valid_GK & ~(acc_GK > 0)
     dst, src, num_surpassed = _slot_pairs(open_GK, reroll_acc_CK > 0, cliff_ids, variant_.order)
     spliced = {key: _replace_rows(key, np.asarray(base[key]), np.asarray(rerolls[key]), dst, src) for key in base}
+    for key in carry:
+        field = np.asarray(rerolls[key])
+        shape = (acc_GK.size, *field.shape[1:]) if field.ndim < 2 else (acc_GK.size, _length(base), *field.shape[2:])
+        spliced[key] = _replace_rows(key, np.zeros(shape, field.dtype), field, dst, src)
     spliced_rows = np.zeros(acc_GK.size, dtype=bool)
     spliced_rows[dst] = True
     stats = SpliceStats(
@@ -208,6 +215,14 @@ def _replace_rows(key: str, base: np.ndarray, rerolls: np.ndarray, dst: np.ndarr
     out = base.copy()
     out[dst] = rerolls[src]
     return out
+
+
+def _length(base: Mapping[str, np.ndarray]) -> int:
+    """The token length of ``base``'s per-token fields (axis 1 of those with ``ndim >= 2``)."""
+    lengths = {np.shape(value)[1] for value in base.values() if np.ndim(value) >= 2}
+    if len(lengths) != 1:
+        raise ValueError(f"a carried per-token field needs base fields of one token length, found {sorted(lengths)}")
+    return lengths.pop()
 
 
 def _pad_tokens(key: str, x: np.ndarray, length: int) -> np.ndarray:

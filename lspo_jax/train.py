@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 
 from lspo_jax import corrections, losses, packing, scaffold
 from lspo_jax.learner import Learner
+from lspo_jax.packing import Rows
 from lspo_jax.prompts import Draw
 from lspo_jax.train_config import TrainConfig
 
@@ -94,16 +95,18 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     sample_key, scaffold_key = jax.random.split(draw.key)
     rows, valid = sample_and_score(learner, draw, sample_key, phases)  # sample, reward
     record = rollout_metrics(learner.run, rows, valid)
-    # Placeholder so splice carries a spliced row's adapter-on log-probs; base rows are filled below.
-    rows["old_logp"] = np.zeros(rows["tokens"].shape, np.float32)
     rows, spliced_mask, scaffold_record = scaffold_cliffs(learner, rows, draw.examples, scaffold_key, phases, valid)
     with phases("logprob"):
         base_logp = learner.logprobs(rows, lora_scale=0.0)
-    record.update(spliced_diagnostics(base_logp, rows, spliced_mask))
+    # The log-probs of the policy that sampled each row: the adapter-on one's on spliced rows, the base's elsewhere.
+    behaviour_logp = np.where(spliced_mask[:, None], rows.get("adapter_logp", base_logp), base_logp)
+    record.update(spliced_diagnostics(base_logp, behaviour_logp, rows["mask"], spliced_mask))
     if learner.vllm is not None:
         record.update(_engine_metrics(learner, sync_before, base_logp, rows, spliced_mask))
-    behaviour_logp = np.where(spliced_mask[:, None], rows["old_logp"], base_logp)
-    rows["old_logp"], weights = importance_weights(learner.run, rows, base_logp, behaviour_logp, spliced_mask)
+    old_logp, weights = importance_weights(
+        learner.run, rows, base_logp, behaviour_logp, spliced_mask, correction=learner.correction
+    )
+    rows = rows.replace(old_logp=old_logp)
     advantages, judge_record = step_advantages(learner, rows, draw.examples, valid, phases)
     record.update(judge_record)
     with phases("update"):
@@ -114,17 +117,16 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     return StepResult({"step": learner.state.step, **record, **phases.seconds}, scores)
 
 
-def update_base(learner: Learner, rows: dict, advantages, weights, spliced_rows, score_prompts: bool, record: dict):
+def update_base(learner: Learner, rows: Rows, advantages, weights, spliced_rows, score_prompts: bool, record: dict):
     """The update of the base on the step's rows (``rl_updates``), the advantages times the detached loss weights;
     with ``scaffold.grad_share`` the share of its gradient's norm the spliced rows carry (``spliced_grad_share``);
     and with ``score_prompts`` the batch's L2RR target scores: before the update, which donates the base it
     scores, or with ``l2rr.lookahead`` after it, from a copy of the base that sampled (the prompts' gradients are
     taken there, the target's at the updated base, t + 1). Returns ``(update metrics, scores or None)``."""
-    batch = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}
-    batch["advantages"] = advantages
     if weights is not None:
-        batch["advantages"] = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
+        advantages = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
         record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
+    batch = {**{k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}, "advantages": advantages}
     if learner.run.scaffold.grad_share and spliced_rows.any():  # one more gradient pass
         record["spliced_grad_norm"] = spliced_grad_norm(learner, batch, spliced_rows)
         if learner.run.optim.mini_batches * learner.run.optim.epochs > 1:  # the update reports mini-batch norms
@@ -158,21 +160,20 @@ def spliced_grad_norm(learner: Learner, batch: dict, spliced_rows: np.ndarray) -
     return learner.rl_grad_norm({**batch, "advantages": np.where(keep, advantages, 0.0).astype(np.float32)})
 
 
-def sample_and_score(learner: Learner, draw: Draw, key, phases: Phases) -> tuple[dict, np.ndarray | None]:
+def sample_and_score(learner: Learner, draw: Draw, key, phases: Phases) -> tuple[Rows, np.ndarray | None]:
     """The step's rollouts and their rewards: sampled here (K per prompt) unless the draw holds them."""
     if draw.rows is not None:
-        return draw.rows, draw.valid
+        return Rows(draw.rows), draw.valid
     with phases("sample"):
         rows = learner.sample([ex.prompt_ids for ex in draw.examples], key, lora_scale=0.0)
     with phases("reward"):
-        learner.score(rows, [ex.answer for ex in draw.examples])
-    return rows, None
+        return learner.score(rows, [ex.answer for ex in draw.examples]), None
 
 
-def step_advantages(learner: Learner, rows: dict, examples, valid, phases: Phases) -> tuple[np.ndarray, dict]:
+def step_advantages(learner: Learner, rows: Rows, examples, valid, phases: Phases) -> tuple[np.ndarray, dict]:
     """GRPO's advantages of the (spliced) batch, ``[rows]``, or with a first-mistake judge its token advantages
     ``[rows, length]`` and the judge's metrics."""
-    k, estimator = learner.run.rollout.group_size, learner.run.loss.advantage
+    k, estimator = learner.run.rollout.group_size, learner.estimator
     advantages = np.asarray(losses.group_advantages(jnp.asarray(rows["reward"]), k, valid=valid, estimator=estimator))
     if not learner.run.first_mistake.enabled:
         return advantages, {}
@@ -180,7 +181,7 @@ def step_advantages(learner: Learner, rows: dict, examples, valid, phases: Phase
         return judge_advantages(learner, rows, examples, advantages, valid)
 
 
-def importance_weights(run: TrainConfig, rows: dict, base_logp, behaviour_logp, spliced_rows):
+def importance_weights(run: TrainConfig, rows: Rows, base_logp, behaviour_logp, spliced_rows, *, correction=None):
     """The update's ``old_logp`` ``[rows, T]`` and detached loss weights (None, ``[rows]`` or ``[rows, T]``).
 
     ``behaviour_logp`` is the trainer's log-prob of the policy that sampled each row: ``pi_theta_old`` (the
@@ -198,9 +199,10 @@ def importance_weights(run: TrainConfig, rows: dict, base_logp, behaviour_logp, 
         none      old = base_logp, no weight: spliced rows count as on-policy
 
     ``loss.tis_cap`` C then multiplies each token's loss by min(exp(behaviour_logp - sampler_logp), C): the
-    trainer's log-prob of the sampling policy against the one the engine reported while sampling.
+    trainer's log-prob of the sampling policy against the one the engine reported while sampling. ``correction``: the
+    resolved strategy (``Learner.correction``; default: the run's, resolved here).
     """
-    mask, correction = rows["mask"], corrections.CORRECTIONS.resolve(run.scaffold.correction)
+    mask, correction = rows["mask"], corrections.CORRECTIONS.resolve(correction or run.scaffold.correction)
     old_logp, weights = correction(run.scaffold, base_logp, behaviour_logp, mask, spliced_rows)
     if run.loss.tis_cap is not None:
         tis = np.asarray(losses.token_weights(behaviour_logp, rows["sampler_logp"], mask, run.loss.tis_cap))
@@ -252,11 +254,12 @@ def step_rates(record: dict[str, Any]) -> dict[str, float | None]:
 
 
 # ------------------------------------------------------------------------------------------- scaffold
-def scaffold_cliffs(learner: Learner, rows: dict, examples, key, phases: Phases, valid=None):
+def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases, valid=None):
     """Fit a fresh adapter on the cliffs' solutions, re-roll them, splice verified successes into ``rows``.
 
-    Returns ``(rows, spliced_rows, counts)``; cliff groups whose prompt has no worked solution are skipped by the
-    scaffold and counted in ``scaffold_no_solution``. ``valid`` marks the rows of groups smaller than
+    Returns ``(rows, spliced_rows, counts)``, the rows with ``adapter_logp`` (the re-rollouts' adapter-on log-probs
+    on spliced rows, 0 elsewhere) when the scaffold ran; cliff groups whose prompt has no worked solution are
+    skipped by the scaffold and counted in ``scaffold_no_solution``. ``valid`` marks the rows of groups smaller than
     ``group_size`` (the rest is padding, never a cliff's failed row nor spliced into).
     """
     run, k = learner.run, learner.run.rollout.group_size
@@ -276,15 +279,17 @@ def scaffold_cliffs(learner: Learner, rows: dict, examples, key, phases: Phases,
     with phases("reroll"):
         rerolls, slots = reroll(learner, cliff_examples, reroll_key)
     with phases("reward"):
-        learner.score(rerolls, [ex.answer for ex in cliff_examples for _ in range(n)], per_row=True)
+        rerolls = learner.score(rerolls, [ex.answer for ex in cliff_examples for _ in range(n)], per_row=True)
     with phases("logprob"):
         # The spliced rows' importance-ratio denominator: the adapter-on policy that sampled them.
-        rerolls["old_logp"] = learner.logprobs(rerolls, lora_scale=scale, min_rows=slots * n, temperature=temperature)
-    variant = run.scaffold.splice
-    spliced, spliced_rows, stats = scaffold.splice(rows, rerolls, usable, k, valid, variant=variant, reroll_n=n)
+        logp = learner.logprobs(rerolls, lora_scale=scale, min_rows=slots * n, temperature=temperature)
+    spliced, spliced_rows, stats = scaffold.splice(
+        rows, rerolls.replace(adapter_logp=logp), usable, k, valid, variant=learner.splice_variant, reroll_n=n,
+        carry=("adapter_logp",),
+    )  # fmt: skip
     counts.update(surpassed_groups=stats.num_surpassed, spliced_rows=stats.num_spliced, rerolls=stats.num_rerolls,
                   rerolls_passed=stats.num_passing_rerolls)  # fmt: skip
-    return spliced, spliced_rows, counts
+    return Rows(spliced), spliced_rows, counts
 
 
 def _cliff_slots(learner: Learner, cliffs: int) -> int:
@@ -316,17 +321,17 @@ def _reroll_settings(run: TrainConfig) -> tuple[int, float, float]:
     return scaffold_.reroll_n or run.rollout.group_size, scaffold_.reroll_scale, temperature
 
 
-def reroll(learner: Learner, cliff_examples, key) -> tuple[dict, int]:
+def reroll(learner: Learner, cliff_examples, key) -> tuple[Rows, int]:
     """``scaffold.reroll_n`` samples per cliff prompt with the adapter on, and the prompt count they were sampled
     in."""
     n, scale, temperature = _reroll_settings(learner.run)
     prompts, slots = [ex.prompt_ids for ex in cliff_examples], _cliff_slots(learner, len(cliff_examples))
     padding = [prompts[0]] * (slots - len(prompts))  # sampled, then dropped: only fixes the shape
     rerolls = learner.sample(prompts + padding, key, lora_scale=scale, n=n, temperature=temperature)
-    return {name: value[: len(prompts) * n] for name, value in rerolls.items()}, slots
+    return rerolls.take(slice(len(prompts) * n)), slots
 
 
-def judge_advantages(learner: Learner, rows: dict, examples, outcome, valid=None):
+def judge_advantages(learner: Learner, rows: Rows, examples, outcome, valid=None):
     """``[rows, length]`` first-mistake token advantages of the (spliced) batch and the judge's metrics.
 
     A teacher names the first wrong sentence of each failed rollout in a mixed group; see ``first_mistake``.
@@ -348,7 +353,7 @@ def judge_advantages(learner: Learner, rows: dict, examples, outcome, valid=None
 
 
 # ----------------------------------------------------------------------------------------- metrics
-def rollout_metrics(run: TrainConfig, rows: dict, valid: np.ndarray | None = None) -> dict[str, Any]:
+def rollout_metrics(run: TrainConfig, rows: Rows, valid: np.ndarray | None = None) -> dict[str, Any]:
     """Means over the sampled rollouts (the valid rows) before the scaffold, and the share of the groups with
     a learning signal (rewards not all equal), which a prompt sampler tries to raise."""
     valid = np.ones(len(rows["accuracy"]), bool) if valid is None else valid
@@ -369,7 +374,7 @@ def _sync_seconds(learner: Learner) -> float:
     return learner.vllm.stats["sync_s_total"] if learner.vllm is not None else 0.0
 
 
-def _engine_metrics(learner: Learner, sync_before: float, base_logp: np.ndarray, rows: dict, spliced_rows: np.ndarray):
+def _engine_metrics(learner: Learner, sync_before: float, base_logp: np.ndarray, rows: Rows, spliced_rows: np.ndarray):
     """``vllm_sync_seconds`` (weight pushes in this step) and how far the engine's log-probs of its sampled
     tokens are from the trainer's teacher-forced base log-probs, on the rows the base policy sampled."""
     from lspo_jax.vllm_sampler import logprob_mismatch
@@ -385,20 +390,20 @@ SPLICED_DIAGNOSTICS = ("spliced_ratio_mean", "spliced_log_ratio_q10", "spliced_l
                        "spliced_log_ratio_q90", "spliced_token_share")  # fmt: skip
 
 
-def spliced_diagnostics(base_logp: np.ndarray, rows: dict, spliced_rows: np.ndarray) -> dict[str, float]:
+def spliced_diagnostics(base_logp, behaviour_logp, token_mask, spliced_rows: np.ndarray) -> dict[str, float]:
     """What the rescued rows carry into the update, before any correction: the token-mean of ``pi_theta /
     pi_theta+phi`` over spliced tokens (``spliced_ratio_mean``), the 10/50/90% quantiles of its log
     (``spliced_log_ratio_q10`` ...; a token with log ratio far below 0 gets almost no gradient under ``token``),
     and the spliced rows' share of the update's tokens (``spliced_token_share``). None on a step without them."""
-    mask = rows["mask"][spliced_rows] > 0
+    mask = token_mask[spliced_rows] > 0
     if not mask.any():
         return dict.fromkeys(SPLICED_DIAGNOSTICS)
-    log_ratio = (base_logp[spliced_rows] - rows["old_logp"][spliced_rows])[mask]
+    log_ratio = (base_logp[spliced_rows] - behaviour_logp[spliced_rows])[mask]
     quantiles = np.quantile(log_ratio, [0.1, 0.5, 0.9])
     return {
         "spliced_ratio_mean": float(np.exp(log_ratio).mean()),
         **{f"spliced_log_ratio_q{q}": float(v) for q, v in zip((10, 50, 90), quantiles, strict=True)},
-        "spliced_token_share": float(mask.sum() / max(1, np.sum(rows["mask"] > 0))),
+        "spliced_token_share": float(mask.sum() / max(1, np.sum(token_mask > 0))),
     }
 
 

@@ -119,7 +119,7 @@ def check_builders(params, batch, mesh) -> dict:
     """``sharded_rl_step`` (2 micro-batches, chunked head) and ``sharded_logprobs``; the SFT builder shares
     the RL one's plumbing and is left out to keep the run short (each step compiles for several seconds)."""
     tx = optim.make_optimizer(RL)
-    rl_kwargs = dict(rl=RL, num_micro_batches=2, chunk_size=5)
+    rl_kwargs = dict(rl=RL, num_micro_batches=2, spec=losses.LossSpec(chunk_size=5))
     ref_rl = jax.jit(functools.partial(optim.rl_step, CONFIG, **rl_kwargs))(params, tx.init(params), batch)
     ref_logp, _ = jax.jit(logprobs.sequence_logprobs, static_argnums=0)(
         CONFIG, params, batch["tokens"], batch["attention_mask"]
@@ -175,7 +175,7 @@ def check_packed(params) -> dict:
         out[name] = {"loss": abs(float(loss) - float(want_loss)) / max(1.0, abs(float(want_loss))),
                      "grads": _tree_diff(grads, want_grads) / scale}  # fmt: skip
     tx = optim.make_optimizer(RL)
-    rl_kwargs = dict(rl=RL, num_micro_batches=2, chunk_size=5)
+    rl_kwargs = dict(rl=RL, num_micro_batches=2, spec=losses.LossSpec(chunk_size=5))
     want = jax.jit(functools.partial(optim.rl_step, CONFIG, **rl_kwargs))(params, tx.init(params), batch)
     placed = sharding.shard_params(params, params_sh)
     state = jax.jit(tx.init, out_shardings=sharding.opt_state_shardings(CONFIG, mesh, tx))(placed)

@@ -278,3 +278,66 @@ def test_learning_rate_follows_the_warm_up():
     # lr * min(1, (count + 1) / warmup): 1e-3 * 1/4, 1e-3 * 4/4, then flat. The schedule computes in float32
     # (one rounding: relative error below 6e-8).
     assert [learning_rate(config, n) for n in (0, 3, 10)] == pytest.approx([2.5e-4, 1e-3, 1e-3], rel=1e-6)
+
+
+def test_one_loss_spec_reaches_the_update_the_logprob_passes_and_the_l2rr_target(monkeypatch):
+    """The run's clip, temperature and LM-head chunk reach every program that reads the policy's tokens by one
+    object: the update's, the log-prob pass's (the re-rolls' at their own temperature) and L2RR's prompt losses."""
+    from lspo_jax import distributed, reweight
+    from lspo_jax.learner import Learner, Policy
+    from lspo_jax.train_config import load_config
+
+    overrides = ["loss.eps_high=0.3", "loss.clip_c=3.0", "rollout.temperature=0.7", "loss.chunk_size=8"]
+    run = load_config(None, [*overrides, "loss.packing=false"])
+    spec = losses.LossSpec.of(run)
+    assert spec == losses.LossSpec(eps_low=0.2, eps_high=0.3, clip_c=3.0, temperature=0.7, chunk_size=8)
+    assert spec.clip == {"eps_low": 0.2, "eps_high": 0.3, "clip_c": 3.0}
+    built = []
+
+    def recorder(result):
+        def build(config, mesh, **options):
+            built.append(options["spec"])
+            return lambda params, *arrays: result(arrays[-1])
+
+        return build
+
+    monkeypatch.setattr(distributed, "sharded_logprobs", recorder(lambda rows: np.zeros(rows["tokens"].shape)))
+    monkeypatch.setattr(distributed, "sharded_rl_step", recorder(lambda batch: (None, None, {"finite": True})))
+    learner = Learner(run, Policy(CONFIG, None, ()), _params())
+    rows = {k: np.asarray(v)[:2] for k, v in _batch().items()}
+    learner.logprobs(rows, lora_scale=0.0)
+    learner.logprobs(rows, lora_scale=1.0, temperature=0.9)
+    learner.rl_step(rows)
+    assert built == [spec, dataclasses.replace(spec, temperature=0.9), spec]
+    assert reweight.TargetScorer(run, CONFIG, None).losses.spec == spec
+
+
+def test_the_learner_is_built_whole_restoring_before_the_engine_starts_and_closing_both():
+    from lspo_jax.learner import Learner, Policy
+    from lspo_jax.train_config import TrainConfig
+
+    events = []
+
+    class Part:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self):
+            events.append(f"close {self.name}")
+
+    def resume(fresh, adapter):
+        events.append(f"resume (adapter kept: {adapter})")
+        return dataclasses.replace(fresh, step=7)
+
+    def engine():
+        events.append("engine")
+        return Part("engine")
+
+    verifier, judge, target = Part("verifier"), object(), object()
+    learner = Learner(TrainConfig(), Policy(CONFIG, None, ()), _params(), verifier=verifier, judge=judge,
+                      target=target, resume=resume, engine=engine)  # fmt: skip
+    assert (learner.verifier, learner.judge, learner.target) == (verifier, judge, target)
+    assert learner.state.step == 7 and learner.vllm.name == "engine" and learner.generator.vllm is learner.vllm
+    learner.close()
+    assert events == ["resume (adapter kept: False)", "engine", "close engine", "close verifier"]
+    assert learner.vllm is None

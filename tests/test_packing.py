@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from lspo_jax import logprobs, model, optim, packing
+from lspo_jax import logprobs, losses, model, optim, packing
 from lspo_jax.config import ModelConfig
 from lspo_jax.metrics_log import read_metrics
 from lspo_jax.run import Run
@@ -108,7 +108,9 @@ def test_packed_rl_gradient_equals_padded(tiny_params, attention, micro_batches,
     packed = packing.pack_rows(rows, ("mask", "old_logp", "advantages"), PROMPT + RESPONSE, row_multiple=2)
     assert packed.slots < rows["tokens"].size  # it did pack
     grads = jax.jit(
-        functools.partial(optim.rl_gradients, config, num_micro_batches=micro_batches, chunk_size=chunk_size)
+        functools.partial(
+            optim.rl_gradients, config, num_micro_batches=micro_batches, spec=losses.LossSpec(chunk_size=chunk_size)
+        )
     )
     loss, grad, metrics = grads(tiny_params["base"], rows)
     packed_loss, packed_grad, packed_metrics = grads(tiny_params["base"], packed.arrays)

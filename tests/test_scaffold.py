@@ -172,3 +172,18 @@ def test_reroll_count_other_than_k():
     assert (stats.num_rerolls, stats.num_passing_rerolls) == (4, 3)
     with pytest.raises(ValueError, match="unknown splice variant 'swap'"):
         splice(base, _rerolls([0, 1], [1, 1]), cliffs, K, reroll_n=2, variant="swap")
+
+
+def test_a_carried_field_of_the_rerolls_lands_on_the_spliced_rows_and_zeros_elsewhere():
+    # Group 1 (rows 4..7) is the cliff; re-rolls 1 and 3 pass and fill its failed slots 4 and 5 (the partial swap).
+    # The re-rolls' adapter-on log-probs are a field only they hold, 2 slots shorter than the base's rows.
+    base = _base([1, 0, 1, 0], [0, 0, 0, 0])
+    base.pop("old_logp")
+    rerolls = _rerolls([0, 1, 0, 1])
+    rerolls["adapter_logp"] = np.repeat(-np.arange(1.0, 5.0)[:, None], T - 2, axis=1).astype(np.float32)
+    out, spliced, _ = splice(base, rerolls, find_cliffs(base["accuracy"], K), K, carry=("adapter_logp",))
+    want = np.zeros((8, T), np.float32)
+    want[4, : T - 2], want[5, : T - 2] = -2.0, -4.0  # re-rolls 1 and 3, right-padded with 0 to the base's length
+    np.testing.assert_array_equal(out["adapter_logp"], want)
+    assert spliced.tolist() == [False] * 4 + [True, True, False, False]
+    assert "old_logp" not in out and out["adapter_logp"].dtype == np.float32

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from lspo_jax import train
+from lspo_jax import corrections, losses, scaffold, train
+from lspo_jax.packing import Rows
 from lspo_jax.prompts import Draw
 from lspo_jax.train_config import load_config
 
@@ -57,6 +58,10 @@ class FakeLearner:
         self.run, self.phases, self.calls = run, phases, []
         self.vllm, self.judge, self.verifier = None, None, None
         self.state = types.SimpleNamespace(step=0, nonfinite_total=0)
+        self.estimator = losses.ESTIMATORS.resolve(run.loss.advantage)
+        self.splice_variant = scaffold.SPLICE_VARIANTS.resolve(run.scaffold.splice)
+        self.correction = corrections.CORRECTIONS.resolve(run.scaffold.correction)
+        self.seen = []
 
     def _log(self, verb: str, scale: float | None = None) -> None:
         self.calls.append((verb, self.phases.open[-1] if self.phases.open else None, scale))
@@ -66,16 +71,21 @@ class FakeLearner:
         count, slots = len(prompts) * (n or K), self.run.data.max_prompt_tokens + self.run.rollout.max_new_tokens
         mask = np.zeros((count, slots), np.int32)
         mask[:, self.run.data.max_prompt_tokens :][:, :RESPONSE] = 1
-        return {"tokens": np.ones((count, slots), np.int32), "attention_mask": np.ones((count, slots), np.int32),
-                "mask": mask, "lengths": np.full(count, RESPONSE, np.int32), "eos": np.ones(count, bool),
-                "sampler_logp": np.zeros((count, slots), np.float32),
-                "scale": np.full(count, lora_scale, np.float32)}  # fmt: skip
+        return Rows(tokens=np.ones((count, slots), np.int32), attention_mask=np.ones((count, slots), np.int32),
+                    mask=mask, lengths=np.full(count, RESPONSE, np.int32), eos=np.ones(count, bool),
+                    sampler_logp=np.zeros((count, slots), np.float32),
+                    scale=np.full(count, lora_scale, np.float32))  # fmt: skip
 
     def score(self, rows, golds, *, per_row=False):
         self._log("score")
+        self._seen(rows)
         passing = rows["scale"] > 0
         passing[0] = True
-        rows["accuracy"] = rows["reward"] = passing.astype(np.float32)
+        return rows.replace(accuracy=passing.astype(np.float32), reward=passing.astype(np.float32))
+
+    def _seen(self, rows) -> None:
+        """Keep what a verb was given, and a copy of it: a later stage must not change it."""
+        self.seen.append((rows, {name: np.array(value) for name, value in rows.items()}))
 
     def adapter_due(self) -> bool:
         return True
@@ -89,10 +99,12 @@ class FakeLearner:
 
     def logprobs(self, rows, *, lora_scale, min_rows=1, temperature=None):
         self._log("logprobs", lora_scale)
+        self._seen(rows)
         return np.where(rows["mask"] > 0, -1.0 - lora_scale, 0.0).astype(np.float32)
 
     def rl_step(self, batch, *, ends_step=True):
         self._log("rl_step")
+        self._seen(batch)
         self.state.step += 1
         return {"loss": 0.1, "grad_norm": 1.0, "lr": 1e-3, "finite": True, "pad_fraction": 0.0}
 
@@ -133,3 +145,11 @@ def test_train_step_runs_its_stages_in_the_documented_order(monkeypatch, judged)
     }
     assert (result.metrics["time_judge"] > 0) == judged
     assert result.metrics["cliff_groups"] == 1 and result.metrics["spliced_rows"] == K
+    # The step's rows are a frozen record: what each verb was given holds, after the step, what it held then.
+    # Fields: 7 sampled (the batch's, the re-rolls'), + accuracy and reward once scored, + adapter_logp once spliced;
+    # the update's 5 (tokens, attention_mask, mask, old_logp, advantages).
+    assert [len(seen) for seen, _ in learner.seen] == [7, 7, 9, 10, 5]
+    for seen, copy in learner.seen:
+        assert set(seen) == set(copy) and all(np.array_equal(seen[k], copy[k]) for k in copy)
+    with pytest.raises(TypeError):
+        learner.seen[0][0]["old_logp"] = np.zeros(1)  # type: ignore[index]

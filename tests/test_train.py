@@ -1301,11 +1301,13 @@ def test_resuming_a_finished_run_adds_nothing_and_fewer_steps_are_refused(traine
     run_dir = copy_run(trained_run["dir"], tmp_path / "run")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         before = f.read()
-    with cli_verifier(monkeypatch, easy_rule):
+    with cli_verifier(monkeypatch, easy_rule) as verifier:
         for _ in range(2):
             assert cli.train_main(["--out", run_dir, "--resume"]) == 0
             assert "is at step 4 of steps=4: nothing to train" in capsys.readouterr().err
+        verifier.closed = False
         assert cli.train_main(["--out", run_dir, "--resume", "steps=2"]) == 2
+        assert verifier.closed  # started before the learner, whose restore refused: closed, not left running
     assert "steps: 2 is below the run's step 4 (its checkpoint); pass steps=4 or more" in one_line(capsys, "lspo-train")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert f.read() == before  # no second final validation

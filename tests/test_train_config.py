@@ -243,6 +243,10 @@ def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup()
         assert tuple(registry) == options.choices(registry.option), key  # every value, in declaration order
         with pytest.raises(ValueError, match=f"^unknown {registry.what} 'bogus'; known: "):
             registry.resolve("bogus")
+        for name, strategy in registry.items():  # resolved once, a strategy passes through as itself
+            assert registry.resolve(name) is strategy and registry.resolve(strategy) is strategy, (key, name)
+    with pytest.raises(ValueError, match="unknown advantage estimator"):  # not one of its strategies
+        losses.ESTIMATORS.resolve(corrections.CORRECTIONS.resolve("token"))
     with pytest.raises(ValueError, match="'rloo' is not a value of its option"):  # a strategy without its name
         losses.ESTIMATORS.register("rloo")(lambda r, valid, eps: r)
     with pytest.raises(ValueError, match="'loo' is registered twice"):

@@ -190,11 +190,11 @@ def passes_of(config, params, batch) -> dict:
     """``{"rl_step": fn, "logprob": fn}``, each running its compiled program once on fresh inputs."""
     import jax
 
-    from lspo_jax import distributed, optim, sharding
+    from lspo_jax import distributed, losses, optim, sharding
 
-    mesh, tx = sharding.local_mesh(), optim.make_optimizer()
-    step = distributed.sharded_rl_step(config, mesh, chunk_size=256)
-    logprob = distributed.sharded_logprobs(config, mesh, chunk_size=256)
+    mesh, tx, spec = sharding.local_mesh(), optim.make_optimizer(), losses.LossSpec(chunk_size=256)
+    step = distributed.sharded_rl_step(config, mesh, spec=spec)
+    logprob = distributed.sharded_logprobs(config, mesh, spec=spec)
 
     def rl_step():
         # The step donates params and state: each call gets its own copies, made before its clock starts.

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax.extend.core import jaxprs_in_params
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from lspo_jax import distributed, l2rr, model, optim, packing, reweight, sampler, sharding
+from lspo_jax import distributed, l2rr, losses, model, optim, packing, reweight, sampler, sharding
 from lspo_jax.axes import MESH_AXES
 from lspo_jax.config import ModelConfig
 from lspo_jax.learner import Learner
@@ -198,12 +198,11 @@ def _length(run: TrainConfig) -> int:
 
 
 def rl_program(layout: str, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
-    run, loss = shape.run, shape.run.loss
+    run = shape.run
     batch, micro = _rollout_rows(shape, mesh, layout, LOSS_KEYS)
     step = distributed.sharded_rl_step(
-        config, mesh, rl=run.optim, sft=run.scaffold.sft, eps_low=loss.eps_low, eps_high=loss.eps_high,
-        clip_c=loss.clip_c, temperature=run.rollout.temperature, num_micro_batches=micro,
-        chunk_size=loss.chunk_size, skip_nonfinite=True,
+        config, mesh, rl=run.optim, sft=run.scaffold.sft, spec=losses.LossSpec.of(run), num_micro_batches=micro,
+        skip_nonfinite=True,
     )  # fmt: skip
     return step.trace(*_train_state(config, mesh, run), batch)
 
@@ -215,10 +214,8 @@ def logprobs_program(adapter: bool, shape: Shape, config: ModelConfig, mesh: Abs
     rows, micro = _rollout_rows(shape, mesh, "packed", ())
     scale = run.scaffold.reroll_scale if adapter else 0.0
     temperature = (run.scaffold.reroll_temperature if adapter else None) or run.rollout.temperature
-    program = distributed.sharded_logprobs(
-        config, mesh, lora_scale=scale, temperature=temperature, chunk_size=run.loss.chunk_size,
-        num_micro_batches=micro,
-    )  # fmt: skip
+    spec = dataclasses.replace(losses.LossSpec.of(run), temperature=temperature)
+    program = distributed.sharded_logprobs(config, mesh, lora_scale=scale, spec=spec, num_micro_batches=micro)
     return program.trace(sharding.abstract_params(config, mesh), rows)
 
 
@@ -253,13 +250,13 @@ def l2rr_jvp_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> B
     per-prompt losses the run's ``reweight.TargetScorer`` builds (its attention for forward mode included), the rows
     split over the data axes as the scorer places them."""
     run = shape.run
-    losses = reweight.TargetScorer(run, config, None).losses
+    prompt_losses = reweight.TargetScorer(run, config, None).losses
     count = run.rollout.prompts_per_step * run.rollout.group_size
     keys = ("tokens", "attention_mask", *LOSS_KEYS)
     batch = _rows(count, _length(run), keys, sharding.batch_sharding(mesh, count))
     base = sharding.abstract_params(config, mesh)["base"]
     program = l2rr.sharded_directional_derivatives(config, mesh)
-    return program.trace(jax.tree_util.Partial(losses, batch=batch), base, base)
+    return program.trace(jax.tree_util.Partial(prompt_losses, batch=batch), base, base)
 
 
 # ---------------------------------------------------------------------------------------------- sampler

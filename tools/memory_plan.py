@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lspo_jax import distributed, model, optim, sampler, sharding
+from lspo_jax import distributed, losses, model, optim, sampler, sharding
 from lspo_jax.config import ModelConfig
 
 LAYOUTS = {"fsdp8": (1, 8, 1), "fsdp4_tp2": (1, 4, 2), "fsdp2_tp4": (1, 2, 4), "data2_fsdp4": (2, 4, 1)}
@@ -99,7 +99,8 @@ def train_step(config: ModelConfig, mesh, plan: Plan):
     params_sh, state_sh, _ = distributed.step_shardings(config, mesh, tx)
     params = _abstract(model.abstract_params(config), params_sh)
     state = _abstract(jax.eval_shape(tx.init, model.abstract_params(config)), state_sh)
-    step = distributed.sharded_rl_step(config, mesh, num_micro_batches=plan.micro_batches, chunk_size=plan.chunk)
+    spec = losses.LossSpec(chunk_size=plan.chunk)
+    step = distributed.sharded_rl_step(config, mesh, spec=spec, num_micro_batches=plan.micro_batches)
     return step.lower(params, state, _batch(plan, mesh, plan.rows)).compile()
 
 
@@ -107,7 +108,7 @@ def logprob_pass(config: ModelConfig, mesh, plan: Plan):
     params = _abstract(model.abstract_params(config), sharding.param_shardings(config, mesh))
     batch = _batch(plan, mesh, plan.rows)
     logprobs = distributed.sharded_logprobs(
-        config, mesh, chunk_size=plan.chunk, num_micro_batches=plan.logprob_micro_batches
+        config, mesh, spec=losses.LossSpec(chunk_size=plan.chunk), num_micro_batches=plan.logprob_micro_batches
     )
     return logprobs.lower(params, batch).compile()
 
