@@ -310,8 +310,11 @@ class Learner:
         return self.target.scores(params or self.state.params, batch, target_params)
 
     def close(self) -> None:
-        if self.vllm is not None:
-            self.vllm.close()
-            self.generator.vllm = None
-        if self.verifier is not None:
-            self.verifier.close()
+        """Close the engine, then the verifier (even if the engine's close fails)."""
+        try:
+            if self.vllm is not None:
+                self.vllm.close()
+                self.generator.vllm = None
+        finally:
+            if self.verifier is not None:
+                self.verifier.close()

@@ -26,16 +26,19 @@ the input dims of W followed by R, B has R followed by the output dims of W, so 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from lspo_jax import options
 from lspo_jax.axes import constrain, logical_spec
 from lspo_jax.config import ModelConfig
 from lspo_jax.flash import blocked_attention
-from lspo_jax.kernels import KERNELS, decode_attention, segment_attention
+from lspo_jax.kernels import decode_attention, segment_attention
 
 Params = dict[str, Any]
 
@@ -181,7 +184,7 @@ CACHE_LEAF_AXES = {"k": CACHE_AXES, "kT": KEYS_T_AXES, "v": CACHE_AXES}
 
 def cache_key_name(config: ModelConfig) -> str:
     """The cache leaf that holds the keys: ``"kT"`` (``[B, K, E, S]``) for ``reduce``, ``"k"`` otherwise."""
-    return "kT" if config.decode_attention == "reduce" else "k"
+    return DECODE_ATTENTIONS.resolve(config.decode_attention).key_name
 
 
 def count_params(tree: Any) -> int:
@@ -257,31 +260,26 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, mask_BTS: ja
 def decode_attend(
     implementation: str, q_B1HE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, mask_B1S: jax.Array
 ) -> jax.Array:
-    """One query per row over the KV cache: ``attend``'s result through ``implementation`` (``DECODE_ATTENTION``).
+    """One query per row over the KV cache: ``attend``'s result through ``implementation`` (a name of
+    ``DECODE_ATTENTIONS``), keys in that implementation's cache layout (``cache_key_name``)."""
+    return DECODE_ATTENTIONS.resolve(implementation).attend(q_B1HE, k_BKSE, v_BKSE, mask_B1S)
 
-    Keys come in the cache's layout for ``implementation`` (``cache_key_name``): ``[B, K, E, S]`` for
-    ``reduce``, ``[B, K, S, E]`` for the others. ``einsum`` is ``attend``. ``reduce`` writes the two products
-    as broadcast multiplies and sums, over the head dim (across slots-last keys) and over the slots: one pass
-    over each cache buffer, where XLA's CPU backend lowers the einsums to many small batched matmuls
-    (measured 5x slower at 32 rows of 256 slots). ``xla`` is
-    ``jax.nn.dot_product_attention``; ``pallas`` the Pallas GPU decode kernel (``kernels.decode_attention``),
-    which needs each row's visible slots to be one contiguous range, as the sampler's are (the left-padded
-    prompt, then the generated slots).
-    """
-    if implementation == "einsum":
-        return attend(q_B1HE, k_BKSE, v_BKSE, mask_B1S)
-    if implementation == "pallas":
-        return decode_attention(q_B1HE, k_BKSE, v_BKSE, mask_B1S)
-    if implementation == "xla":
-        heads_last = lambda x: jnp.swapaxes(x, 1, 2)  # [B, S, K, E], the layout dot_product_attention takes
-        mask_B11S = mask_B1S[:, None]
-        out = jax.nn.dot_product_attention(q_B1HE, heads_last(k_BKSE), heads_last(v_BKSE), mask=mask_B11S)
-        return out.astype(q_B1HE.dtype)
+
+def _decode_xla(q_B1HE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, mask_B1S: jax.Array) -> jax.Array:
+    """``jax.nn.dot_product_attention`` over the cache."""
+    heads_last = lambda x: jnp.swapaxes(x, 1, 2)  # [B, S, K, E], the layout dot_product_attention takes
+    out = jax.nn.dot_product_attention(q_B1HE, heads_last(k_BKSE), heads_last(v_BKSE), mask=mask_B1S[:, None])
+    return out.astype(q_B1HE.dtype)
+
+
+def _decode_reduce(q_B1HE: jax.Array, k_BKES: jax.Array, v_BKSE: jax.Array, mask_B1S: jax.Array) -> jax.Array:
+    """The two products as broadcast multiplies and sums, over the head dim (across slots-last keys) and over the
+    slots: one pass over each cache buffer, where XLA's CPU backend lowers the einsums to many small batched
+    matmuls (measured 5x slower at 32 rows of 256 slots)."""
     b, _, h, e = q_B1HE.shape
-    k_heads = k_BKSE.shape[1]
+    k_heads = k_BKES.shape[1]
     f32 = jnp.float32
     q_BKGE = q_B1HE.reshape(b, k_heads, h // k_heads, e).astype(f32) * (e**-0.5)
-    k_BKES = k_BKSE  # slots-last for this implementation
     scores_BKGS = jnp.sum(q_BKGE[..., None] * k_BKES[:, :, None].astype(f32), axis=-2)
     scores_BKGS = jnp.where(mask_B1S[:, None], scores_BKGS, _MASKED)
     probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1)
@@ -329,6 +327,48 @@ def _write_cache(cache: Params, k_BTKE: jax.Array, v_BTKE: jax.Array, index: jax
     return {"kT": jax.lax.dynamic_update_slice(cache["kT"], new_BKET, (0, 0, 0, index)), "v": put(cache["v"], v_BTKE)}
 
 
+# ------------------------------------------------------------------------------ attention registries
+@dataclasses.dataclass(frozen=True)
+class CacheFreeAttention:
+    """What a cache-free attention (``config.attention``) takes: a ``[B, T, S]`` mask (neither field set), segment
+    ids (``over_segments(q, k, v, segment_ids)``) or right-padded rows of given lengths (``fused``, the
+    implementation of ``jax.nn.dot_product_attention``; such rows hold one segment each)."""
+
+    over_segments: Callable[..., jax.Array] | None = None
+    fused: str | None = None
+    needs_gpu: bool = False  # refused, with the backend named, before a trace elsewhere
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttention:
+    """A decode step's attention over the KV cache and the cache leaf its keys live in (``cache_key_name``)."""
+
+    attend: Callable[..., jax.Array]
+    key_name: str = "k"  # "k": [B, K, S, E]; "kT": [B, K, E, S]
+
+
+ATTENTIONS = options.Registry(options.Attention, "attention")
+ATTENTIONS.register("einsum")(CacheFreeAttention())
+ATTENTIONS.register("xla")(CacheFreeAttention(fused="xla"))
+ATTENTIONS.register("cudnn")(CacheFreeAttention(fused="cudnn", needs_gpu=True))
+ATTENTIONS.register("blocked")(CacheFreeAttention(over_segments=blocked_attention))
+ATTENTIONS.register("pallas")(CacheFreeAttention(over_segments=functools.partial(segment_attention, "pallas")))
+ATTENTIONS.register("splash")(CacheFreeAttention(over_segments=functools.partial(segment_attention, "splash")))
+
+DECODE_ATTENTIONS = options.Registry(options.DecodeAttention, "decode attention")
+DECODE_ATTENTIONS.register("einsum")(DecodeAttention(attend))
+DECODE_ATTENTIONS.register("reduce")(DecodeAttention(_decode_reduce, key_name="kT"))
+DECODE_ATTENTIONS.register("xla")(DecodeAttention(_decode_xla))
+# The Pallas GPU kernel needs each row's visible slots to be one contiguous range, as the sampler's are (the
+# left-padded prompt, then the generated slots).
+DECODE_ATTENTIONS.register("pallas")(DecodeAttention(decode_attention))
+
+
+def _require_backend(name: str, attention: CacheFreeAttention) -> None:
+    if attention.needs_gpu and jax.default_backend() != "gpu":
+        raise ValueError(f"model attention {name!r} needs a CUDA GPU; JAX's backend is {jax.default_backend()!r}")
+
+
 def block(
     config: ModelConfig,
     layer: Params,
@@ -366,12 +406,11 @@ def block(
         v_BTKE = constrain(v_BTKE, ("batch", None, "kv_heads", None))
         q_BTHE = rotary(q_BTHE, positions_BT, config.rope_theta)
         k_BTKE = rotary(k_BTKE, positions_BT, config.rope_theta)
+        attention = ATTENTIONS.resolve(config.attention)
         if seq_lengths_B is not None:
-            out_BTHE = fused_attend(q_BTHE, k_BTKE, v_BTKE, seq_lengths_B, config.attention)
-        elif segment_ids_BT is not None and config.attention in KERNELS:
-            out_BTHE = segment_attention(config.attention, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+            out_BTHE = fused_attend(q_BTHE, k_BTKE, v_BTKE, seq_lengths_B, attention.fused)
         elif segment_ids_BT is not None:
-            out_BTHE = blocked_attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+            out_BTHE = attention.over_segments(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
         elif kv_cache is None:
             out_BTHE = attend(q_BTHE, jnp.swapaxes(k_BTKE, 1, 2), jnp.swapaxes(v_BTKE, 1, 2), mask_BTS)
         else:
@@ -501,7 +540,7 @@ def segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
 def packs_segments(config: ModelConfig) -> bool:
     """Whether ``config.attention`` can attend within several segments of a row (``packing.pack_rows``); the
     fused ``jax.nn.dot_product_attention`` takes right-padded rows of given lengths only (one segment a row)."""
-    return config.attention not in ("xla", "cudnn")
+    return ATTENTIONS.resolve(config.attention).fused is None
 
 
 def hidden_states(
@@ -524,10 +563,11 @@ def hidden_states(
         return packed_hidden_states(config, params, tokens_BT, segment_ids_BT, positions_BT, lora_scale=lora_scale)
     if attention_mask_BT is None:
         attention_mask_BT = jnp.ones(tokens_BT.shape, jnp.int32)
-    if config.attention in ("xla", "cudnn"):
+    attention = ATTENTIONS.resolve(config.attention)
+    if attention.fused is not None:
         return _fused_hidden_states(config, params, tokens_BT, attention_mask_BT, lora_scale)
     positions_BT = attention_positions(attention_mask_BT)
-    if config.attention in ("blocked", *KERNELS):  # one segment per row (its real tokens), no [B, T, S] mask
+    if attention.over_segments is not None:  # one segment per row (its real tokens), no [B, T, S] mask
         x_BTD = embed(config, params, tokens_BT)
         segments_BT = attention_mask_BT.astype(jnp.int32)
         return decoder(config, params, x_BTD, positions_BT, None, lora_scale=lora_scale, segment_ids_BT=segments_BT)[0]
@@ -555,11 +595,11 @@ def packed_hidden_states(
     segment_ids_BT = segment_ids_BT.astype(jnp.int32)
     kw: dict[str, Any] = dict(lora_scale=lora_scale)
     mask_BTS = None
-    if config.attention in ("blocked", *KERNELS):
+    attention = ATTENTIONS.resolve(config.attention)
+    if attention.over_segments is not None:
         kw["segment_ids_BT"] = segment_ids_BT
-    elif not packs_segments(config):
-        if config.attention == "cudnn" and jax.default_backend() != "gpu":
-            raise ValueError(f"model attention 'cudnn' needs a CUDA GPU; JAX's backend is {jax.default_backend()!r}")
+    elif attention.fused is not None:
+        _require_backend(config.attention, attention)
         lengths_B = jnp.sum(segment_ids_BT > 0, axis=1, dtype=jnp.int32)
         kw["seq_lengths_B"] = jnp.maximum(lengths_B, 1)
         # A row that is not one segment from slot 0 cannot be expressed so: NaN, never silently wrong.
@@ -583,8 +623,7 @@ def _fused_hidden_states(
     is rotated to start at slot 0, run, and rotated back: two gathers per pass instead of a [B, T, S] mask.
     A row whose mask has a hole cannot be expressed so; its hidden states are NaN, never silently wrong.
     """
-    if config.attention == "cudnn" and jax.default_backend() != "gpu":
-        raise ValueError(f"model attention 'cudnn' needs a CUDA GPU; JAX's backend is {jax.default_backend()!r}")
+    _require_backend(config.attention, ATTENTIONS.resolve(config.attention))
     mask_BT = attention_mask_BT.astype(bool)
     slots_T = jnp.arange(mask_BT.shape[1])
     start_B = jnp.argmax(mask_BT, axis=1)  # first real token; 0 for an empty row

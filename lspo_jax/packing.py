@@ -28,12 +28,13 @@ class Rows(Mapping[str, np.ndarray]):
     """A step's rollouts as one frozen record of per-row arrays (``tokens``, ``attention_mask``, ``mask``,
     ``lengths``, ``eos``, ``sampler_logp``; ``accuracy`` and ``reward`` once scored; ``old_logp`` once the update's
     denominators are known). A stage adds or replaces fields with ``replace`` and gets a new record: what one stage
-    read is never changed under it by the next, and no field exists before its value does."""
+    read is never changed under it by the next (the record's arrays are read-only views), and no field exists
+    before its value does."""
 
     __slots__ = ("_fields",)
 
     def __init__(self, fields: Arrays | None = None, /, **more: np.ndarray):
-        self._fields = {**(fields or {}), **more}
+        self._fields = {name: _read_only(value) for name, value in {**(fields or {}), **more}.items()}
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._fields[name]
@@ -55,6 +56,15 @@ class Rows(Mapping[str, np.ndarray]):
     def take(self, index: Any) -> Rows:
         """The rows at ``index`` (a slice, indices or a mask) of every field."""
         return Rows({name: value[index] for name, value in self._fields.items()})
+
+
+def _read_only(value: Any) -> Any:
+    """A read-only view of a numpy array (the caller's array stays writeable); anything else as it is."""
+    if not isinstance(value, np.ndarray):
+        return value
+    view = value.view()
+    view.setflags(write=False)
+    return view
 
 
 def pow2_bucket(n: int, minimum: int = 1) -> int:

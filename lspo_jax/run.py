@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +27,7 @@ from lspo_jax import (
     hf,
     model,
     optim,
+    options,
     reweight,
     scaffold,
     sharding,
@@ -134,19 +135,48 @@ class AgreedVerifier:
         return getattr(self.verifier, name)
 
 
-def make_engine(run: TrainConfig, policy: Policy, out_dir: str) -> Any:
-    """The run's vLLM rollout engine (``rollout.engine: vllm``) on the policy's Hugging Face directory.
+class JaxEngine:
+    """``rollout.engine: jax``: the learner's own sampler; nothing to check or start."""
 
-    It computes in ``model.compute_dtype`` and holds sequences of up to ``data.max_prompt_tokens +
-    rollout.max_new_tokens`` tokens; its weights are synced from the trainer's params before each call.
-    """
-    from lspo_jax.vllm_sampler import VLLMSampler
+    def prepare(self, run: TrainConfig, policy: Policy, out_dir: str, logs: bool) -> None:
+        """Refuse a model the engine cannot run, before the data and the state load (``ConfigError``)."""
 
-    return VLLMSampler(
-        model_dir(run, os.path.join(out_dir, "cache")), policy.config,
-        kv_cache_space_gib=run.rollout.vllm_kv_cache_gib, dtype=run.model.compute_dtype, seed=run.seed,
-        max_model_len=run.data.max_prompt_tokens + run.rollout.max_new_tokens,
-    )  # fmt: skip
+    def starter(self, run: TrainConfig, policy: Policy, out_dir: str) -> Callable[[], Any] | None:
+        """What the learner calls last to start the engine (None: there is none to start)."""
+        return None
+
+
+class VLLMEngine(JaxEngine):
+    """``rollout.engine: vllm`` on the policy's Hugging Face directory. It computes in ``model.compute_dtype``
+    and holds sequences of up to ``data.max_prompt_tokens + rollout.max_new_tokens`` tokens; its weights are
+    synced from the trainer's params before each call."""
+
+    def prepare(self, run: TrainConfig, policy: Policy, out_dir: str, logs: bool) -> None:
+        from lspo_jax import vllm_sampler
+
+        if logs:  # before vLLM is first imported: it logs from then on
+            vllm_sampler.route_logs(os.path.join(out_dir, "vllm.log"))
+        try:
+            vllm_sampler.check_model(policy.config)
+        except ValueError as err:
+            raise ConfigError(f"rollout.engine: {err}") from None
+
+    def starter(self, run: TrainConfig, policy: Policy, out_dir: str) -> Callable[[], Any]:
+        def start() -> Any:
+            from lspo_jax.vllm_sampler import VLLMSampler
+
+            return VLLMSampler(
+                model_dir(run, os.path.join(out_dir, "cache")), policy.config,
+                kv_cache_space_gib=run.rollout.vllm_kv_cache_gib, dtype=run.model.compute_dtype, seed=run.seed,
+                max_model_len=run.data.max_prompt_tokens + run.rollout.max_new_tokens,
+            )  # fmt: skip
+
+        return start
+
+
+ENGINES = options.Registry(options.RolloutEngine, "rollout engine")
+ENGINES.register("jax")(JaxEngine())
+ENGINES.register("vllm")(VLLMEngine())
 
 
 def load_examples(
@@ -203,8 +233,9 @@ class Run:
     """The state and resources of one training run.
 
     ``verifier`` replaces the math-verify pool: any object with ``score(responses, golds) -> array`` and
-    ``close()``. ``judge`` replaces the first-mistake judge built from ``first_mistake`` (a
-    ``teacher.Judge``, e.g. over a scripted ``generate``).
+    ``close()``; the run owns it from then on and closes it, also when the run fails to start. ``judge``
+    replaces the first-mistake judge built from ``first_mistake`` (a ``teacher.Judge``, e.g. over a scripted
+    ``generate``).
     """
 
     def __init__(
@@ -233,7 +264,7 @@ class Run:
         try:
             self._load(run, resume=latest is not None, verifier=verifier, judge=judge)
         except BaseException:
-            self.checkpointer.close()
+            _close_after_failure(self.checkpointer, "checkpointer")
             raise
 
     def _load(self, run: TrainConfig, *, resume: bool, verifier: Any, judge: Any) -> None:
@@ -242,15 +273,8 @@ class Run:
         out_dir = self.out_dir
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
         mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
-        if run.rollout.engine == "vllm":  # before the data and the state load: the engine starts last
-            from lspo_jax import vllm_sampler
-
-            if self.writer:  # before vLLM is first imported: it logs from then on
-                vllm_sampler.route_logs(os.path.join(out_dir, "vllm.log"))
-            try:
-                vllm_sampler.check_model(self.policy.config)
-            except ValueError as err:
-                raise ConfigError(f"rollout.engine: {err}") from None
+        engine = ENGINES.resolve(run.rollout.engine)
+        engine.prepare(run, self.policy, out_dir, logs=bool(self.writer))  # before the data: the engine starts last
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
         if self.writer and (line := self.data_report.losses()):
             print(f"lspo-train: data.train {run.data.train}: {line}", file=sys.stderr)  # also in summary.json
@@ -261,17 +285,17 @@ class Run:
         if run.first_mistake.enabled:  # a policy judging itself reads the learner's base at each call
             judge = judge or make_judge(run, self.policy, lambda: self.learner.base_params(), mesh)
         verifier = make_verifier(run) if verifier is None else verifier
-        engine = (lambda: make_engine(run, self.policy, out_dir)) if run.rollout.engine == "vllm" else None
         try:
             # Params and optimizer state are committed to the mesh like the arrays a restore returns: jit keys its
             # cache on placement, so a run resumed in the same process (tests, notebooks) reuses its programs.
             self.learner = Learner(
-                run, self.policy, base, mesh=mesh, target=target, judge=judge, engine=engine,
+                run, self.policy, base, mesh=mesh, target=target, judge=judge,
+                engine=engine.starter(run, self.policy, out_dir),
                 verifier=verifier if jax.process_count() == 1 else AgreedVerifier(verifier),
                 resume=self._restore if resume else None,
             )  # fmt: skip
         except BaseException:
-            verifier.close()
+            _close_after_failure(verifier, "verifier")
             raise
         try:
             if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
@@ -279,7 +303,7 @@ class Run:
                     yaml.safe_dump(to_dict(run), f, sort_keys=False)
             self.log = self._open_log() if self.writer else NullLog()
         except BaseException:
-            self.learner.close()
+            _close_after_failure(self.learner, "learner")
             raise
 
     def _prompt_source(self) -> tuple[Any, Any]:
@@ -500,9 +524,23 @@ class Run:
         return found or None
 
     def close(self) -> None:
-        self.learner.close()
-        self.log.close()
-        self.checkpointer.close()
+        """Close the learner (engine and verifier), the log and the checkpointer: each even if one before fails."""
+        try:
+            self.learner.close()
+        finally:
+            try:
+                self.log.close()
+            finally:
+                self.checkpointer.close()
+
+
+def _close_after_failure(part: Any, what: str) -> None:
+    """Close ``part`` while a failure is on its way out: an error of the close is reported, not raised, so the
+    failure that stopped the start is the one the caller sees."""
+    try:
+        part.close()
+    except Exception as err:
+        print(f"lspo-train: closing the {what} after a failed start also failed: {err}", file=sys.stderr)
 
 
 def surpass_distribution(train: list[dict[str, Any]]) -> dict[str, Any] | None:

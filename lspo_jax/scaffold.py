@@ -137,6 +137,8 @@ def splice(
             f"{cliff_ids.size} cliff groups need {cliff_ids.size * reroll_n} re-rollouts, "
             f"got {reroll_acc_CK.shape[0] * reroll_n}"
         )
+    if overlap := sorted(set(carry) & set(base)):  # carrying it would zero base's values on unspliced rows
+        raise ValueError(f"carry field(s) {overlap} are in base too: only re-roll-only fields are carried")
     missing = sorted(set(base) - set(rerolls))
     if missing:
         raise ValueError(f"rerolls lack field(s) {missing} present in base")

@@ -9,7 +9,8 @@ timer, named as in its record (``time_<stage>``, ``Phases.NAMES``), in the order
              AdamW steps on their worked solutions (adapter only)
     reroll   K samples per cliff prompt from pi_theta+phi; verified (reward), their adapter-on log-probs
              (logprob), passing ones spliced into failed rows
-    logprob  old_logp = log pi_theta on base rows, log pi_theta+phi (already set) on spliced rows
+    logprob  old_logp = log pi_theta on base rows, the re-rolls' log pi_theta+phi (carried by the splice) on
+             spliced rows
              (``scaffold.correction`` and ``loss.tis_cap`` may change these and add weights: importance_weights)
     judge    with a first-mistake teacher only: token advantages of the failed rows (judge_advantages), from
              GRPO's advantages of the spliced batch (taken untimed just before; without a judge, those are the

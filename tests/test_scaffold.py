@@ -187,3 +187,11 @@ def test_a_carried_field_of_the_rerolls_lands_on_the_spliced_rows_and_zeros_else
     np.testing.assert_array_equal(out["adapter_logp"], want)
     assert spliced.tolist() == [False] * 4 + [True, True, False, False]
     assert "old_logp" not in out and out["adapter_logp"].dtype == np.float32
+
+
+def test_a_carried_field_that_base_also_holds_is_refused():
+    # Carrying it would put zeros over base's own values on every row the splice leaves alone.
+    base = _base([1, 0, 1, 0], [0, 0, 0, 0])
+    rerolls = _rerolls([0, 1, 0, 1])
+    with pytest.raises(ValueError, match=r"carry field\(s\) \['old_logp'\] are in base too"):
+        splice(base, rerolls, find_cliffs(base["accuracy"], K), K, carry=("old_logp",))

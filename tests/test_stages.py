@@ -153,3 +153,5 @@ def test_train_step_runs_its_stages_in_the_documented_order(monkeypatch, judged)
         assert set(seen) == set(copy) and all(np.array_equal(seen[k], copy[k]) for k in copy)
     with pytest.raises(TypeError):
         learner.seen[0][0]["old_logp"] = np.zeros(1)  # type: ignore[index]
+    with pytest.raises(ValueError, match="read-only"):  # nor can a field's values be written through the record
+        learner.seen[-1][0]["mask"][0] = 0

@@ -1308,7 +1308,16 @@ def test_resuming_a_finished_run_adds_nothing_and_fewer_steps_are_refused(traine
         verifier.closed = False
         assert cli.train_main(["--out", run_dir, "--resume", "steps=2"]) == 2
         assert verifier.closed  # started before the learner, whose restore refused: closed, not left running
-    assert "steps: 2 is below the run's step 4 (its checkpoint); pass steps=4 or more" in one_line(capsys, "lspo-train")
+        refusal = "steps: 2 is below the run's step 4 (its checkpoint); pass steps=4 or more"
+        assert refusal in one_line(capsys, "lspo-train")
+
+        def close_fails():
+            raise RuntimeError("its pool is gone")
+
+        verifier.close = close_fails  # a close that fails too does not hide the refusal behind its own error
+        assert cli.train_main(["--out", run_dir, "--resume", "steps=2"]) == 2
+    err = one_line(capsys, "lspo-train")
+    assert refusal in err and "closing the verifier after a failed start also failed: its pool is gone" in err
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert f.read() == before  # no second final validation
     with open(os.path.join(run_dir, "summary.json")) as f:

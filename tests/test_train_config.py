@@ -229,9 +229,12 @@ def test_every_option_is_typed_and_checked_one_way_from_yaml_and_from_python():
 
 
 def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup():
-    from lspo_jax import corrections, losses, options, scaffold
+    from lspo_jax import corrections, losses, model, options, run, scaffold
 
     registries = {
+        "rollout.engine": run.ENGINES,
+        "model.attention": model.ATTENTIONS,
+        "model.decode_attention": model.DECODE_ATTENTIONS,
         "loss.advantage": losses.ESTIMATORS,
         "scaffold.splice": scaffold.SPLICE_VARIANTS,
         "scaffold.correction": corrections.CORRECTIONS,
