@@ -84,6 +84,7 @@ def train_main(argv: list[str] | None = None) -> int:
 def _train(args) -> int:
     from lspo_jax.checkpoint import CheckpointError
     from lspo_jax.data import DataError
+    from lspo_jax.metrics_log import MetricsError
     from lspo_jax.train_config import ConfigError, to_dict
 
     try:
@@ -112,7 +113,7 @@ def _train(args) -> int:
     except RunStopped as err:
         print(f"lspo-train: stopped: {err}", file=sys.stderr)
         return 3
-    except (FileExistsError, FileNotFoundError, NotADirectoryError, DataError, CheckpointError) as err:
+    except (FileExistsError, FileNotFoundError, NotADirectoryError, DataError, CheckpointError, MetricsError) as err:
         print(f"lspo-train: {err}", file=sys.stderr)
         return EXIT_CONFIG
     except ConfigError as err:
@@ -213,7 +214,7 @@ def _eval_settings(run, args):
     """``run`` with this command's evaluation settings on top (each only when given)."""
     from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
 
-    n = args.n or run.eval.n
+    n = run.eval.n if args.n is None else args.n  # --n 0 is refused by eval.n's check, not read as unset
     if args.ks:
         ks = [int(k) for k in args.ks.split(",")]
     else:  # with a new n, the usual ks that fit and n itself; otherwise those of the config

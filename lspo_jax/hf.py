@@ -263,6 +263,7 @@ def save_pretrained(path: str, config: ModelConfig, params: Params, *, tokenizer
     dtype = next(iter(tensors.values())).dtype
     # "format": "pt" is what transformers expects in the safetensors metadata of a PyTorch checkpoint.
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    _remove_sharded_checkpoint(path)
     hf_config = {**config.to_hf_config(), "dtype": np.dtype(dtype).name, "torch_dtype": np.dtype(dtype).name}
     _write_json(os.path.join(path, "config.json"), hf_config)
     if config.bos_token_id is not None or config.eos_token_id is not None:
@@ -270,6 +271,25 @@ def save_pretrained(path: str, config: ModelConfig, params: Params, *, tokenizer
         _write_json(os.path.join(path, "generation_config.json"), generation)
     if tokenizer_from is not None:
         _copy_tokenizer(tokenizer_from, path)
+
+
+def _remove_sharded_checkpoint(path: str) -> None:
+    """Remove a sharded checkpoint that an earlier writer left in ``path``: its index and the shards it names.
+    Readers that prefer the index (this module's, vLLM's) would load its old weights, while transformers loads the
+    new ``model.safetensors``: the same directory would be two models."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return
+    try:
+        with open(index) as f:
+            shards = set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a damaged index: remove it alone
+        shards = set()
+    os.remove(index)
+    for name in shards:
+        shard = os.path.join(path, os.path.basename(str(name)))
+        if os.path.basename(shard) != "model.safetensors" and os.path.isfile(shard):
+            os.remove(shard)
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

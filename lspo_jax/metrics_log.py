@@ -125,9 +125,29 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+class MetricsError(ValueError):
+    """A metrics file that cannot be read as records: the file and line are named."""
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``. A last line cut off mid-write (a kill or a full disk; no newline after
+    it) is left out; any other line that is not a JSON record is a ``MetricsError`` naming the file and line."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # the write of this line never finished
+                continue
+            raise MetricsError(f"{path}: line {number} is not a JSON record ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise MetricsError(f"{path}: line {number} is not a metrics record (no integer step)")
+        records.append(record)
+    return records
 
 
 def records_until(path: str, step: int) -> list[dict[str, Any]]:

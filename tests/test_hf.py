@@ -100,6 +100,21 @@ def test_sharded_checkpoint_loads(hf_untied_dir, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, sharded, single)
 
 
+def test_writing_over_a_sharded_checkpoint_leaves_only_the_new_weights(hf_untied_dir, tmp_path):
+    """A directory that held a sharded model: its index and shards go, so every reader loads what was written."""
+    AutoModelForCausalLM.from_pretrained(hf_untied_dir).save_pretrained(str(tmp_path), max_shard_size="100KB")
+    shards = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(shards) > 1
+    config, params = load_pretrained(hf_untied_dir)
+    changed = jax.tree.map(lambda x: x + 1.0, params)
+    save_pretrained(str(tmp_path), config, changed)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors*")) == ["model.safetensors"]
+    _, ours = load_pretrained(str(tmp_path))
+    jax.tree.map(np.testing.assert_array_equal, ours, {"base": changed["base"]})
+    embed = AutoModelForCausalLM.from_pretrained(str(tmp_path)).model.embed_tokens.weight.detach().numpy()
+    np.testing.assert_array_equal(embed, np.asarray(changed["base"]["embed"]))
+
+
 # ------------------------------------------------------------------------------------------- bad input
 def _tampered_copy(src: str, dst, edit) -> str:
     """Copy a checkpoint directory, applying ``edit`` to its tensor dict."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lspo_jax.metrics_log import MetricsLog, read_metrics, wandb_options
+from lspo_jax.metrics_log import MetricsError, MetricsLog, read_metrics, wandb_options
 from lspo_jax.train_config import ConfigError, load_config
 
 RECORDS = [
@@ -86,3 +86,29 @@ def test_wandb_options_carry_project_mode_and_config():
     options = wandb_options(load_config(None, ["log.wandb=true", "log.wandb_mode=online", "steps=7"]))
     assert options["project"] == "lspo_jax" and options["mode"] == "online"
     assert options["config"]["steps"] == 7 and options["config"]["log"]["wandb"] is True
+
+
+def test_a_cut_off_last_line_is_left_out_and_a_bad_line_elsewhere_is_named(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    whole = [{"kind": "train", "step": 1, "loss": 0.5}, {"kind": "eval", "step": 1, "benchmark": "x", "pass@1": 0.25}]
+    text = "".join(json.dumps(r) + "\n" for r in whole)
+    path.write_text(text + '{"kind": "train", "step": 2, "lo')  # what a kill during the write leaves
+    assert read_metrics(str(path)) == whole
+    path.write_text(text + "\n")  # blank lines are no records
+    assert read_metrics(str(path)) == whole
+    path.write_text('{"kind": "train", "st\n' + text)
+    with pytest.raises(MetricsError, match=r"metrics\.jsonl: line 1 is not a JSON record \(Unterminated string"):
+        read_metrics(str(path))
+    path.write_text(text + "[1, 2]\n")
+    with pytest.raises(MetricsError, match=r"metrics\.jsonl: line 3 is not a metrics record \(no integer step\)"):
+        read_metrics(str(path))
+
+
+def test_lspo_eval_refuses_zero_samples_instead_of_taking_the_default():
+    from lspo_jax import cli
+
+    args = cli._eval_parser().parse_args(["--model", "toy", "--n", "0"])
+    with pytest.raises(ConfigError, match=r"^eval\.(n|ks)"):
+        cli._eval_settings(load_config(None), args)
+    default = cli._eval_settings(load_config(None), cli._eval_parser().parse_args(["--model", "toy"]))
+    assert default.eval.n == load_config(None).eval.n
