@@ -19,6 +19,7 @@ import numpy as np
 import yaml
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
+from safetensors import SafetensorError
 
 from lspo_jax import (
     data,
@@ -65,6 +66,10 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
         tokenizer = hf.load_tokenizer(path)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"model.path: {err}") from err
+    except (OSError, ValueError, SafetensorError) as err:  # damaged weights, a config.json they disagree with, another
+        # architecture: the model directory named in one line, as for a missing one
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ConfigError(f"model.path {path}: {first}") from None
     config = dataclasses.replace(
         config,
         compute_dtype=run.model.compute_dtype,

@@ -219,3 +219,27 @@ def test_a_directory_without_model_or_tokenizer_is_named(hf_untied_dir, tmp_path
     load_pretrained(str(bare))  # the weights alone load
     with pytest.raises(FileNotFoundError, match="no usable tokenizer"):
         load_tokenizer(str(bare))
+
+
+@pytest.mark.parametrize("damage", ["weights", "shape", "architecture"])
+def test_a_model_directory_that_cannot_load_is_one_config_error_naming_it(hf_untied_dir, tmp_path, damage):
+    """What lspo-train and lspo-eval say of ``model.path``: a damaged ``model.safetensors``, a ``config.json`` the
+    weights disagree with, another architecture; each a ``ConfigError`` (one line, exit 2) naming the directory."""
+    from lspo_jax.run import load_policy
+    from lspo_jax.train_config import ConfigError, load_config
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_untied_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    if damage == "weights":
+        (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    else:
+        config.update({"shape": {"intermediate_size": 96}, "architecture": {"model_type": "llama"}}[damage])
+        (model / "config.json").write_text(json.dumps(config))
+    run = load_config(None, [f"model.path={model}"])
+    with pytest.raises(ConfigError) as raised:
+        load_policy(run, str(tmp_path / "cache"))
+    message = str(raised.value)
+    assert message.startswith(f"model.path {model}: ") and "\n" not in message
+    expected = {"weights": "", "shape": "wrong shape for", "architecture": "llama"}[damage]
+    assert expected in message
