@@ -101,7 +101,13 @@ def _train(args) -> int:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
     from lspo_jax.compiles import use_cache
+    from lspo_jax.run import claim_device_memory
 
+    try:
+        config = claim_device_memory(config)  # before JAX's backends start: the allocator reads it once
+    except ConfigError as err:
+        print(f"lspo-train: config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
     use_cache(config.compile_cache)  # before anything compiles: JAX decides once per process
     from lspo_jax.run import RunStopped, train_run
     from lspo_jax.sharding import initialize_distributed

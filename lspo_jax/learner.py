@@ -46,11 +46,12 @@ class Policy:
 
 class Generator:
     """Sampling from a policy: the run's vLLM engine when one is set and its context holds the call, else the JAX
-    sampler on ``mesh`` (the first device when None). Evaluation and the training step sample through it.
+    sampler on ``mesh``'s devices (the first device when None), rows split over all of them
+    (``sharding.sampling_mesh``). Evaluation and the training step sample through it.
     ``compact_every`` goes to the JAX sampler (``rollout.compact_every``; None: the sampler's default)."""
 
     def __init__(self, policy: Policy, mesh: Mesh | None = None, vllm: Any = None, compact_every: int | None = None):
-        self.policy, self.mesh, self.vllm = policy, sharding.mesh_or_local(mesh), vllm
+        self.policy, self.mesh, self.vllm = policy, sharding.sampling_mesh(sharding.mesh_or_local(mesh)), vllm
         self.jax_options = {} if compact_every is None else {"compact_every": compact_every}
 
     @property

@@ -364,9 +364,16 @@ DECODE_ATTENTIONS.register("xla")(DecodeAttention(_decode_xla))
 DECODE_ATTENTIONS.register("pallas")(DecodeAttention(decode_attention))
 
 
+def traced_platform() -> str:
+    """The platform of the devices being traced for: the context mesh's (a mesh of compile-only H100s while this
+    CPU compiles for them), else JAX's default backend (a mesh of axis sizes only names no devices)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
 def _require_backend(name: str, attention: CacheFreeAttention) -> None:
-    if attention.needs_gpu and jax.default_backend() != "gpu":
-        raise ValueError(f"model attention {name!r} needs a CUDA GPU; JAX's backend is {jax.default_backend()!r}")
+    if attention.needs_gpu and (platform := traced_platform()) not in ("gpu", "cuda"):
+        raise ValueError(f"model attention {name!r} needs a CUDA GPU; the devices traced for are {platform!r}")
 
 
 def block(
@@ -434,9 +441,25 @@ def block(
 
 # Logical axes of the residual stream [B, T, D]; None is replicated (see ``axes.constrain``).
 _RESIDUAL_AXES = ("batch", None, None)
-# "dots" saves matmuls without batch dimensions: the projections, whose outputs are cheap to keep, and not
-# the [B, K, G, T, S] attention scores, which are the largest activations of long sequences.
-_REMAT_POLICY = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _save_dots(rank: int, prim: Any, *avals: Any, **params: Any) -> bool:
+    """ "dots": save the matmuls without batch dimensions, the projections, whose outputs are cheap to keep, and not
+    the [B, K, G, T, S] attention scores, the largest activations of long sequences. Of an adapter's two products
+    only the rank-R ``x A`` is kept: ``(x A) B``, the one that contracts over ``rank``, has a projection's output
+    size (keeping it doubled the SFT step's saved activations: 64.7 GiB a device on an H100 at the paper's shape)
+    and is recomputed from ``x A`` for ``R / D`` of its projection's FLOPs."""
+    if not jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params):
+        return False
+    (contract, _), _ = params["dimension_numbers"]
+    return math.prod(avals[0].shape[d] for d in contract) != rank
+
+
+def _remat_policy(config: ModelConfig) -> Callable[..., bool] | None:
+    """What ``config.remat`` keeps for the backward pass (None: only the layer inputs)."""
+    if config.remat == "full":
+        return None
+    return functools.partial(_save_dots, config.lora.rank)
 
 
 def _effective_lora(config: ModelConfig, params: Params, lora_scale: jax.Array | float) -> tuple[Params | None, Any]:
@@ -490,7 +513,7 @@ def decoder(
         # Only the layer inputs (and, for "dots", the weight matmul outputs) stay alive for the backward
         # pass; the rest of a layer is recomputed there. prevent_cse=False: scan already keeps XLA from
         # merging the recomputation into the forward pass (jax.checkpoint's documented advice for scans).
-        layer_step = jax.checkpoint(layer_step, policy=_REMAT_POLICY[config.remat], prevent_cse=False)
+        layer_step = jax.checkpoint(layer_step, policy=_remat_policy(config), prevent_cse=False)
     with jax.named_scope("layers"):
         if kv_cache is None:
             x_BTD, _ = jax.lax.scan(lambda x, xs: (layer_step(x, xs), None), x_BTD, (layers, lora))

@@ -136,7 +136,7 @@ class TargetScorer:
         self.target = target
         self.losses = l2rr.PolicyLosses(
             config, run.rollout.group_size, normalise=run.l2rr.prompt_loss_norm, spec=losses.LossSpec.of(run),
-            num_micro_batches=run.l2rr.score_micro_batches,
+            num_micro_batches=run.l2rr_score_micro_batches(),
         )  # fmt: skip
 
     def scores(self, params: Any, batch: dict, target_params: Any = None) -> np.ndarray:
@@ -156,6 +156,7 @@ def load_target(run: TrainConfig, config: Any, load_examples) -> TargetScorer:
         raise data.DataError(f"l2rr.target {path}: no example with a worked solution" + (f"; {lost}" if lost else ""))
     target = l2rr.TargetSide.from_examples(
         config, solved, run.data.max_prompt_tokens, run.data.max_solution_tokens,
-        kind=run.l2rr.target_loss, num_micro_batches=run.l2rr.target_micro_batches, chunk_size=run.loss.chunk_size,
+        kind=run.l2rr.target_loss, num_micro_batches=run.l2rr_target_micro_batches(len(solved)),
+        chunk_size=run.loss.chunk_size,
     )  # fmt: skip
     return TargetScorer(run, config, target)

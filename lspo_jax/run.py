@@ -111,6 +111,36 @@ def run_mesh(run: TrainConfig) -> Mesh:
     return sharding.make_mesh(sharding.MeshConfig(data=run.mesh.data, fsdp=run.mesh.fsdp, tp=run.mesh.tp))
 
 
+MEMORY_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def claim_device_memory(run: TrainConfig) -> TrainConfig:
+    """Set JAX's share of each GPU from ``mesh.memory_fraction`` (``XLA_PYTHON_CLIENT_MEM_FRACTION``, which the
+    allocator reads when its backend starts: call this first). Left null, another share already set in that
+    variable is kept and written into the returned config, so the config (and with vLLM the engine's share) says
+    what the run used; an explicit config value replaces the variable's, with a note. Refuses an unreadable value."""
+    env = os.environ.get(MEMORY_FRACTION_VAR, "").strip()
+    if run.mesh.memory_fraction is None and env:
+        try:
+            fraction = float(env)
+        except ValueError:
+            raise ConfigError(f"{MEMORY_FRACTION_VAR}={env!r} is not a number; set mesh.memory_fraction") from None
+        if fraction != run.mesh.memory_fractions(run.rollout.engine)[0]:  # not the default this would set anyway
+            run = dataclasses.replace(run, mesh=dataclasses.replace(run.mesh, memory_fraction=fraction))
+    fraction = run.mesh.memory_fractions(run.rollout.engine)[0]
+    if env and _number(env) != fraction:
+        print(f"lspo-train: mesh.memory_fraction {fraction} replaces {MEMORY_FRACTION_VAR}={env}", file=sys.stderr)
+    os.environ[MEMORY_FRACTION_VAR] = str(fraction)
+    return run
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def make_verifier(run: TrainConfig) -> verify_pool.VerifierPool:
     """The math-verify worker pool of ``run.reward`` (workers, per-item timeout, ``</think>`` grading)."""
     reward = run.reward
@@ -173,6 +203,7 @@ class VLLMEngine(JaxEngine):
             return VLLMSampler(
                 model_dir(run, os.path.join(out_dir, "cache")), policy.config,
                 kv_cache_space_gib=run.rollout.vllm_kv_cache_gib, dtype=run.model.compute_dtype, seed=run.seed,
+                gpu_memory_utilization=run.mesh.memory_fractions("vllm")[1],
                 max_model_len=run.data.max_prompt_tokens + run.rollout.max_new_tokens,
             )  # fmt: skip
 

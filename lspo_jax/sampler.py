@@ -31,8 +31,7 @@ axes; XLA inserts the collectives.
 Every shape is bucketed (powers of two), so a run compiles a bounded number of programs:
 per (batch bucket, prompt bucket, new-token bucket, sampling options, adapter on/off) one prefill program, and
 one decode program per window and row bucket that the call's live rows pass through. ``trace_call`` traces a
-call's programs for abstract inputs, to be lowered for any platform; ``lower_decode`` lowers one decode segment
-of given sizes for memory plans.
+call's programs for abstract inputs, to be lowered or compiled for any platform (``tools/lower_check.py``).
 
 Log-probs are ``log_softmax(logits / temperature)`` at the sampled token, taken BEFORE any top-k/top-p
 truncation: the quantity the trainer computes for ``old_logp``. Greedy decoding reports them at the
@@ -656,44 +655,6 @@ def trace_call(
             args = (key, scalar, scalar, eos, spec((), jnp.int32))
             traced[f"decode {slots + end}"] = _decode_segment.trace(config, params, state, *args, options=options)
     return traced
-
-
-def lower_decode(
-    config: ModelConfig,
-    *,
-    rows: int,
-    prompt_slots: int,
-    cache_slots: int,
-    total_new: int,
-    mesh: jax.sharding.Mesh | None = None,
-    options: SamplingOptions = SamplingOptions(),
-) -> jax.stages.Lowered:
-    """The decode-segment program for abstract inputs (nothing is allocated), for memory plans of shapes too
-    big to run: ``rows`` completion rows, a cache of ``cache_slots`` slots, base params in the compute dtype.
-    """
-    dtype = jnp.dtype(config.compute_dtype)
-    row = lambda shape, dt: jax.ShapeDtypeStruct((rows, *shape), dt)
-    state = _State(
-        cache=jax.eval_shape(lambda: init_cache(config, rows, cache_slots, dtype)),
-        step=jax.ShapeDtypeStruct((), jnp.int32),
-        row_C=row((), jnp.int32),
-        limit_C=row((), jnp.int32),
-        token_C=row((), jnp.int32),
-        done_C=row((), bool),
-        eos_C=row((), bool),
-        length_C=row((), jnp.int32),
-        tokens_CN=row((total_new,), jnp.int32),
-        logp_CN=row((total_new,), jnp.float32),
-        prompt_len_C=row((), jnp.int32),
-        prompt_valid_CP=row((prompt_slots,), bool),
-    )
-    mesh = sharding.mesh_or_local(mesh)
-    params = _abstract_weights(config, mesh, adapter=False)
-    state = _place(state, _state_shardings(config, mesh, state))
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    args = (jax.eval_shape(jax.random.key, 0), scalar, scalar, _eos_array(()), jax.ShapeDtypeStruct((), jnp.int32))
-    with jax.set_mesh(mesh):
-        return _decode_segment.lower(config, params, state, *args, options=options)
 
 
 def _abstract_weights(config: ModelConfig, mesh: jax.sharding.Mesh, adapter: bool) -> Params:

@@ -12,7 +12,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -53,8 +53,9 @@ def _require(ok: bool, key: str, message: str) -> None:
 class ModelSource:
     """The policy: a local Hugging Face directory (``path``); ``path: toy`` is the demo's own model.
 
-    ``remat`` rematerialises the layer scan in the backward pass (none, full, dots): the paper's shape
-    fits in 80 GB per device only with ``full`` (see ``tools/memory_plan.py``). ``attention`` is the kernel of
+    ``remat`` rematerialises the layer scan in the backward pass (none, full, dots): with ``dots`` and a kernel
+    that holds no ``[T, T]`` scores the paper's shape fits 8 H100s (``tools/lower_check.py --compile``; with
+    ``einsum`` it needs ``full``). ``attention`` is the kernel of
     the training and log-prob passes: ``einsum``, ``xla``, ``cudnn`` (fused, on a CUDA GPU with bf16) or
     ``blocked`` (pure JAX, flash-style: no ``[T, T]`` scores on any backend). ``decode_attention`` is the JAX
     sampler's decode step over the KV cache: ``reduce`` (default), ``einsum``, ``xla`` or ``pallas`` (GPU).
@@ -316,6 +317,11 @@ class MeshSection:
     the first device alone, a 1 x 1 x 1 mesh (the programs are the same either way). ``coordinator``
     (host:port of process 0), ``num_processes`` and ``process_id`` start ``jax.distributed``; left null they
     come from ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID`` or SLURM's variables.
+
+    ``memory_fraction``: the share of each GPU's memory JAX's allocator takes (``lspo-train`` sets
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` from it before JAX starts). With ``rollout.engine: vllm`` the engine takes
+    the rest but ``VLLM_MARGIN`` (its ``gpu_memory_utilization``), so one setting splits the device. Null: 0.9
+    alone, 0.6 beside vLLM (``memory_fractions``); JAX's own default would be 0.75.
     """
 
     enabled: bool | None = None
@@ -325,12 +331,24 @@ class MeshSection:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    memory_fraction: float | None = None
+
+    VLLM_MARGIN: ClassVar[float] = 0.05  # the CUDA contexts and what neither allocator counts
+    DEFAULT_FRACTION: ClassVar[dict[str, float]] = {"jax": 0.9, "vllm": 0.6}
 
     def __post_init__(self) -> None:
         for name in ("data", "fsdp", "tp"):
             size = getattr(self, name)
             _require(size >= 1 or size == -1, f"mesh.{name}", "must be a positive size or -1 (the rest)")
         _require([self.data, self.fsdp, self.tp].count(-1) <= 1, "mesh", "at most one axis may be -1")
+        fraction = self.memory_fraction
+        _require(fraction is None or 0.05 <= fraction <= 0.98, "mesh.memory_fraction",
+                 f"must be null or between 0.05 and 0.98, got {fraction}")  # fmt: skip
+
+    def memory_fractions(self, engine: str) -> tuple[float, float]:
+        """``(jax, vllm)``: the shares of each GPU's memory for JAX and, with ``engine`` vllm, the engine (else 0)."""
+        jax_share = self.memory_fraction or self.DEFAULT_FRACTION[engine]
+        return jax_share, (max(0.0, round(1.0 - jax_share - self.VLLM_MARGIN, 4)) if engine == "vllm" else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,7 +422,9 @@ class L2RRConfig:
     target signal. ``normalise``, ``target_loss``, ``prompt_loss_norm``: as in the module docstring.
     ``alloc_power``: the exponent of ``w`` in the allocation (3/2). ``explore``: the uniform share of the
     draw distribution. ``max_draw_rounds``: draw rounds per step. ``score_micro_batches`` and
-    ``target_micro_batches``: chunks of prompts (rows) for the jvp and the target gradient. ``top_k``: the
+    ``target_micro_batches``: chunks of prompts (rows) for the jvp and the target gradient; null (the default)
+    sizes each chunk to the tokens of one micro-batch of the padded update (``TrainConfig.l2rr_micro_batches``),
+    so their memory follows ``loss.micro_batches`` at any row length. ``top_k``: the
     top-weighted prompts reported by ``metrics``. ``target``: the held-out target set (a data file or a
     benchmark name, as in ``eval.benchmarks``; ``toy:target`` for the demo task), its first
     ``target_limit`` examples with worked solutions. ``lookahead`` (the method's own): ``g_tgt`` is taken at the
@@ -428,8 +448,8 @@ class L2RRConfig:
     explore: float = 0.0
     max_draw_rounds: int = 4
     lookahead: bool = True
-    score_micro_batches: int = 1
-    target_micro_batches: int = 1
+    score_micro_batches: int | None = None
+    target_micro_batches: int | None = None
     top_k: int = 5
 
     def __post_init__(self) -> None:
@@ -444,8 +464,8 @@ class L2RRConfig:
             "alloc_power": (self.alloc_power >= 0, "must be >= 0"),
             "explore": (0 <= self.explore < 1, "must be in [0, 1)"),
             "max_draw_rounds": (_positive_int(self.max_draw_rounds), "must be a positive int"),
-            "score_micro_batches": (_positive_int(self.score_micro_batches), "must be a positive int"),
-            "target_micro_batches": (_positive_int(self.target_micro_batches), "must be a positive int"),
+            "score_micro_batches": (_null_or_positive(self.score_micro_batches), "must be null or a positive int"),
+            "target_micro_batches": (_null_or_positive(self.target_micro_batches), "must be null or a positive int"),
             "top_k": (isinstance(self.top_k, int) and self.top_k >= 0, "must be an int >= 0"),
             "target_limit": (self.target_limit is None or _positive_int(self.target_limit), "must be None or > 0"),
         }
@@ -460,6 +480,10 @@ class L2RRConfig:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _null_or_positive(value: Any) -> bool:
+    return value is None or _positive_int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,6 +531,25 @@ class TrainConfig:
         m, k = self.scaffold.cliff_max_successes, self.rollout.group_size
         _require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
         _require(not self.l2rr.enabled or bool(self.l2rr.target), "l2rr.target", "must name the target set")
+
+    def update_rows_per_micro(self) -> int:
+        """Rows of ``max_prompt_tokens + max_new_tokens`` slots in one micro-batch of the padded update."""
+        return -(-self.rollout.prompts_per_step * self.rollout.group_size // self.loss.micro_batches)
+
+    def l2rr_score_micro_batches(self) -> int:
+        """``l2rr.score_micro_batches``, or (null) the fewest chunks of whole groups that split the step's prompts
+        evenly with no chunk holding more rows than a micro-batch of the padded update (the rows are as long)."""
+        prompts, group, rows = self.rollout.prompts_per_step, self.rollout.group_size, self.update_rows_per_micro()
+        fits = lambda m: prompts % m == 0 and (prompts // m) * group <= max(rows, group)
+        return self.l2rr.score_micro_batches or next(m for m in range(1, prompts + 1) if fits(m))
+
+    def l2rr_target_micro_batches(self, target_rows: int) -> int:
+        """``l2rr.target_micro_batches``, or (null) as many as keep each chunk of the ``target_rows`` rows of
+        ``max_prompt_tokens + max_solution_tokens`` slots within a micro-batch of the padded update's tokens."""
+        data = self.data
+        slots = self.update_rows_per_micro() * (data.max_prompt_tokens + self.rollout.max_new_tokens)
+        per_micro = max(1, slots // (data.max_prompt_tokens + data.max_solution_tokens))
+        return self.l2rr.target_micro_batches or -(-max(1, target_rows) // per_micro)
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -608,13 +651,42 @@ def to_plain_copy(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Read a YAML file (or the defaults when ``path`` is None), apply overrides, check everything."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError as err:
-            raise ConfigError(f"config file not found: {path}") from err
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    """Read a YAML file (or the defaults when ``path`` is None), apply overrides, check everything.
+
+    A file may start from another: ``base_config: other.yaml`` (relative to the file) reads that one first and
+    lays this file's keys over it, section by section (a recipe for another chip names only what differs)."""
+    data = {} if path is None else _read_yaml(Path(path), ())
     return from_dict(TrainConfig, apply_overrides(data, list(overrides)))
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError as err:
+        raise ConfigError(f"config file not found: {path}") from err
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a config is a YAML file") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must map section names to settings, got a {type(data).__name__}")
+    base = data.pop("base_config", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base_config: must be a file name, got {base!r}")
+    base_path = path.parent / base
+    if base_path.resolve() in seen:
+        raise ConfigError(f"{path}: base_config: {base} is already being read (a cycle)")
+    return _laid_over(_read_yaml(base_path, (*seen, path.resolve())), data)
+
+
+def _laid_over(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top``'s keys laid over it, mappings merged key by key."""
+    merged = dict(base)
+    for key, value in top.items():
+        below = merged.get(key)
+        merged[key] = _laid_over(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+    return merged

@@ -53,8 +53,9 @@ removed (``tools/setup.sh`` does it). The CPU attention needs a supported head_d
 a few seconds more (warm-up).
 
 On GPU: ``pip install vllm`` (the ``vllm`` extra; it brings its own CUDA torch) next to JAX with CUDA, and
-give each framework its share of the device: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (e.g. 0.5) for JAX before
-it starts and ``gpu_memory_utilization`` (e.g. 0.35) for vLLM, whose fraction counts the whole device.
+give each framework its share of the device: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` for JAX before it starts and
+``gpu_memory_utilization`` for vLLM, whose fraction counts the whole device. A run takes both from one setting,
+``mesh.memory_fraction`` (0.6 and 0.35 by default: ``MeshSection.memory_fractions``).
 Pass ``dtype="bfloat16"``: the engine computes in it and the params are cast on device before each tensor
 is copied. A push goes through host memory, about 3.5 GB per full sync of a 1.5B model in bfloat16.
 

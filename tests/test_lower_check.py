@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -107,3 +108,65 @@ def test_an_invalid_pallas_block_fails_the_cells_that_use_it(tool, invalid_backw
     printed = capsys.readouterr().out
     assert "FAILED: ValueError: The Pallas Triton lowering" in printed and "Traceback" not in printed
     assert "4 cells: 3 lowered, 0 skipped, 1 failed" in printed
+
+
+# ------------------------------------------------------------------------------------------ compiled for the chips
+# Per-device peaks (MiB) of the small shape's programs as compiled with libtpu 0.0.42 and XLA's CUDA backend of
+# jaxlib 0.10.2 (measured 2026-12-05: h100x8 SFT step 4.84, decode 1.14; v5e-8 update 7.32), with 25% headroom: a
+# layout change that makes a program hold a copy it did not (the decode cache's, a second set of activations) fails
+# here. Each target with the kernels meant for it: Triton's through ptxas on the H100 (the SFT step's forward and
+# backward, the decode kernel), Mosaic's splash on the TPU (the update's); three programs keep the test near 40 s.
+SMALL_PEAK_MIB = {("h100x8", "sft"): 6.1, ("h100x8", "decode"): 1.4, ("v5e-8", "rl_packed"): 9.2}
+TARGET_OPTIONS = {
+    "h100x8": ("--programs", "sft,decode", "model.attention=pallas", "model.decode_attention=pallas"),
+    "v5e-8": ("--programs", "rl_packed", "model.attention=splash"),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The tool's compile mode in its own process (the chips' plugins load when JAX starts), per target."""
+    out, fits = tmp_path_factory.mktemp("compiled"), {}
+    for target, options in TARGET_OPTIONS.items():
+        cells = out / f"{target}.json"
+        args = ["--small", "--compile", target, "--meshes", "fsdp8", *options, "--json", str(cells)]
+        done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True)
+        assert cells.exists(), done.stdout + done.stderr[-2000:]
+        fits[target] = (done, json.loads(cells.read_text()))
+    return fits
+
+
+def test_the_small_shape_compiles_for_an_h100_and_a_tpu_within_its_bounds(compiled):
+    for target, (done, cells) in compiled.items():
+        assert done.returncode == 0, done.stdout
+        assert {(target, c["program"]) for c in cells} == {key for key in SMALL_PEAK_MIB if key[0] == target}
+        for cell in cells:
+            where = (target, cell["program"], cell["attention"], cell["mesh"])
+            assert cell["fits"] and "error" not in cell and cell["mesh"] == "fsdp8", (where, cell.get("error"))
+            assert 0 < cell["peak_gib"] * 1024 <= SMALL_PEAK_MIB[target, cell["program"]], (where, cell["peak_gib"])
+        assert f"{len(cells)} cells: {len(cells)} fit, 0 do not fit or failed" in done.stdout
+
+
+def test_an_h100_budget_is_its_memory_times_the_runs_allocator_share(tool, compiled):
+    # The shipped target config's 84,942,979,072 bytes are 79.11 GiB; the jax engine's default share 0.9.
+    assert tool.h100_memory_gib() == pytest.approx(79.11, abs=0.01)
+    assert [c["budget_gib"] for c in compiled["h100x8"][1]] == pytest.approx([79.11 * 0.9] * 2, abs=0.01)
+    run = tool.load_config(tool.RECIPE, ["rollout.engine=vllm"])
+    assert tool.TARGETS["h100x8"].budget_gib(run) == pytest.approx(79.11 * 0.6, abs=0.01)
+    assert [c["budget_gib"] for c in compiled["v5e-8"][1]] == [15.75]  # what libtpu 0.0.42 enforces on a v5e chip
+
+
+def test_a_tpu_refusal_is_read_as_what_the_program_needs_and_what_the_chip_has(tool):
+    # libtpu 0.0.42's words for the paper's SFT step (einsum attention) on a v6e chip, as it printed them here.
+    words = "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (41.77G) "
+    words += "exceeds available HBM (31.25G)."
+    assert tool.refusal(RuntimeError(words)) == pytest.approx((41.77, 31.25))
+    assert tool.refusal(RuntimeError(words.replace("(41.77G)", "(512.00M)"))) == pytest.approx((0.5, 31.25))
+    assert tool.refusal(RuntimeError("INTERNAL: ptxas exited with non-zero error code")) is None
+
+
+def test_an_unknown_target_is_refused_in_one_line(tool, capsys):
+    assert tool.main(["--small", "--compile", "h100x8,tpu9"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"lower_check: unknown target(s) ['tpu9']; choose from {list(tool.TARGETS)}"
+    )

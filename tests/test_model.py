@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -302,3 +303,48 @@ def test_cudnn_attention_off_gpu_names_the_option(tiny_config, tiny_params, left
     with pytest.raises(ValueError, match="attention 'cudnn' needs a CUDA GPU"):
         cudnn = dataclasses.replace(tiny_config, compute_dtype="bfloat16", attention="cudnn")
         forward(cudnn, tiny_params, tokens, mask)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="off a GPU, JAX's own cuDNN check is the one reached")
+def test_the_cudnn_guard_asks_the_devices_traced_for_not_the_default_backend(tiny_config, tiny_params):
+    """Traced for a mesh of GPUs (as when this CPU compiles for H100s) the guard lets ``cudnn`` through to JAX's own
+    attention, which here finds no cuDNN library; traced for the CPU, the guard refuses first."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh, AxisType
+
+    cudnn = dataclasses.replace(tiny_config, compute_dtype="bfloat16", attention="cudnn")
+    tokens, mask = jnp.ones((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32)
+    trace = jax.jit(lambda p: forward(cudnn, p, tokens, mask), inline=True).trace
+    h100 = AbstractDevice("NVIDIA H100 80GB HBM3", None, "gpu")
+    axes = dict(axis_sizes=(1, 8, 1), axis_names=("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
+    gpus = AbstractMesh(**axes, abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(gpus), pytest.raises(RuntimeError, match="cuDNN is not detected"):
+        trace(tiny_params)
+    cpus = AbstractMesh(
+        (8,), ("fsdp",), axis_types=(AxisType.Auto,), abstract_device=AbstractDevice("cpu", None, "cpu")
+    )
+    with jax.sharding.use_abstract_mesh(cpus), pytest.raises(ValueError, match="the devices traced for are 'cpu'"):
+        trace(tiny_params)
+
+
+def test_remat_dots_keeps_an_adapters_rank_r_product_not_its_projection_sized_one(tiny_config, tiny_params):
+    """With the adapter on, "dots" saves for the backward pass what it saves for the base alone plus each adapted
+    projection's ``x A`` ([rows, T, R]); its ``(x A) B``, the size of the projection's output, is recomputed."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    config = dataclasses.replace(tiny_config, remat="dots")
+    tokens, mask = jnp.ones((2, 16), jnp.int32), jnp.ones((2, 16), jnp.int32)
+
+    def layer_bytes(fn, arg):  # what the layer scan keeps: every layer's saved values, stacked
+        kept = [aval for aval, source in saved_residuals(fn, arg) if "output of scan" in source]
+        return sum(math.prod(aval.shape) * aval.dtype.itemsize for aval in kept)
+
+    base = tiny_params["base"]
+    off = layer_bytes(lambda b: forward(config, {"base": b}, tokens, mask).sum(), base)
+    on = layer_bytes(lambda lora: forward(config, {"base": base, "lora": lora}, tokens, mask, lora_scale=1.0).sum(),
+                     tiny_params["lora"])  # fmt: skip
+    # 2 layers x 2 rows x 16 tokens x rank 4 x 4 bytes (float32) x 7 adapted projections = 7,168 bytes; keeping the
+    # (x A) B products too measured 121,856.
+    rank_r = config.num_layers * 2 * 16 * config.lora.rank * 4 * len(config.lora.targets)
+    assert (config.num_layers, config.lora.rank, len(config.lora.targets)) == (2, 4, 7)
+    assert on - off == rank_r

@@ -169,3 +169,19 @@ def test_training_loop_on_a_mesh_equals_single_device(checks):
     assert got["q_spec"] == str(PartitionSpec(None, "fsdp", "tp", None))  # the run's params were split
     assert got["moved"] > 100 * PARAM_TOL  # the base trained, so equal params are not equal by standing still
     assert got["params"] < PARAM_TOL and got["metrics"] < TOL
+
+
+def test_the_runs_sampler_splits_rows_over_every_device_of_a_tp_mesh():
+    """The run's ``Generator`` samples on its mesh's devices with ``tp`` folded into ``fsdp`` (a TPU's decode loop
+    copied a cache split over ``tp``); a mesh without ``tp`` is its own sampling mesh."""
+    from jax.sharding import AxisType
+
+    from lspo_jax.learner import Generator
+
+    auto = (AxisType.Auto,) * 3
+    tp_mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tp"), axis_types=auto)
+    folded = sharding.sampling_mesh(tp_mesh)
+    assert dict(folded.shape) == {"data": 2, "fsdp": 4, "tp": 1}
+    assert Generator(None, tp_mesh).mesh == folded
+    rows_only = AbstractMesh((1, 8, 1), ("data", "fsdp", "tp"), axis_types=auto)
+    assert sharding.sampling_mesh(rows_only) is rows_only

@@ -1,6 +1,7 @@
 """Reading run configs: the shipped YAML and the defaults load, errors name the dotted key, overrides
 apply on top of the file, and ``to_dict`` reads back to an equal config."""
 
+import os
 import re
 from pathlib import Path
 
@@ -179,6 +180,49 @@ def test_mesh_section_errors_name_the_key():
         load_config(None, ["mesh.enabled=sometimes"])
 
 
+def test_a_config_laid_over_its_base_config(tmp_path):
+    (tmp_path / "base.yaml").write_text("rollout: {group_size: 16, temperature: 0.7}\nsteps: 9\n")
+    (tmp_path / "chip.yaml").write_text("base_config: base.yaml\nrollout: {group_size: 4}\n")
+    run = load_config(tmp_path / "chip.yaml", ["steps=3"])
+    # The section merged key by key: its own group size, the base's temperature; the override over both.
+    assert (run.rollout.group_size, run.rollout.temperature, run.steps) == (4, 0.7, 3)
+    (tmp_path / "loop.yaml").write_text("base_config: loop.yaml\n")
+    with pytest.raises(ConfigError, match=r"loop\.yaml: base_config: loop\.yaml is already being read"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "lost.yaml").write_text("base_config: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"config file not found: .*nowhere\.yaml"):
+        load_config(tmp_path / "lost.yaml")
+
+
+def test_the_device_memory_split_between_jax_and_vllm():
+    # Alone JAX takes 0.9 of each GPU; beside vLLM 0.6, and vLLM 1 - 0.6 - 0.05 = 0.35; one setting moves both.
+    assert load_config(None).mesh.memory_fractions("jax") == (0.9, 0.0)
+    assert load_config(None).mesh.memory_fractions("vllm") == (0.6, 0.35)
+    assert load_config(None, ["mesh.memory_fraction=0.5"]).mesh.memory_fractions("vllm") == (0.5, 0.45)
+    with pytest.raises(ConfigError, match=r"^mesh\.memory_fraction: must be null or between 0\.05 and 0\.98, got 1\.5"):
+        load_config(None, ["mesh.memory_fraction=1.5"])
+
+
+def test_l2rr_micro_batches_follow_the_updates_tokens_unless_set():
+    recipe = DEMO.parent / "lspo_deepmath_r1_distill_qwen_1p5b.yaml"
+    run = load_config(recipe, ["l2rr.enabled=true", "l2rr.target=math500"])
+    # 32 x 16 rows in 32 micro-batches: 16 rows of 1024 + 8192 slots a micro-batch. The scores take whole groups
+    # of 16: 32 chunks of one prompt. Target rows are 1024 + 8192 slots too: 16 a chunk, 64 rows in 4.
+    assert (run.update_rows_per_micro(), run.l2rr_score_micro_batches(), run.l2rr_target_micro_batches(64)) == (
+        16, 32, 4
+    )  # fmt: skip
+    # Target rows of 1024 + 2048 slots hold 16 x 9216 / 3072 = 48 a chunk: 64 rows in 2; 48 rows in 1.
+    short = load_config(recipe, ["data.max_solution_tokens=2048"])
+    assert (short.l2rr_target_micro_batches(64), short.l2rr_target_micro_batches(48)) == (2, 1)
+    # 8 micro-batches of 64 rows: 4 groups a chunk, 8 chunks. 12 prompts in 4 micro-batches of 48 rows: 3 groups
+    # a chunk, 4 chunks. 10 prompts in 4 micro-batches of 40 rows: at most 2 groups a chunk, and 10 / 2 = 5 chunks.
+    assert load_config(recipe, ["loss.micro_batches=8"]).l2rr_score_micro_batches() == 8
+    assert load_config(recipe, ["rollout.prompts_per_step=12", "loss.micro_batches=4"]).l2rr_score_micro_batches() == 4
+    assert load_config(recipe, ["rollout.prompts_per_step=10", "loss.micro_batches=4"]).l2rr_score_micro_batches() == 5
+    set_by_hand = load_config(recipe, ["l2rr.score_micro_batches=2", "l2rr.target_micro_batches=3"])
+    assert (set_by_hand.l2rr_score_micro_batches(), set_by_hand.l2rr_target_micro_batches(64)) == (2, 3)
+
+
 def test_option_sections_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"l2rr.*target"):
         load_config(None, ["l2rr.enabled=true"])
@@ -285,3 +329,59 @@ def test_rollout_compact_every_reaches_the_jax_sampler(monkeypatch):
         generator = learner.Generator(policy, compact_every=value)
         generator.generate({}, [[5]], generator.decoding(4, 1.0, 1.0, 0), key=None)
         assert seen.get("compact_every") == expected  # None: not passed, the sampler's default applies
+
+
+def test_lspo_train_sets_jaxs_memory_share_from_the_config(monkeypatch, capsys):
+    from lspo_jax.run import MEMORY_FRACTION_VAR, claim_device_memory
+
+    monkeypatch.delenv(MEMORY_FRACTION_VAR, raising=False)
+    vllm = claim_device_memory(load_config(None, ["rollout.engine=vllm"]))
+    assert os.environ[MEMORY_FRACTION_VAR] == "0.6" and vllm.mesh.memory_fraction is None
+    # A share the user set in the variable is kept when the config leaves it null, and recorded in the config.
+    monkeypatch.setenv(MEMORY_FRACTION_VAR, "0.7")
+    kept = claim_device_memory(load_config(None, ["rollout.engine=vllm"]))
+    assert os.environ[MEMORY_FRACTION_VAR] == "0.7" and kept.mesh.memory_fractions("vllm") == (0.7, 0.25)
+    assert capsys.readouterr().err == ""
+    # The default itself in the variable (a run before in the same process set it) leaves the config as it was.
+    monkeypatch.setenv(MEMORY_FRACTION_VAR, "0.9")
+    assert claim_device_memory(load_config(None)) == load_config(None)
+    monkeypatch.setenv(MEMORY_FRACTION_VAR, "0.7")
+    # An explicit config value wins, with a note.
+    claim_device_memory(load_config(None, ["mesh.memory_fraction=0.8"]))
+    assert os.environ[MEMORY_FRACTION_VAR] == "0.8"
+    assert "mesh.memory_fraction 0.8 replaces XLA_PYTHON_CLIENT_MEM_FRACTION=0.7" in capsys.readouterr().err
+    monkeypatch.setenv(MEMORY_FRACTION_VAR, "most")
+    with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='most' is not a number"):
+        claim_device_memory(load_config(None))
+
+
+def test_the_v6e_recipe_is_the_papers_but_for_what_fits_its_chips():
+    configs = DEMO.parent
+    recipe = to_dict(load_config(configs / "lspo_deepmath_r1_distill_qwen_1p5b.yaml"))
+    v6e = to_dict(load_config(configs / "lspo_deepmath_r1_distill_qwen_1p5b_v6e8.yaml"))
+    changed = lambda run: {
+        f"{section}.{key}": value
+        for section, fields in run.items()
+        if isinstance(fields, dict)
+        for key, value in fields.items()
+        if recipe[section][key] != value
+    }
+    assert changed(v6e) == {"model.attention": "splash", "loss.micro_batches": 64, "mesh.fsdp": 8}
+    assert {k: v for k, v in v6e.items() if not isinstance(v, dict)} == {
+        k: v for k, v in recipe.items() if not isinstance(v, dict)
+    }
+
+
+def test_a_config_file_that_is_not_a_mapping_or_not_text_is_named(tmp_path):
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("- rollout\n- loss\n")
+    with pytest.raises(
+        ConfigError, match=r"listed\.yaml: the top level must map section names to settings, got a list"
+    ):
+        load_config(listed)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"steps: 3\n\xff\xfe")
+    with pytest.raises(ConfigError, match=r"binary\.yaml: not UTF-8 text \(byte 9\)"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match=r"is a directory, not a config file"):
+        load_config(tmp_path)

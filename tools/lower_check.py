@@ -32,6 +32,13 @@ Usage:
     .venv/bin/python tools/lower_check.py                 # the paper's shape: minutes
     .venv/bin/python tools/lower_check.py --small         # a tiny model and short rows: seconds a program
     .venv/bin/python tools/lower_check.py --programs rl_packed,decode --meshes fsdp8 --platforms cuda --json out.json
+    .venv/bin/python tools/lower_check.py --compile h100x8,v5p-16 [--config F] [key=value ...] [--json out.json]
+
+``--compile`` goes further than lowering: it compiles the programs a run of ``--config`` compiles, at its own
+attention, for each named target (``TARGETS``: 8 H100s, or a v5p-8, v5p-16, v6e-8 or v5e-8 slice) with the chips'
+own compilers on this CPU, and prints per program and mesh the memory a device needs against its budget (see
+"Does it fit the chips" in ``docs/performance.md``). Exit status 1 when a cell does not fit or fails, 2 when the
+compilers are missing.
 
 It prints one line per cell: ``lowered``, ``skipped: reason`` or ``FAILED: reason`` (one line, never a traceback),
 the seconds of its trace (shared by the platforms of one program) and of its lowering, and two FLOP figures of the
@@ -49,8 +56,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
+import os
+import re
 import resource
 import sys
 import time
@@ -68,13 +78,15 @@ from lspo_jax import distributed, l2rr, losses, model, optim, packing, reweight,
 from lspo_jax.axes import MESH_AXES
 from lspo_jax.config import ModelConfig
 from lspo_jax.learner import Learner
-from lspo_jax.train_config import TrainConfig, load_config
+from lspo_jax.train_config import ConfigError, TrainConfig, load_config
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "lspo_deepmath_r1_distill_qwen_1p5b.yaml"
 PLATFORMS = ("cuda", "tpu")
 ATTENTION = {"cuda": ("pallas", "blocked", "cudnn"), "tpu": ("splash", "blocked")}
 DECODE_ATTENTION = {"cuda": ("pallas", "reduce"), "tpu": ("reduce",)}
 MESHES = {"one": (1, 1, 1), "fsdp8": (1, 8, 1), "fsdp4_tp2": (1, 4, 2)}
+# Compiling for a chip takes a mesh of its devices: the 8-device meshes, and a 4-chip slice's (v5p-8).
+COMPILE_MESHES = {**MESHES, "fsdp4": (1, 4, 1), "fsdp2_tp2": (1, 2, 2)}
 # Errors that say this machine lacks a library a cell needs (cuDNN is looked for when the program is traced): the
 # cell is skipped with the error as its reason, not failed.
 UNAVAILABLE = ("cuDNN is not detected", "needs a CUDA GPU")
@@ -129,14 +141,15 @@ class Cell:
 
 
 # ------------------------------------------------------------------------------------------------ shapes
-def paper_shape(config: str | Path = RECIPE) -> Shape:
+def paper_shape(config: str | Path = RECIPE, overrides: Iterable[str] = ()) -> Shape:
     """The recipe's run at R1-Distill-Qwen-1.5B's shape (``config.py``'s preset), as ``run.load_policy`` sets it."""
-    return _shape(load_config(config), ModelConfig.preset("deepseek-r1-distill-qwen-1.5b"))
+    return _shape(load_config(config, list(overrides)), ModelConfig.preset("deepseek-r1-distill-qwen-1.5b"))
 
 
-def small_shape(config: str | Path = RECIPE) -> Shape:
+def small_shape(config: str | Path = RECIPE, overrides: Iterable[str] = ()) -> Shape:
     """The recipe's options at a tiny model and short rows (``SMALL_OVERRIDES``): seconds a program."""
-    return _shape(load_config(config, list(SMALL_OVERRIDES)), ModelConfig.preset("tiny", head_dim=128))
+    run = load_config(config, [*SMALL_OVERRIDES, *overrides])
+    return _shape(run, ModelConfig.preset("tiny", head_dim=128))
 
 
 def _shape(run: TrainConfig, base: ModelConfig) -> Shape:
@@ -237,9 +250,10 @@ def l2rr_target_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -
     """``l2rr.sharded_target_gradient`` over ``l2rr.target_limit`` target rows, split over the data axes as
     ``TargetSide`` places them."""
     run = shape.run
-    options = {"num_micro_batches": run.l2rr.target_micro_batches, "chunk_size": run.loss.chunk_size}
+    limit = run.l2rr.target_limit or 1
+    options = {"num_micro_batches": run.l2rr_target_micro_batches(limit), "chunk_size": run.loss.chunk_size}
     length = run.data.max_prompt_tokens + run.data.max_solution_tokens
-    count = -(-(run.l2rr.target_limit or 1) // options["num_micro_batches"]) * options["num_micro_batches"]
+    count = -(-limit // options["num_micro_batches"]) * options["num_micro_batches"]
     rows = _rows(count, length, ("tokens", "attention_mask", "mask", "weight"), sharding.batch_sharding(mesh, count))
     base = sharding.abstract_params(config, mesh)["base"]
     return l2rr.sharded_target_gradient(config, mesh, **options).trace(base, rows)
@@ -263,7 +277,7 @@ def l2rr_jvp_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> B
 def _sampler_call(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh, decode: bool) -> dict:
     """``sampler.trace_call`` for a step's rollouts (the base alone) or the scaffold's re-rolls (the adapter on):
     ``prompts_per_step`` prompts of ``max_prompt_tokens``, ``group_size`` samples each, ``max_new_tokens`` new."""
-    run = shape.run
+    run, mesh = shape.run, sharding.sampling_mesh(mesh)  # as the run's ``Generator`` samples
     return sampler.trace_call(
         config, prompts=run.rollout.prompts_per_step, prompt_tokens=run.data.max_prompt_tokens,
         max_new_tokens=run.rollout.max_new_tokens, n=run.rollout.group_size, adapter=adapter, mesh=mesh, decode=decode,
@@ -405,6 +419,191 @@ def check(
                 yield from check_program(shape, name, mesh_name, impl, meant)
 
 
+# ------------------------------------------------------------------------------------------------ compiling
+# Deviceless compilation: the chips' own compilers (libtpu; XLA's CUDA backend with ptxas from the nvcc wheel) run
+# here on compile-only devices of a named topology (``pip install -e '.[compile]'``), and the executable's memory
+# analysis says what a device needs. TPU budgets are what the compiler enforces (arguments + outputs - aliased +
+# temporaries, read off its refusals with libtpu 0.0.42); an H100 program's is the device's memory (its target
+# config) times JAX's allocator fraction for the run (``accelerator.memory_fraction``: XLA compiles for CUDA
+# without a memory check). Speed is not known this way: nothing is autotuned.
+TARGET_CONFIGS = Path(__file__).resolve().parent / "targets"
+# Where ``tools/setup.sh test`` installs the compilers (the ``compile`` extra) apart from the environment, and the
+# jaxlib they and the H100 target config are for.
+CHIPS = Path(__file__).resolve().parents[1] / ".venv" / "chips"
+COMPILE_JAXLIB = "0.10.2"
+# libtpu away from a TPU VM: no metadata server to ask, one host (else it logs an error looking for both), and no
+# lock on the chips it would otherwise take (compiling beside another process that compiles, a test worker's).
+LIBTPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A chip and topology to compile for: ``jax.experimental.topologies.get_topology_desc``'s arguments."""
+
+    platform: str
+    topology: str
+    chip_config: str = "default"
+    host_bounds: tuple[int, int, int] | None = None
+    hbm_gib: float | None = None  # TPU: the budget its compiler enforces; CUDA: from the target config
+
+    def devices(self) -> list[Any]:
+        from jax.experimental import topologies
+
+        for name, value in LIBTPU_ENV.items():
+            os.environ.setdefault(name, value)
+
+        if self.platform == "cuda":
+            config = (TARGET_CONFIGS / "h100_sxm.txtpb").read_text()
+            desc = topologies.get_topology_desc(platform="cuda", target_config=config, topology=self.topology)
+        else:
+            desc = topologies.get_topology_desc(
+                platform="tpu", topology_name=self.topology, chip_config_name=self.chip_config,
+                chips_per_host_bounds=self.host_bounds, num_slices=1, wrap=(False, False, False),
+            )  # fmt: skip
+        return list(desc.devices)
+
+    def budget_gib(self, run: TrainConfig) -> float:
+        if self.platform == "tpu":
+            return self.hbm_gib
+        return h100_memory_gib() * run.mesh.memory_fractions(run.rollout.engine)[0]
+
+
+TARGETS = {
+    "h100x8": Target("cuda", "1x1x8"),
+    "v5p-8": Target("tpu", "v5:2x2x1", "megacore", (2, 2, 1), 95.74),
+    "v5p-16": Target("tpu", "v5:2x2x2", "megacore", (2, 2, 1), 95.74),
+    "v6e-8": Target("tpu", "v6e:2x4", "default", (2, 4, 1), 31.25),
+    "v5e-8": Target("tpu", "v5e:2x4", "default", (2, 4, 1), 15.75),
+}
+
+
+def h100_memory_gib() -> float:
+    """``device_memory_size`` of the shipped H100 target config, in GiB."""
+    text = (TARGET_CONFIGS / "h100_sxm.txtpb").read_text()
+    return int(re.search(r"device_memory_size:\s*(\d+)", text).group(1)) / GIB
+
+
+@dataclasses.dataclass
+class Fit:
+    """One program compiled for one target and mesh: the executable's memory per device (GiB), its budget, whether
+    it fits; ``shape`` names the decode window with the largest peak; ``error`` is a refusal or failure in one line."""
+
+    target: str
+    program: str
+    mesh: str
+    attention: str
+    argument_gib: float | None = None
+    output_gib: float | None = None
+    alias_gib: float | None = None
+    temp_gib: float | None = None
+    peak_gib: float | None = None
+    budget_gib: float = 0.0
+    fits: bool = False
+    shape: str = ""
+    compile_s: float = 0.0
+    error: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def memory_gib(compiled: Any) -> dict[str, float]:
+    stats = compiled.memory_analysis()
+    sizes = {
+        "argument_gib": stats.argument_size_in_bytes, "output_gib": stats.output_size_in_bytes,
+        "alias_gib": stats.alias_size_in_bytes, "temp_gib": stats.temp_size_in_bytes,
+    }  # fmt: skip
+    gib = {k: v / GIB for k, v in sizes.items()}
+    gib["peak_gib"] = gib["argument_gib"] + gib["output_gib"] - gib["alias_gib"] + gib["temp_gib"]
+    return gib
+
+
+# libtpu's refusal names what the program needs (arguments, outputs and temporaries, though it says temporaries)
+# and the HBM it has: "... the total memory required for HLO temporaries (41.77G) exceeds available HBM (31.25G)."
+REFUSAL = re.compile(r"memory required for [^(]*\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
+
+
+def refusal(error: BaseException) -> tuple[float, float] | None:
+    """``(needed, available)`` GiB of a TPU compiler's out-of-memory refusal; None for any other error."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    gib = lambda size, unit: float(size) * 2 ** (10 * "KMGT".index(unit) + 10) / GIB  # binary units
+    if found := REFUSAL.search(text):
+        return gib(*found.group(1, 2)), gib(*found.group(3, 4))
+    return math.nan, math.nan
+
+
+def compile_fit(fit: Fit, built: Built) -> None:
+    """Compile ``built`` and read its memory; of a decode step's windows, the largest (the largest cache: the
+    largest peak; every window's lowering is the lowering check's). A refusal or failure is the cell's error."""
+    start = time.perf_counter()
+    traced = list(built.items())[-1:] if isinstance(built, dict) else [("", built)]
+    try:
+        for label, one in traced:
+            vars(fit).update(memory_gib(one.lower().compile()), shape=label)
+        fit.fits = fit.peak_gib <= fit.budget_gib
+    except Exception as error:  # any refusal is the cell's result, reported as one line
+        refused = refusal(error)
+        where = f"{label}: " if label else ""
+        if refused is None:
+            fit.error = where + one_line(error)
+        else:
+            fit.peak_gib, fit.fits = refused[0], False
+            fit.error = where + f"refused by the compiler: needs {refused[0]:.2f} GiB of {refused[1]:.2f}"
+    fit.compile_s = time.perf_counter() - start
+
+
+def run_programs(run: TrainConfig) -> list[str]:
+    """The programs a run of ``run`` compiles: the update on its layout, the log-prob pass and the sampler; the
+    scaffold's adapter-on passes and SFT step when it is on; L2RR's two when it is on."""
+    names = ["rl_packed" if run.loss.packing else "rl_padded", "logprobs_base", "prefill", "decode"]
+    if run.scaffold.enabled:
+        names += ["sft", "logprobs_adapter", "prefill_adapter", "decode_adapter"]
+    if run.l2rr.enabled:
+        names += ["l2rr_target", "l2rr_jvp"]
+    return [name for name in PROGRAMS if name in names]
+
+
+def target_meshes(devices: int) -> list[str]:
+    """The meshes of ``COMPILE_MESHES`` that span ``devices`` devices."""
+    return [name for name, sizes in COMPILE_MESHES.items() if math.prod(sizes) == devices]
+
+
+def compile_check(
+    shape: Shape, targets: Iterable[str], programs: Iterable[str] | None = None, meshes: Iterable[str] | None = None
+) -> Iterator[Fit]:
+    """Every program a run compiles (``programs``: these), compiled for each target on each of its meshes
+    (``meshes``: these, where they span its devices), at the run's own attention, as each is done."""
+    model_cfg = dataclasses.replace(
+        shape.model, attention=shape.run.model.attention, decode_attention=shape.run.model.decode_attention
+    )
+    attention = lambda name: model_cfg.decode_attention if name in SAMPLER_PROGRAMS else model_cfg.attention
+    for target_name in targets:
+        target = TARGETS[target_name]
+        try:
+            devices = target.devices()
+        except Exception as error:  # the target's compiler would not start: every cell of it says why
+            for name in programs or run_programs(shape.run):
+                yield Fit(target_name, name, "-", attention(name), error=f"no {target_name} devices: {one_line(error)}")
+            continue
+        budget = target.budget_gib(shape.run)
+        for mesh_name in [m for m in (meshes or COMPILE_MESHES) if m in target_meshes(len(devices))]:
+            mesh = sharding.make_mesh(sharding.MeshConfig(*COMPILE_MESHES[mesh_name]), devices)
+            for name in programs or run_programs(shape.run):
+                fit = Fit(target_name, name, mesh_name, attention(name), budget_gib=budget)
+                start = time.perf_counter()
+                try:
+                    built = PROGRAMS[name](shape, model_cfg, mesh)
+                except Exception as error:  # a refusal while tracing is the cell's result
+                    fit.error = one_line(error)
+                else:
+                    compile_fit(fit, built)
+                fit.compile_s = time.perf_counter() - start
+                yield fit
+
+
 # --------------------------------------------------------------------------------------------- printing
 HEADER = (
     f"{'program':<17} {'platform':<8} {'mesh':<10} {'attention':<9} {'TFLOP':>10} {'XLA TFLOP':>10} trace_s lower_s"
@@ -417,6 +616,24 @@ def row(cell: Cell) -> str:
     return (
         f"{cell.program:<17} {cell.platform:<8} {cell.mesh:<10} {cell.attention:<9} {figure(cell.tflop)} "
         f"{figure(cell.xla_tflop)} {cell.trace_s:7.1f} {cell.lower_s:7.1f}  {status}"
+    )
+
+
+FIT_HEADER = (
+    f"{'target':<7} {'program':<17} {'mesh':<10} {'attention':<9} {'args':>6} {'out':>6} {'alias':>6} {'temp':>6} "
+    f"{'peak':>6} {'budget':>6} {'s':>5}  GiB per device"
+)
+
+
+def fit_row(fit: Fit) -> str:
+    gib = lambda x: f"{x:6.1f}" if x is not None else f"{'-':>6}"
+    sizes = " ".join(gib(getattr(fit, k)) for k in ("argument_gib", "output_gib", "alias_gib", "temp_gib", "peak_gib"))
+    verdict = "fits" if fit.fits else ("DOES NOT FIT" if fit.error is None else f"FAILED: {fit.error}")
+    if fit.error and "refused by the compiler" in fit.error:
+        verdict = f"DOES NOT FIT: {fit.error}"
+    return (
+        f"{fit.target:<7} {fit.program:<17} {fit.mesh:<10} {fit.attention:<9} {sizes} {gib(fit.budget_gib)} "
+        f"{fit.compile_s:5.0f}  {verdict}{f' ({fit.shape})' if fit.shape else ''}"
     )
 
 
@@ -433,25 +650,74 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="a tiny model and short rows (SMALL_OVERRIDES)")
     parser.add_argument("--config", default=str(RECIPE), help="the run's YAML (default: the paper's recipe)")
-    parser.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated, from {list(PROGRAMS)}")
-    parser.add_argument("--meshes", default=",".join(MESHES), help=f"comma-separated, from {list(MESHES)}")
+    parser.add_argument("--compile", default=None, help=f"compile for these targets (comma-separated, {list(TARGETS)})")
+    parser.add_argument("--programs", default=None, help=f"comma-separated, from {list(PROGRAMS)}")
+    parser.add_argument("--meshes", default=None, help=f"comma-separated, from {list(COMPILE_MESHES)}")
     parser.add_argument("--platforms", default=",".join(PLATFORMS), help="comma-separated: cuda, tpu")
     parser.add_argument("--attention", default=None, help="only these implementations (comma-separated)")
     parser.add_argument("--json", default=None, help="also write the cells to this JSON file")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the config, as lspo-train takes")
     args = parser.parse_args(argv)
-    shape = (small_shape if args.small else paper_shape)(args.config)
+    split = lambda text: None if text is None else text.split(",")
+    unknown = [t for t in split(args.compile) or () if t not in TARGETS]
+    if unknown:
+        print(f"lower_check: unknown target(s) {unknown}; choose from {list(TARGETS)}", file=sys.stderr)
+        return 2
+    if args.compile and (missing := use_chip_compilers()):
+        print(f"lower_check: {missing}", file=sys.stderr)
+        return 2
+    try:
+        shape = (small_shape if args.small else paper_shape)(args.config, args.overrides)
+    except ConfigError as error:
+        print(f"lower_check: {error}", file=sys.stderr)
+        return 2
     print(f"jax {jax.__version__}; {model.count_params(model.abstract_params(shape.model)['base']):,} base params")
+    if args.compile:
+        return compile_main(shape, split(args.compile), split(args.programs), split(args.meshes), args.json)
     print(HEADER, flush=True)
     start, cells = time.perf_counter(), []
-    only = None if args.attention is None else args.attention.split(",")
-    split = lambda text: text.split(",")
-    for cell in check(shape, split(args.programs), split(args.meshes), split(args.platforms), only):
+    programs, meshes = split(args.programs) or list(PROGRAMS), split(args.meshes) or list(MESHES)
+    for cell in check(shape, programs, meshes, split(args.platforms), split(args.attention)):
         cells.append(cell)
         print(row(cell), flush=True)
     print(summary(cells, time.perf_counter() - start))
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(c) for c in cells], indent=1) + "\n")
     return int(any(c.status == "failed" for c in cells))
+
+
+def use_chip_compilers() -> str | None:
+    """Make the chips' compilers visible to JAX, whose backends are still to start: ``CHIPS`` on the path when it
+    exists, the CPU as JAX's own platform (the plugins are for compiling, not running). What is missing, in one
+    line (None: all there)."""
+    import jaxlib
+
+    if jaxlib.__version__ != COMPILE_JAXLIB:
+        what = "libtpu, the CUDA plugin and the H100 target config"
+        return f"--compile is set up for jaxlib {COMPILE_JAXLIB} ({what}); this is jaxlib {jaxlib.__version__}"
+    if CHIPS.is_dir() and str(CHIPS) not in sys.path:
+        sys.path.append(str(CHIPS))
+    jax.config.update("jax_platforms", "cpu")
+    missing = [name for name in ("libtpu", "jax_plugins.xla_cuda12") if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"--compile needs {missing}: pip install -e '.[compile]', or tools/setup.sh test (into {CHIPS})"
+    return None
+
+
+def compile_main(
+    shape: Shape, targets: list[str], programs: list[str] | None, meshes: list[str] | None, out: str | None
+) -> int:
+    """Print a line per compiled cell and a summary; exit status 1 when a cell fails to compile or does not fit."""
+    print(FIT_HEADER, flush=True)
+    start, fits = time.perf_counter(), []
+    for fit in compile_check(shape, targets, programs, meshes):
+        fits.append(fit)
+        print(fit_row(fit), flush=True)
+        if out:  # written as each cell is done: a long check interrupted keeps what it found
+            Path(out).write_text(json.dumps([f.record() for f in fits], indent=1) + "\n")
+    fitting, seconds = sum(f.fits for f in fits), time.perf_counter() - start
+    print(f"{len(fits)} cells: {fitting} fit, {len(fits) - fitting} do not fit or failed, in {seconds:.0f} s")
+    return int(fitting < len(fits))
 
 
 if __name__ == "__main__":

