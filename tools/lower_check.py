@@ -538,11 +538,10 @@ def refusal(error: BaseException) -> tuple[float, float] | None:
 def compile_fit(fit: Fit, built: Built) -> None:
     """Compile ``built`` and read its memory; of a decode step's windows, the largest (the largest cache: the
     largest peak; every window's lowering is the lowering check's). A refusal or failure is the cell's error."""
-    start = time.perf_counter()
-    traced = list(built.items())[-1:] if isinstance(built, dict) else [("", built)]
+    label, one = list(built.items())[-1] if isinstance(built, dict) else ("", built)
+    fit.shape = label
     try:
-        for label, one in traced:
-            vars(fit).update(memory_gib(one.lower().compile()), shape=label)
+        vars(fit).update(memory_gib(one.lower().compile()))
         fit.fits = fit.peak_gib <= fit.budget_gib
     except Exception as error:  # any refusal is the cell's result, reported as one line
         refused = refusal(error)
@@ -552,7 +551,6 @@ def compile_fit(fit: Fit, built: Built) -> None:
         else:
             fit.peak_gib, fit.fits = refused[0], False
             fit.error = where + f"refused by the compiler: needs {refused[0]:.2f} GiB of {refused[1]:.2f}"
-    fit.compile_s = time.perf_counter() - start
 
 
 def run_programs(run: TrainConfig) -> list[str]:
