@@ -16,8 +16,10 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import glob
 import logging
 import os
+import re
 import shutil
 import sys
 import traceback
@@ -112,8 +114,15 @@ class Checkpointer:
         if "lora" in state:
             raise ValueError("refusing to checkpoint an adapter: LSPO's adapter is discarded every step")
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self._manager.save(step, args=args, force=True)
-        self._manager.wait_until_finished()
+        try:
+            with _muted_leftovers():  # a failed write is logged with its traceback by each of orbax's threads
+                self._manager.save(step, args=args, force=True)
+                self._manager.wait_until_finished()
+        except Exception as err:
+            for partial in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
+                shutil.rmtree(partial, ignore_errors=True)  # the space it took back, for the log and the next try
+            message, cause = _write_error(step, self.directory, err)
+            raise CheckpointError(message) from cause
 
     def save_state(self, state: TrainState, meta: dict[str, Any], *, adapter: bool = False) -> None:
         """The whole train state at its step in one checkpoint: arrays (``checkpoint_state``), counters, and the
@@ -260,6 +269,15 @@ def _drop_orbax_leftovers() -> None:
             previous_excepthook(kind, error, tb)
 
     sys.excepthook = excepthook
+
+
+def _write_error(step: int, directory: str, err: BaseException) -> tuple[str, BaseException]:
+    """A failed save as one line and its cause; tensorstore reports the OS error behind it (a full disk, a
+    read-only file system) only as ``[os_error_code='28']`` in its text, so that becomes the ``OSError`` it
+    stands for."""
+    code = re.search(r"os_error_code='(\d+)'", str(err))
+    cause = OSError(int(code[1]), os.strerror(int(code[1])), directory) if code else err
+    return f"checkpoint step {step} could not be written in {directory}: {error_cause(cause)}", cause
 
 
 def _listed(steps: list[int]) -> str:

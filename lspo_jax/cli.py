@@ -3,13 +3,105 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import os
+import signal
 import sys
+import threading
+import traceback
 
 EXIT_CONFIG = 2  # a bad config, file, path or checkpoint: nothing ran
 EXIT_STOPPED = 75  # stopped by SIGTERM or Ctrl-C with a checkpoint written: `--resume` continues it (EX_TEMPFAIL)
-EXIT_INTERRUPTED = 130  # Ctrl-C before the run had started: nothing to resume from it
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM before the run had started: nothing to resume from it
+DEBUG_VAR = "LSPO_JAX_DEBUG"  # set (to anything but 0): a one-line error also prints its traceback
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that come from what the user gave (a config, a path, a file, a model directory, a checkpoint)
+    or from the machine (permissions, space): each ends a command in one line and ``EXIT_CONFIG``."""
+    from lspo_jax.checkpoint import CheckpointError
+    from lspo_jax.data import DataError
+    from lspo_jax.metrics_log import MetricsError
+    from lspo_jax.train_config import ConfigError
+
+    return ConfigError, DataError, CheckpointError, MetricsError, OSError
+
+
+_OS_ADVICE = {
+    errno.ENOSPC: "free some space; a run continues from its last checkpoint with --resume",
+    errno.EDQUOT: "free some space; a run continues from its last checkpoint with --resume",
+    errno.EROFS: "choose a writable --out",
+    errno.EACCES: "choose a path you may write to",
+    errno.EPERM: "choose a path you may write to",
+}
+
+
+def describe(err: BaseException) -> str:
+    """One line for a user error: what failed, on which path, and what to do."""
+    from lspo_jax.train_config import ConfigError
+
+    if isinstance(err, ConfigError):
+        return f"config error: {err}"
+    if _out_of_memory(err):
+        first = str(err).strip().splitlines()[0][:200]
+        return (
+            f"the devices ran out of memory ({first}); raise loss.micro_batches or lower rollout.prompts_per_step or "
+            "rollout.group_size (a run continues from its last checkpoint with --resume and the new values)"
+        )
+    cause = err
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno in _OS_ADVICE):
+        cause = cause.__cause__ or cause.__context__  # a checkpoint's write failing for space, deep in orbax
+    if isinstance(cause, OSError):
+        where = f" {cause.filename}" if cause.filename else ""
+        return f"cannot write{where}: {cause.strerror or os.strerror(cause.errno)}; {_OS_ADVICE[cause.errno]}"
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _run_command(prog: str, body, args, interrupted: str) -> int:
+    """``body(args)``'s exit status, through one funnel: a user error (``_user_errors``) is one line and
+    ``EXIT_CONFIG``, its traceback only with ``LSPO_JAX_DEBUG`` set; Ctrl-C or SIGTERM before the command's own
+    handlers take over is ``interrupted`` and ``EXIT_INTERRUPTED``. Any other error is a bug: its traceback."""
+    _quiet_imports()
+    try:
+        with _terminate_as_interrupt():
+            return body(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: {interrupted}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        if not (isinstance(err, _user_errors()) or _out_of_memory(err)):
+            raise
+        if os.environ.get(DEBUG_VAR, "0") not in ("", "0"):
+            traceback.print_exc()
+        print(f"{prog}: {describe(err)}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """XLA's allocation failure on an accelerator: a shape the devices cannot hold, not a bug of the program."""
+    return type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and str(err).startswith("RESOURCE_EXHAUSTED")
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (a scheduler's stop) read as Ctrl-C until the command's own handlers replace it: a stop during
+    start-up ends with the interrupted line and ``EXIT_INTERRUPTED``, the resources opened so far closed, not
+    with a silent 143. The previous handler comes back afterwards (a test, a notebook)."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _quiet_imports() -> None:
@@ -58,6 +150,8 @@ def _train_config(args):
         config_path = saved  # the run's own settings, the overrides on top
         if not args.print_config:
             print(f"lspo-train: resuming with {saved}", file=sys.stderr)
+    if config_path is None and args.resume:
+        raise ConfigError(f"--resume: {saved} is missing (the run's own settings); pass the run's config with --config")
     if config_path is None:
         # The built-in defaults are the paper's shape (32 x 16 rollouts of 8192 tokens): no machine to run by
         # accident. configs/ has the recipes.
@@ -73,28 +167,13 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None and (args.resume or not args.print_config):
         parser.error("--out is required" + (" to resume" if args.resume else " (only --print-config runs without it)"))
-    _quiet_imports()
-    try:
-        return _train(args)
-    except KeyboardInterrupt:  # before the run's own handlers are in place (they checkpoint and stop)
-        print("lspo-train: interrupted during start-up; nothing was trained", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    return _run_command("lspo-train", _train, args, "interrupted during start-up; nothing was trained")
 
 
 def _train(args) -> int:
-    from lspo_jax.checkpoint import CheckpointError
-    from lspo_jax.data import DataError
-    from lspo_jax.metrics_log import MetricsError
-    from lspo_jax.train_config import ConfigError, to_dict
+    from lspo_jax.train_config import to_dict
 
-    try:
-        config = _train_config(args)
-    except ConfigError as err:
-        print(f"lspo-train: config error: {err}", file=sys.stderr)
-        return EXIT_CONFIG
-    except FileNotFoundError as err:
-        print(f"lspo-train: {err}", file=sys.stderr)
-        return EXIT_CONFIG
+    config = _train_config(args)
     if args.print_config:
         import yaml
 
@@ -103,11 +182,7 @@ def _train(args) -> int:
     from lspo_jax.compiles import use_cache
     from lspo_jax.run import claim_device_memory
 
-    try:
-        config = claim_device_memory(config)  # before JAX's backends start: the allocator reads it once
-    except ConfigError as err:
-        print(f"lspo-train: config error: {err}", file=sys.stderr)
-        return EXIT_CONFIG
+    config = claim_device_memory(config)  # before JAX's backends start: the allocator reads it once
     use_cache(config.compile_cache)  # before anything compiles: JAX decides once per process
     from lspo_jax.run import RunStopped, train_run
     from lspo_jax.sharding import initialize_distributed
@@ -119,12 +194,6 @@ def _train(args) -> int:
     except RunStopped as err:
         print(f"lspo-train: stopped: {err}", file=sys.stderr)
         return 3
-    except (FileExistsError, FileNotFoundError, NotADirectoryError, DataError, CheckpointError, MetricsError) as err:
-        print(f"lspo-train: {err}", file=sys.stderr)
-        return EXIT_CONFIG
-    except ConfigError as err:
-        print(f"lspo-train: config error: {err}", file=sys.stderr)
-        return EXIT_CONFIG
     print(format_summary(summary))
     import jax
 
@@ -222,7 +291,7 @@ def _eval_settings(run, args):
 
     n = run.eval.n if args.n is None else args.n  # --n 0 is refused by eval.n's check, not read as unset
     if args.ks:
-        ks = [int(k) for k in args.ks.split(",")]
+        ks = _ints("--ks", args.ks)
     else:  # with a new n, the usual ks that fit and n itself; otherwise those of the config
         ks = sorted({k for k in DEFAULT_KS if k <= n} | {n}) if args.n else list(run.eval.ks)
     flags = {
@@ -233,6 +302,15 @@ def _eval_settings(run, args):
     }  # fmt: skip
     overrides = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     return from_dict(TrainConfig, apply_overrides(to_dict(run), overrides))
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    from lspo_jax.train_config import ConfigError
+
+    try:
+        return [int(k) for k in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: not a comma-separated list of integers") from None
 
 
 def _eval_model(args):
@@ -272,12 +350,7 @@ def check_output_file(path: str) -> None:
 
 def eval_main(argv: list[str] | None = None) -> int:
     args = _eval_parser().parse_args(argv)
-    _quiet_imports()
-    try:
-        return _eval(args)
-    except KeyboardInterrupt:
-        print("lspo-eval: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    return _run_command("lspo-eval", _eval, args, "interrupted")
 
 
 def _eval(args) -> int:
@@ -286,30 +359,26 @@ def _eval(args) -> int:
     import jax
 
     from lspo_jax import evaluation
-    from lspo_jax.checkpoint import CheckpointError
     from lspo_jax.learner import Generator
-    from lspo_jax.run import load_benchmarks, make_verifier
-    from lspo_jax.train_config import ConfigError
+    from lspo_jax.run import check_positions, load_benchmarks, make_verifier
 
     try:
         if args.out:
             check_output_file(args.out)
         run, policy, params, step = _eval_model(args)
+        check_positions(run, policy.config, train=False)
         benchmarks = load_benchmarks(run, policy, run.eval.benchmarks)
         for name, (examples, report) in benchmarks.items():
             _warn_about_rows(name, report)
             if not examples:
                 raise ValueError(f"{name}: no problem is left to evaluate (rows read: {report['rows']})")
-    except ConfigError as err:
-        print(f"lspo-eval: config error: {err}", file=sys.stderr)
-        return EXIT_CONFIG
-    except (CheckpointError, OSError, ValueError) as err:
-        print(f"lspo-eval: {err}", file=sys.stderr)
+    except ValueError as err:  # the loaders' plain ValueErrors are about the files given too; the rest: the funnel
+        print(f"lspo-eval: {describe(err)}", file=sys.stderr)
         return EXIT_CONFIG
     pool, generator = make_verifier(run), Generator(policy)
     results, key = {}, jax.random.key(run.seed)
     try:
-        for name, (examples, _) in benchmarks.items():
+        for name, (examples, report) in benchmarks.items():
             start = time.perf_counter()
             bench_key = evaluation.benchmark_key(key, name)
             correct = evaluation.correct_table(run, generator, params, examples, pool, bench_key)
@@ -351,18 +420,12 @@ def export_main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="directory to write (config.json, model.safetensors, tokenizer files)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     args = p.parse_args(argv)
-    _quiet_imports()
-    try:
-        from lspo_jax.checkpoint import CheckpointError
-        from lspo_jax.export import export_checkpoint
-        from lspo_jax.train_config import ConfigError
+    return _run_command("lspo-export", _export, args, "interrupted; nothing was written")
 
-        path = export_checkpoint(args.run_dir, args.out, step=args.step)
-    except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError, NotADirectoryError) as err:
-        print(f"lspo-export: {err}", file=sys.stderr)
-        return EXIT_CONFIG
-    except KeyboardInterrupt:
-        print("lspo-export: interrupted; nothing was written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+
+def _export(args) -> int:
+    from lspo_jax.export import export_checkpoint
+
+    path = export_checkpoint(args.run_dir, args.out, step=args.step)
     print(json.dumps({"exported": os.path.abspath(path)}))  # absolute: the line is read by scripts run elsewhere
     return 0

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import sys
 import threading
+import warnings
 
 import jax
 
@@ -56,7 +59,32 @@ def use_cache(setting: str | None) -> str | None:
     if path is not None:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        _one_line_for_cache_errors()
     return path
+
+
+CACHE_ERROR = re.compile(r"Error (reading|writing) persistent compilation cache entry for '[^']*': (.*)", re.S)
+
+
+@functools.cache
+def _one_line_for_cache_errors() -> None:
+    """JAX warns once per program when its cache cannot be read or written (a directory deleted mid-run: 56
+    warnings, 112 lines, in a short run). The first says what and that programs still compile; the rest are the
+    same news. Other warnings pass as before. Installed once per process."""
+    previous, told = warnings.showwarning, []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        found = CACHE_ERROR.match(str(message))
+        if found is None:
+            return previous(message, category, filename, lineno, file, line)
+        if not told:
+            told.append(True)
+            cause = found[2].strip().splitlines()[0][:200]
+            done = {"reading": "read", "writing": "written"}[found[1]]
+            print(f"lspo_jax: the compile cache {jax.config.jax_compilation_cache_dir} cannot be {done} ({cause}); "
+                  "programs compile as usual (this is said once)", file=sys.stderr)  # fmt: skip
+
+    warnings.showwarning = show
 
 
 class _Totals:

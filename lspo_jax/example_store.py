@@ -12,7 +12,8 @@ A store is keyed by what its content depends on: the bytes of each data file (sh
 serialised model without the padding and truncation that calls set, its chat template and special ids, the
 versions of ``transformers`` and ``tokenizers``), the data settings that shape a prompt, ``max_rows``, the
 version of math-verify (it decides which gold answers parse) and ``FORMAT_VERSION``. Anything else changed is a
-new key, so a stale store is never read; a store cut short or unreadable is rebuilt, with a line saying so. A
+new key, so a stale store is never read; a store cut short, unreadable or changed on disk (its files are checked
+against the digest written beside them) is rebuilt, with a line saying so. A
 store is written to a temporary directory and renamed when complete, so a crash mid-build leaves nothing half
 written. A tokenizer without a serialised form (a slow one) gets no store: its examples live in memory.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -45,7 +47,9 @@ from lspo_jax.config import cache_root
 from lspo_jax.text import error_cause
 from lspo_jax.train_config import DataConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a content digest beside the files
+CONTENT_FILES = ("examples.arrow", "report.json")
+DIGEST_FILE = "content.sha256"
 PROMPT_FIELDS = ("format", "solution_field", "instruction", "instruction_position", "max_prompt_tokens",
                  "prompt_policy")  # fmt: skip
 PROGRESS_S = 15.0  # a line this often while a store is built
@@ -133,12 +137,28 @@ def store_key(spec: str, tokenizer: Any, config: DataConfig, max_rows: int | Non
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def source_digest(spec: str) -> str | None:
+    """One digest of a data source's files (names and bytes); None for a generated task. A resumed run compares it
+    with its checkpoint's: a changed file would give another order of prompts at the same position."""
+    if data.is_generated(spec):
+        return None
+    path, files = data.source_files(spec)
+    return hashlib.sha256(json.dumps([[f.name, file_digest(f)] for f in files]).encode()).hexdigest()[:32]
+
+
 def file_digest(path: Path) -> str:
     try:
-        with path.open("rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        stat = path.stat()
+        return _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     except OSError as err:
         raise data.DataError(f"{path}: cannot be opened ({error_cause(err)})") from err
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """Read once per version of a file in a process (the store's key and the run's source digest both ask)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str | None:
@@ -197,7 +217,18 @@ def build(
     if into is not None:
         (writer or pa.ipc.new_file(str(into / "examples.arrow"), _schema())).close()
         (into / "report.json").write_text(json.dumps(dataclasses.asdict(report)))
+        (into / DIGEST_FILE).write_text(content_digest(into))
     return table, report
+
+
+def content_digest(path: Path) -> str:
+    """sha256 over the store's files: a store changed in place (a flipped byte, a gold answer edited) is found
+    before pyarrow reads it, which for some damage aborts the process instead of raising."""
+    digest = hashlib.sha256()
+    for name in CONTENT_FILES:
+        with (path / name).open("rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
 
 
 def _schema() -> pa.Schema:
@@ -237,7 +268,10 @@ def _encode_chunk(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig
 
 # ----------------------------------------------------------------------------------------------- reading
 def open_store(path: Path) -> tuple[Any, data.DataReport]:
-    """A built store, memory-mapped, and its report; ``ValueError`` when the two disagree (a file cut short)."""
+    """A built store, memory-mapped, and its report; ``ValueError`` when its content is not what was written (its
+    digest differs) or the two files disagree."""
+    if content_digest(path) != (path / DIGEST_FILE).read_text().strip():
+        raise ValueError("its files changed after it was built (their digest differs)")
     report = data.DataReport(**json.loads((path / "report.json").read_text()))
     table = pa.ipc.open_file(pa.memory_map(str(path / "examples.arrow"))).read_all()
     if table.num_rows != report.kept or table.schema != _schema():

@@ -116,6 +116,11 @@ def _read_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
     if os.path.exists(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
+        if "model.safetensors" not in files and os.path.exists(os.path.join(path, "model.safetensors")):
+            # transformers reads the single file, this reader the shards: two models in one directory, and which
+            # one is "the model" depends on who reads it. Neither guess is safe.
+            raise ValueError(f"{path} holds both model.safetensors and model.safetensors.index.json (two models); "
+                             "remove the stale one")  # fmt: skip
     elif os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:

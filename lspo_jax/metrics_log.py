@@ -7,6 +7,7 @@ import json
 import math
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 WANDB_ID_FILE = "wandb_id"  # in the run directory: a resumed run continues the same W&B run
@@ -129,9 +130,10 @@ class MetricsError(ValueError):
     """A metrics file that cannot be read as records: the file and line are named."""
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
+def read_metrics(path: str, say: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl``. A last line cut off mid-write (a kill or a full disk; no newline after
-    it) is left out; any other line that is not a JSON record is a ``MetricsError`` naming the file and line."""
+    it) is left out, and ``say`` told so; any other line that is not a JSON record is a ``MetricsError`` naming
+    the file and line."""
     with open(path) as f:
         lines = f.read().split("\n")
     records = []
@@ -142,6 +144,8 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             if number == len(lines):  # the write of this line never finished
+                if say is not None:
+                    say(f"{path}: its last line was cut off mid-write ({len(line)} characters); it is left out")
                 continue
             raise MetricsError(f"{path}: line {number} is not a JSON record ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
@@ -150,9 +154,9 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return records
 
 
-def records_until(path: str, step: int) -> list[dict[str, Any]]:
+def records_until(path: str, step: int, say: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The records of ``path`` up to ``step``, what a checkpoint at ``step`` had seen ([] without a file)."""
-    return [r for r in read_metrics(path) if r["step"] <= step] if os.path.exists(path) else []
+    return [r for r in read_metrics(path, say) if r["step"] <= step] if os.path.exists(path) else []
 
 
 def rewrite(path: str, records: list[dict[str, Any]]) -> None:

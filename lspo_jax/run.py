@@ -30,6 +30,7 @@ from lspo_jax import (
     optim,
     options,
     reweight,
+    sampler,
     scaffold,
     sharding,
     teacher,
@@ -45,6 +46,7 @@ from lspo_jax.metrics_log import MetricsLog, NullLog, records_until, rewrite, wa
 from lspo_jax.model import Params
 from lspo_jax.progress import Progress
 from lspo_jax.prompts import ShuffledPrompts
+from lspo_jax.run_lock import RunLock
 from lspo_jax.train import Phases, StepAbandoned, StopFlag, step_rates, train_step
 from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
 
@@ -83,21 +85,128 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
     return Policy(config, tokenizer, eos_ids), params
 
 
+def check_positions(run: TrainConfig, config: ModelConfig, *, train: bool = True) -> None:
+    """Refuse sequences longer than the model's ``max_position_embeddings``: RoPE computes any position, so
+    nothing would fail, the model would only be asked for positions it never saw in training."""
+    lengths = {"eval.max_new_tokens": run.eval.max_new_tokens}
+    if train:
+        lengths = {"rollout.max_new_tokens": run.rollout.max_new_tokens, **lengths}
+    for key, new in lengths.items():
+        if run.data.max_prompt_tokens + new > config.max_position_embeddings:
+            raise ConfigError(
+                f"data.max_prompt_tokens + {key} = {run.data.max_prompt_tokens} + {new} is beyond the model's "
+                f"max_position_embeddings ({config.max_position_embeddings}); lower one of them"
+            )
+
+
+def check_cache_fits(run: TrainConfig, config: ModelConfig, mesh: Mesh) -> None:
+    """Refuse a rollout or validation batch whose KV cache alone cannot fit the devices' memory (host memory on
+    CPU), before anything is allocated: such a call fails deep in the sampler, or on a host that overcommits
+    memory, swaps and stops answering (SIGTERM included). The cache is a lower bound of what a call needs: a
+    refusal is certain, a pass is not a promise."""
+    from lspo_jax import kv_cache
+    from lspo_jax.packing import pow2_bucket
+
+    available, where = device_memory(mesh)
+    if available is None:
+        return
+    calls = {"rollout.group_size": (run.rollout.group_size, run.rollout.max_new_tokens),
+             "eval.n": (run.eval.n, run.eval.max_new_tokens)}  # fmt: skip
+    for key, (n, new_tokens) in calls.items():
+        rows = pow2_bucket(run.rollout.prompts_per_step) * n  # the shortest prompt bucket: a lower bound
+        needed = kv_cache.cache_nbytes(config, rows, sampler.MIN_PROMPT_BUCKET + new_tokens)
+        if needed > available:
+            raise ConfigError(
+                f"{key}: {run.rollout.prompts_per_step} prompts x {n} samples of {new_tokens} new tokens need a KV "
+                f"cache of at least {_size(needed)}, more than the {_size(available)} {where}; "
+                f"lower {key} or rollout.prompts_per_step"
+            )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def device_memory(mesh: Mesh) -> tuple[int | None, str]:
+    """Bytes the mesh's devices can hold together, and what that is: the allocator's limit on each accelerator
+    times their number, or the host's available memory for CPU devices (they share it). None when unknown."""
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                fields = dict(line.split(":", 1) for line in f)
+            return int(fields["MemAvailable"].split()[0]) * 1024, "of memory this host has available"
+        except (OSError, KeyError, ValueError):
+            return None, ""
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return (
+        (None, "")
+        if limit is None
+        else (limit * mesh.devices.size, f"{mesh.devices.size} {device.platform} devices hold")
+    )
+
+
 def check_resumable(run: TrainConfig, out_dir: str, checkpointer: Checkpointer) -> None:
-    """Refuse to resume from another model than the run's own (its ``config.yaml``): the checkpoint's arrays would
-    not fit it, and the error would come from deep inside the restore. How the model computes (dtype, remat,
-    attention) and the adapter (never checkpointed) may change."""
+    """Refuse to resume what the checkpoints cannot hold: another model than the run's own (its ``config.yaml``:
+    the arrays would not fit it, and the error would come from deep inside the restore), or an adapter lifetime
+    that checkpoints the adapter where the run's did not (or the reverse). How the model computes (dtype, remat,
+    attention) may change."""
     path = os.path.join(out_dir, "config.yaml")
     if not os.path.exists(path):
         return
     with open(path) as f:
-        saved = (yaml.safe_load(f) or {}).get("model", {}).get("path")
-    if saved is not None and saved != run.model.path:
+        saved = yaml.safe_load(f) or {}
+    saved_path = saved.get("model", {}).get("path")
+    if saved_path is not None and saved_path != run.model.path:
         checkpointer.close()
         raise ConfigError(
-            f"--resume: model.path {run.model.path!r} is not the run's {saved!r} ({path}); resume without "
+            f"--resume: model.path {run.model.path!r} is not the run's {saved_path!r} ({path}); resume without "
             "--config to use the run's own config"
         )
+    lifetimes = scaffold.ADAPTER_LIFETIMES
+    saved_adapter = saved.get("scaffold", {}).get("adapter", run.scaffold.adapter)
+    if lifetimes.resolve(saved_adapter).checkpointed != lifetimes.resolve(run.scaffold.adapter).checkpointed:
+        checkpointer.close()
+        raise ConfigError(
+            f"--resume: scaffold.adapter {run.scaffold.adapter!r} cannot continue the run's checkpoints, written "
+            f"with {saved_adapter!r} (one keeps the adapter in them, the other not); start a new run to change it"
+        )
+
+
+def record_config(run: TrainConfig, out_dir: str, step: int | None) -> None:
+    """Write the run's ``config.yaml``. Resuming at ``step`` with settings that differ from the file's, the file
+    the steps so far ran with is kept beside it as ``config.step<step>.yaml`` (the first such file for that step
+    stays), and a line names what changed."""
+    path = os.path.join(out_dir, "config.yaml")
+    new = to_dict(run)
+    if step and os.path.exists(path):
+        with open(path) as f:
+            old = yaml.safe_load(f) or {}
+        changed = [key for key in _changed(old, new) if key != "mesh.process_id"]  # each host's own
+        if changed:
+            kept = os.path.join(out_dir, f"config.step{step}.yaml")
+            if not os.path.exists(kept):
+                os.replace(path, kept)
+            shown = ", ".join(f"{key} {_get(old, key)!r} -> {_get(new, key)!r}" for key in changed[:6])
+            more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+            print(f"lspo-train: --resume changes {shown}{more}; steps 1-{step} ran with {kept}", file=sys.stderr)
+    with open(path, "w") as f:
+        yaml.safe_dump(new, f, sort_keys=False)
+
+
+def _changed(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = dict.fromkeys([*old, *new])
+        return [k for key in keys for k in _changed(old.get(key), new.get(key), f"{prefix}{key}.")]
+    return [] if old == new else [prefix[:-1]]
+
+
+def _get(tree: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def run_mesh(run: TrainConfig) -> Mesh:
@@ -281,6 +390,16 @@ class Run:
         os.makedirs(out_dir, exist_ok=True)
         # Several hosts share out_dir: process 0 writes the files, all of them write checkpoint shards.
         self.writer = jax.process_index() == 0
+        self.lock = RunLock(out_dir) if self.writer else None  # a second run into out_dir stops here
+        try:
+            self._start(run, resume=resume, verifier=verifier, judge=judge)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.close()
+            raise
+
+    def _start(self, run: TrainConfig, *, resume: bool, verifier: Any, judge: Any) -> None:
+        out_dir = self.out_dir
         # Refusals first, before anything is loaded or written: the run's own config.yaml stays as it was.
         # Checked before the model loads: a W&B run asked for without wandb installed fails here.
         self.wandb = wandb_options(run) if self.writer else None
@@ -308,12 +427,16 @@ class Run:
         config.yaml and the metrics log. What started is closed if a later part fails."""
         out_dir = self.out_dir
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
+        check_positions(run, self.policy.config)
         mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
         engine = ENGINES.resolve(run.rollout.engine)
+        if run.rollout.engine == "jax":  # vLLM pages its cache and batches what does not fit
+            check_cache_fits(run, self.policy.config, mesh)
         engine.prepare(run, self.policy, out_dir, logs=bool(self.writer))  # before the data: the engine starts last
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
         if self.writer and (line := self.data_report.losses()):
             print(f"lspo-train: data.train {run.data.train}: {line}", file=sys.stderr)  # also in summary.json
+        self.data_digest = example_store.source_digest(run.data.train)  # read with the store's key: no second pass
         self.examples = self.examples[: run.data.limit]  # the first `limit` usable prompts (all when null)
         self.held_out, self.held_out_data = self._held_out()
         self.prompts, target = self._prompt_source()
@@ -335,8 +458,7 @@ class Run:
             raise
         try:
             if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
-                with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-                    yaml.safe_dump(to_dict(run), f, sort_keys=False)
+                record_config(run, out_dir, self.state.step if resume else None)
             self.log = self._open_log() if self.writer else NullLog()
         except BaseException:
             _close_after_failure(self.learner, "learner")
@@ -377,7 +499,7 @@ class Run:
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed}
+        meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed, "data": self.data_digest}
         self.checkpointer.save_state(self.state, meta, adapter=self.learner.adapter_lifetime.checkpointed)
 
     def _restore(self, fresh: TrainState, adapter: bool) -> TrainState:
@@ -400,7 +522,16 @@ class Run:
                     print(f"lspo-train: {line}", file=sys.stderr)
                 print(f"lspo-train: resuming from step {step}, the newest readable checkpoint; the unreadable ones "
                       f"are in {aside}", file=sys.stderr)  # fmt: skip
-        self.history = records_until(os.path.join(self.out_dir, "metrics.jsonl"), step)
+        if self.writer and meta.get("data") not in (None, self.data_digest):
+            print(f"lspo-train: data.train {self.run.data.train} is not the data the run's checkpoint was trained on "
+                  f"(its files changed): the run goes on from its place in the old data's order, in the new data",
+                  file=sys.stderr)  # fmt: skip
+        records = os.path.join(self.out_dir, "metrics.jsonl")
+        if self.writer and not os.path.exists(records):
+            print(f"lspo-train: {records} is missing: the records of steps 1-{step} are lost, and the summary counts "
+                  f"the steps from {step + 1} on", file=sys.stderr)  # fmt: skip
+        say = (lambda line: print(f"lspo-train: {line}", file=sys.stderr)) if self.writer else None
+        self.history = records_until(records, step, say)
         if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
             self.prompts.load_state_dict(meta[self.prompts.meta_key])
         return state
@@ -567,7 +698,11 @@ class Run:
             try:
                 self.log.close()
             finally:
-                self.checkpointer.close()
+                try:
+                    self.checkpointer.close()
+                finally:
+                    if self.lock is not None:
+                        self.lock.close()
 
 
 def _close_after_failure(part: Any, what: str) -> None:

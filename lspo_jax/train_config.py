@@ -661,7 +661,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError as err:
         raise ConfigError(f"config file not found: {path}") from err
     except IsADirectoryError:
@@ -670,6 +670,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a config is a YAML file") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if data is None:  # the defaults alone are the paper's shape: an empty file is a mistake, not a choice
+        raise ConfigError(f"{path}: holds no settings (the defaults alone are the paper's 1.5B shape); name at "
+                          "least model.path, or start from configs/demo.yaml")  # fmt: skip
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must map section names to settings, got a {type(data).__name__}")
     base = data.pop("base_config", None)

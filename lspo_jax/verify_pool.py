@@ -72,7 +72,10 @@ def _worker_main(conn) -> None:
                 raise
             # Only the type name: str() of some sympy objects can itself take unbounded time.
             result = (index, 0.0, type(exc).__name__)
-        conn.send(result)
+        try:
+            conn.send(result)
+        except OSError:  # the parent is gone (killed mid-batch): nobody is left to answer, nor to read a traceback
+            return
 
 
 class _Worker:

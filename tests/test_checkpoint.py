@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -119,3 +120,33 @@ def test_late_orbax_leftovers_are_dropped_and_every_other_report_kept(tmp_path):
     reported = run.stderr.count("RuntimeError: Event loop is closed")
     assert reported == 1 and "called from user code" in run.stderr, run.stderr
     assert "late read failed in user_code" in run.stderr and "task failed in user_code" in run.stderr, run.stderr
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_naming_the_os_error(tmp_path, monkeypatch):
+    """A full disk during a save once printed 1,014 lines (each of orbax's threads logging the failure) and exit
+    1. Tensorstore names the OS error only in its text; the save's error carries it as an ``OSError``, so every
+    command says what it is and what to do in one line, and the half-written step is removed."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    import pytest
+
+    from lspo_jax import cli
+    from lspo_jax.checkpoint import Checkpointer, CheckpointError
+
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+
+    def disk_full(manager, step, **kwargs):
+        (tmp_path / "checkpoints" / f"{step}.orbax-checkpoint-tmp-1").mkdir()  # what a failed write leaves
+        # Tensorstore's words on a full tmpfs (jax 0.10.2, orbax-checkpoint 0.12.8), shortened in the middle.
+        words = "Failed to write 2728891 bytes to file 6: No space left on device [os_error_code='28']"
+        raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "base.w/0.0" in OCDBT database at "...": {words}')
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full)
+    with pytest.raises(CheckpointError, match="checkpoint step 3 could not be written in ") as info:
+        checkpointer.save(3, {"base": {"w": jnp.ones(3)}, "rl_opt": {}}, {"step": 3})
+    assert cli.describe(info.value) == (
+        f"cannot write {checkpointer.directory}: No space left on device; free some space; a run continues from "
+        "its last checkpoint with --resume"
+    )
+    assert os.listdir(checkpointer.directory) == []
+    checkpointer.close()

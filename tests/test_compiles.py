@@ -74,3 +74,25 @@ def test_a_second_process_reads_its_programs_from_the_cache(tmp_path):
     assert first["compiles"] >= 2 and first["compiles_cached"] == 0
     assert second["compiles"] == 0 and second["compiles_cached"] == first["compiles"]
     assert os.listdir(cache)
+
+
+def test_a_compile_cache_deleted_mid_run_is_said_once(tmp_path):
+    """JAX warns for each program it cannot write to its cache (56 warnings, 112 lines in a short run whose cache
+    directory was deleted); the run says it once and compiles on."""
+    code = (
+        "import shutil, sys, jax, jax.numpy as jnp\n"
+        "from lspo_jax import compiles\n"
+        "compiles.use_cache(sys.argv[1])\n"
+        "jax.jit(lambda x: x + 1)(jnp.ones(3))\n"
+        "shutil.rmtree(sys.argv[1])\n"
+        "with open(sys.argv[1], 'w') as f:\n"  # a file where the directory was: no write can succeed
+        "    f.write('')\n"
+        "for n in range(2, 6):\n"
+        "    print(jax.jit(lambda x: x * n)(jnp.ones(3)).sum())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "xla")], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["6.0", "9.0", "12.0", "15.0"]  # every program still ran
+    told = [line for line in done.stderr.splitlines() if "compile cache" in line or "persistent" in line]
+    assert len(told) == 1 and told[0].startswith(f"lspo_jax: the compile cache {tmp_path / 'xla'} cannot be written ")

@@ -114,6 +114,7 @@ def test_validation_scores_gold_solutions_against_transformers(tmp_path, monkeyp
     path = toy_model.model_dir(str(tmp_path / "cache"))
     config = load_config(None, [f"model.path={path}", f"data.train={sums}", "data.instruction_position=none",
                                 "data.max_prompt_tokens=32", "data.max_solution_tokens=64", "rollout.temperature=0.7",
+                                *SHORT,
                                 "eval.n=2", "eval.ks=[1]", f"eval.benchmarks=[{sums}, {bare}]"])  # fmt: skip
     monkeypatch.setattr(evaluation, "sample_responses", lambda run, g, params, prompts, key: ["x"] * 2 * len(prompts))
     job = Run(config, str(tmp_path / "run"), verifier=_NoVerifier())
@@ -156,6 +157,10 @@ def model_dir(tmp_path_factory) -> str:
     return toy_model.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
 
 
+# The test models hold 256 positions: a run's generation lengths within them (the defaults are a real model's).
+SHORT = ("rollout.max_new_tokens=64", "eval.max_new_tokens=64", "reward.overlong_buffer=16")
+
+
 @pytest.fixture(autouse=True)
 def no_disk_cache(monkeypatch):
     monkeypatch.setenv("LSPO_JAX_COMPILATION_CACHE", "")  # eval_main would turn on the on-disk XLA cache
@@ -175,7 +180,8 @@ def test_lspo_eval_on_math500_with_the_jax_sampler(model_dir, tmp_path, monkeypa
     monkeypatch.setattr(evaluation, "sample_responses", spy)
     out = tmp_path / "results.json"
     argv = ["--model", model_dir, "--benchmarks", "math500", "--limit", "4", "--n", "2", "--max-new-tokens", "8",
-            "--workers", "0", "--out", str(out), "data.instruction_position=none"]  # fmt: skip
+            "--workers", "0", "--out", str(out), "data.instruction_position=none",
+            "data.max_prompt_tokens=248"]  # fmt: skip
     assert cli.eval_main(argv) == 0
     results = json.loads(out.read_text())
     # --n 2: pass@1 and pass@2 (n itself); the usual 4, 8, 16 do not fit.
@@ -204,7 +210,7 @@ def test_lspo_eval_from_a_checkpoint(model_dir, tmp_path, monkeypatch):
     bench = tmp_path / "sums.jsonl"
     bench.write_text("".join(json.dumps({"id": i, "problem": f"{a}+0=", "answer": a}) + "\n" for i, a in rows))
     config = load_config(None, [f"model.path={model_dir}", f"data.train={bench}", "data.instruction_position=none",
-                                "eval.n=2", "eval.ks=[1, 2]"])  # fmt: skip
+                                "eval.n=2", "eval.ks=[1, 2]", "data.max_prompt_tokens=32", *SHORT])  # fmt: skip
     job = Run(config, str(tmp_path / "run"), verifier=_NoVerifier())
     job.save()  # a checkpoint of step 0: the base as loaded from model_dir
     job.close()
@@ -237,7 +243,8 @@ def test_lspo_eval_from_a_checkpoint(model_dir, tmp_path, monkeypatch):
 
 
 def test_lspo_eval_reports_a_missing_benchmark(model_dir, tmp_path, capsys):
-    argv = ["--model", model_dir, "--benchmarks", "nosuch", "--data-dir", str(tmp_path), "--workers", "0"]
+    argv = ["--model", model_dir, "--benchmarks", "nosuch", "--data-dir", str(tmp_path), "--workers", "0",
+            "--max-new-tokens", "8", "data.max_prompt_tokens=32"]  # fmt: skip
     assert cli.eval_main(argv) == 2
     assert "no such data file" in capsys.readouterr().err
 

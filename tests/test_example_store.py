@@ -125,6 +125,28 @@ def test_a_damaged_store_is_rebuilt_with_one_line_and_no_store_is_kept_when_told
     assert capsys.readouterr().err == "" and len(list(cache.iterdir())) == 1
 
 
+@pytest.mark.parametrize("name, old, new", [("examples.arrow", b"What is 17+17?", b"What is 97+17?"),
+                                            ("report.json", b'"kept": 37', b'"kept": 38')])  # fmt: skip
+def test_a_store_changed_in_place_is_found_by_its_digest_and_rebuilt(tmp_path, capsys, name, old, new):
+    """The same size, a few bytes changed: before the digest, pyarrow read a changed problem (or gold answer) as
+    if it were the data file's, and some changes aborted the process inside pyarrow (std::length_error)."""
+    tokenizer, cache = toy.char_tokenizer(), tmp_path / "cache"
+    path = write(tmp_path / "dm.parquet", records(40))
+    config = DataConfig(instruction_position="none", cache_dir=str(cache))
+    first = [fields(e) for e in example_store.load_examples(path, tokenizer, config)[0]]
+    capsys.readouterr()
+    (store,) = cache.iterdir()
+    content = (store / name).read_bytes()
+    assert content.count(old) == 1  # the edit below changes exactly one value
+    (store / name).write_bytes(content.replace(old, new))
+    again, report = example_store.load_examples(path, tokenizer, config)
+    (line,) = capsys.readouterr().err.splitlines()[:1]
+    assert line == f"lspo_jax: the example store {store} is unreadable (ValueError: its files changed after it was "\
+                   "built (their digest differs)); rebuilding it"  # fmt: skip
+    assert [fields(e) for e in again] == first and report.kept == 37
+    assert (store / name).read_bytes() == content  # rebuilt as it was
+
+
 def test_a_solution_that_fails_to_tokenise_mid_run_is_counted_and_skipped(tmp_path, monkeypatch):
     tokenizer = toy.char_tokenizer()
     path = write(tmp_path / "dm.parquet", records(20))

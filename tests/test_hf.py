@@ -115,6 +115,14 @@ def test_writing_over_a_sharded_checkpoint_leaves_only_the_new_weights(hf_untied
     np.testing.assert_array_equal(embed, np.asarray(changed["base"]["embed"]))
 
 
+def test_a_directory_holding_a_single_file_and_an_index_is_refused(hf_untied_dir, tmp_path):
+    """transformers reads model.safetensors, an index reader the shards: two models, and no reader may pick one."""
+    AutoModelForCausalLM.from_pretrained(hf_untied_dir).save_pretrained(str(tmp_path), max_shard_size="100KB")
+    shutil.copy(os.path.join(hf_untied_dir, "model.safetensors"), tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
+        load_pretrained(str(tmp_path))
+
+
 # ------------------------------------------------------------------------------------------- bad input
 def _tampered_copy(src: str, dst, edit) -> str:
     """Copy a checkpoint directory, applying ``edit`` to its tensor dict."""

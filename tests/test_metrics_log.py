@@ -92,10 +92,13 @@ def test_a_cut_off_last_line_is_left_out_and_a_bad_line_elsewhere_is_named(tmp_p
     path = tmp_path / "metrics.jsonl"
     whole = [{"kind": "train", "step": 1, "loss": 0.5}, {"kind": "eval", "step": 1, "benchmark": "x", "pass@1": 0.25}]
     text = "".join(json.dumps(r) + "\n" for r in whole)
-    path.write_text(text + '{"kind": "train", "step": 2, "lo')  # what a kill during the write leaves
-    assert read_metrics(str(path)) == whole
+    cut = '{"kind": "train", "step": 2, "lo'
+    path.write_text(text + cut)  # what a kill during the write leaves
+    said = []
+    assert read_metrics(str(path), said.append) == whole
+    assert said == [f"{path}: its last line was cut off mid-write ({len(cut)} characters); it is left out"]
     path.write_text(text + "\n")  # blank lines are no records
-    assert read_metrics(str(path)) == whole
+    assert read_metrics(str(path), said.append) == whole and len(said) == 1
     path.write_text('{"kind": "train", "st\n' + text)
     with pytest.raises(MetricsError, match=r"metrics\.jsonl: line 1 is not a JSON record \(Unterminated string"):
         read_metrics(str(path))

@@ -1229,6 +1229,8 @@ def test_eval_refuses_an_unwritable_out_and_an_empty_benchmark_before_any_work(t
     too_long = write_jsonl(tmp_path / "long.jsonl", too_long_rows(2))
     assert cli.eval_main([*base, "--benchmarks", too_long]) == 2
     assert "long: no problem is left to evaluate (rows read: 1)" in one_line(capsys, "lspo-eval")  # --limit 1
+    assert cli.eval_main([*base, "--ks", "1,a"]) == 2
+    assert "config error: --ks 1,a: not a comma-separated list of integers" in one_line(capsys, "lspo-eval")
 
 
 def test_training_refuses_a_benchmark_that_keeps_no_problem(make_config, tmp_path, capsys, monkeypatch, easy_rule):
@@ -1271,6 +1273,45 @@ def test_ctrl_c_during_start_up_is_one_line(trained_run, tmp_path, capsys, monke
     assert "interrupted" in one_line(capsys, "lspo-eval")
     assert cli.export_main([trained_run["dir"], str(tmp_path / "hf")]) == 130
     assert "interrupted" in one_line(capsys, "lspo-export")
+    # SIGTERM (a scheduler's stop) during start-up is the same stop, not a silent exit 143.
+    monkeypatch.setattr(run_module, "load_policy", lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.train_main(["--config", PAPER_CONFIG, "--out", str(tmp_path / "r2")]) == 130
+    assert "interrupted during start-up" in one_line(capsys, "lspo-train")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler was the command's alone
+
+
+def test_the_machine_refusing_a_write_is_one_line_and_the_traceback_is_there_when_asked(tmp_path, capsys,
+                                                                                        monkeypatch):  # fmt: skip
+    import errno
+
+    from lspo_jax import run_lock
+
+    def read_only(path, *args):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    monkeypatch.setattr(run_lock.os, "open", read_only)
+    argv = ["--config", PAPER_CONFIG, "--out", str(tmp_path / "r")]
+    assert cli.train_main(argv) == 2
+    lock = tmp_path / "r" / run_lock.LOCK_NAME
+    assert one_line(capsys, "lspo-train").strip() == (
+        f"lspo-train: cannot write {lock}: Read-only file system; choose a writable --out"
+    )
+    monkeypatch.setenv(cli.DEBUG_VAR, "1")
+    assert cli.train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.splitlines()[-1].startswith(f"lspo-train: cannot write {lock}")
+    monkeypatch.delenv(cli.DEBUG_VAR)
+
+    def out_of_memory(*args, **kwargs):  # what XLA raises on an accelerator for a batch it cannot allocate
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.\nmore")
+
+    monkeypatch.setattr(run_module, "train_run", out_of_memory)
+    assert cli.train_main(argv) == 2
+    assert one_line(capsys, "lspo-train").startswith(
+        "lspo-train: the devices ran out of memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+        "1.00GiB.); raise loss.micro_batches"
+    )
 
 
 # ------------------------------------------------------------------------------------ resume bookkeeping
@@ -1322,6 +1363,71 @@ def test_resuming_a_finished_run_adds_nothing_and_fewer_steps_are_refused(traine
         assert f.read() == before  # no second final validation
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["held_out_after"] == trained_run["job"].summary["held_out_after"]
+
+
+def test_a_run_directory_has_one_writer(trained_run, tmp_path, capsys):
+    """Two runs into one --out at once once both exited 0 with the second's config, records and checkpoints: the
+    first was lost. Another process holding the directory (here a bare lock holder) refuses a new run and a resume."""
+    import subprocess
+    import sys
+
+    run_dir = copy_run(trained_run["dir"], tmp_path / "run")
+    hold = "import sys, time; from lspo_jax.run_lock import RunLock; RunLock(sys.argv[1]); print('held', flush=True); time.sleep(120)"  # noqa: E501
+    holder = subprocess.Popen([sys.executable, "-c", hold, run_dir], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for argv in (["--out", run_dir, "--resume"], ["--config", PAPER_CONFIG, "--out", run_dir]):
+            assert cli.train_main(argv) == 2
+            err = one_line(capsys, "lspo-train")
+            assert f"--out {run_dir} is being written by another run (pid {holder.pid} on " in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    with (
+        open(os.path.join(run_dir, "metrics.jsonl")) as f,
+        open(os.path.join(trained_run["dir"], "metrics.jsonl")) as g,
+    ):
+        assert f.read() == g.read()  # untouched by the refused commands
+
+
+def test_a_resume_that_changes_the_run_says_so(trained_run, tmp_path, capsys, monkeypatch, easy_rule):
+    import yaml
+
+    run_dir = copy_run(trained_run["dir"], tmp_path / "run")
+    config, records = os.path.join(run_dir, "config.yaml"), os.path.join(run_dir, "metrics.jsonl")
+    with open(config) as f:
+        original = f.read()
+    # An override that the checkpoints cannot hold is named as the override, not as unreadable checkpoints.
+    assert cli.train_main(["--out", run_dir, "--resume", "scaffold.adapter=persistent"]) == 2
+    err = one_line(capsys, "lspo-train")
+    assert "--resume: scaffold.adapter 'persistent' cannot continue the run's checkpoints, written with 'fresh'" in err
+    os.rename(config, config + ".away")
+    assert cli.train_main(["--out", run_dir, "--resume"]) == 2
+    assert f"--resume: {config} is missing (the run's own settings)" in one_line(capsys, "lspo-train")
+    os.rename(config + ".away", config)
+    with cli_verifier(monkeypatch, easy_rule):
+        # A changed setting keeps the config the steps so far ran with, beside the new one.
+        assert cli.train_main(["--out", run_dir, "--resume", "seed=7"]) == 0
+        err = capsys.readouterr().err
+        assert f"--resume changes seed 42 -> 7; steps 1-4 ran with {run_dir}/config.step4.yaml" in err, err
+        with open(os.path.join(run_dir, "config.step4.yaml")) as f:
+            assert f.read() == original
+        with open(config) as f:
+            assert yaml.safe_load(f)["seed"] == 7
+        # The training file changed in place, and the records lost: both said, the run still resumes.
+        changed = tmp_path / "train.jsonl"
+        shutil.copy(load_config(config).data.train, changed)
+        with open(changed, "a") as f:
+            f.write(json.dumps({"id": "new", "problem": "1+1=", "answer": "2"}) + "\n")
+        with open(config) as f:
+            text = f.read().replace(load_config(config).data.train, str(changed))
+        with open(config, "w") as f:
+            f.write(text)
+        os.remove(records)
+        assert cli.train_main(["--out", run_dir, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"data.train {changed} is not the data the run's checkpoint was trained on (its files changed)" in err
+    assert f"{records} is missing: the records of steps 1-4 are lost, and the summary counts the steps from 5" in err
 
 
 def test_eval_limit_takes_the_first_rows_of_the_file_and_says_what_it_dropped(trained_run, tmp_path, capsys,

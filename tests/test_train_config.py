@@ -385,3 +385,55 @@ def test_a_config_file_that_is_not_a_mapping_or_not_text_is_named(tmp_path):
         load_config(binary)
     with pytest.raises(ConfigError, match=r"is a directory, not a config file"):
         load_config(tmp_path)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing set yet\n")  # would have started the paper's 1.5B shape on whatever model.path is
+    with pytest.raises(ConfigError, match=r"empty\.yaml: holds no settings \(the defaults alone are the paper's"):
+        load_config(empty)
+
+
+def test_lengths_beyond_the_model_and_a_cache_beyond_the_memory_are_refused_before_anything_runs(monkeypatch):
+    import jax
+
+    from lspo_jax import run as run_module
+    from lspo_jax import sharding
+    from lspo_jax.config import ModelConfig
+
+    tiny = ModelConfig.preset("tiny", compute_dtype="float32")  # 512 positions; 2 layers x 2 KV heads x head_dim 16
+    run = load_config(
+        None,
+        [
+            "data.max_prompt_tokens=16",
+            "rollout.max_new_tokens=496",
+            "eval.max_new_tokens=64",
+            "reward.overlong_buffer=4",
+        ],
+    )
+    run_module.check_positions(run, tiny)  # 16 + 496 = 512: the last position the model has
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens = 16 \+ 497 is beyond the model's max_position"):
+        run_module.check_positions(apply(run, "rollout.max_new_tokens=497"), tiny)
+    run_module.check_positions(apply(run, "rollout.max_new_tokens=497"), tiny, train=False)  # lspo-eval: its own
+    # The KV cache of a rollout: 16 prompts (a power of two already) x 4 samples = 64 rows of 16 (the smallest
+    # prompt bucket) + 496 slots, x 2 (keys, values) x 2 layers x 2 KV heads x 16 dims x 4 bytes (float32)
+    # = 32,768 slots x 512 bytes = 16,777,216 bytes; validation's 16 x 16 rows of 16 + 64 slots: 20,480 x 256
+    # bytes (per slot: 2 x 2 x 2 x 16 x 4) = 5,242,880.
+    run = apply(run, "rollout.prompts_per_step=16", "rollout.group_size=4", "eval.n=16")
+    mesh = sharding.local_mesh()
+    monkeypatch.setattr(run_module, "device_memory", lambda mesh: (16_777_216, "here"))
+    run_module.check_cache_fits(run, tiny, mesh)
+    monkeypatch.setattr(run_module, "device_memory", lambda mesh: (16_777_215, "here"))
+    with pytest.raises(ConfigError, match=r"rollout\.group_size: 16 prompts x 4 samples of 496 new tokens need a KV "
+                                          r"cache of at least 16\.0 MiB, more than the 16\.0 MiB here"):  # fmt: skip
+        run_module.check_cache_fits(run, tiny, mesh)
+    monkeypatch.setattr(run_module, "device_memory", lambda mesh: (5_242_879, "here"))
+    with pytest.raises(ConfigError, match=r"rollout\.group_size"):
+        run_module.check_cache_fits(run, tiny, mesh)
+    small = apply(run, "rollout.group_size=2", "rollout.max_new_tokens=16")  # 32 rows of 32 slots: 262,144 bytes
+    with pytest.raises(ConfigError, match=r"^eval\.n: 16 prompts x 16 samples of 64 new tokens"):
+        run_module.check_cache_fits(small, tiny, mesh)
+    assert run_module.device_memory(mesh)[0] > 2**20 and jax.devices()[0].platform == "cpu"  # the host's, read
+
+
+def apply(run, *overrides):
+    from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
+
+    return from_dict(TrainConfig, apply_overrides(to_dict(run), list(overrides)))

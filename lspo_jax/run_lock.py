@@ -1,0 +1,44 @@
+"""One writer per run directory: a second ``lspo-train`` into the same ``--out`` is refused, not interleaved.
+
+Two runs writing one directory overwrite each other's config, records and checkpoints while both report success.
+The lock is an exclusive ``flock`` on ``<out>/.lspo-train.lock``, held for the run's life: the kernel drops it
+when the process ends however it ends (a kill included), so a crashed run never leaves a stale lock behind. The
+file holds who holds it, for the refusal's message. Only the process that writes the run's files takes it (process
+0 of a multi-host job); ``flock`` on a network file system is as good as that file system's locking.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+
+LOCK_NAME = ".lspo-train.lock"
+
+
+class RunLock:
+    """Holds ``<out_dir>/.lspo-train.lock`` until ``close``; ``FileExistsError`` naming the holder when another
+    process has it. An unwritable directory fails here, first, with the ``OSError`` that says why."""
+
+    def __init__(self, out_dir: str):
+        path = os.path.join(out_dir, LOCK_NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise FileExistsError(
+                f"--out {out_dir} is being written by another run ({holder}); wait for it to end or choose "
+                "another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}".encode())
+        self._fd: int | None = fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None
