@@ -85,12 +85,13 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
     return Policy(config, tokenizer, eos_ids), params
 
 
-def check_positions(run: TrainConfig, config: ModelConfig, *, train: bool = True) -> None:
+def check_positions(run: TrainConfig, config: ModelConfig, *, train: bool = True, validate: bool = True) -> None:
     """Refuse sequences longer than the model's ``max_position_embeddings``: RoPE computes any position, so
-    nothing would fail, the model would only be asked for positions it never saw in training."""
-    lengths = {"eval.max_new_tokens": run.eval.max_new_tokens}
-    if train:
-        lengths = {"rollout.max_new_tokens": run.rollout.max_new_tokens, **lengths}
+    nothing would fail, the model would only be asked for positions it never saw in training. ``train``: the
+    rollouts' length; ``validate``: the evaluation's."""
+    lengths = {"rollout.max_new_tokens": run.rollout.max_new_tokens} if train else {}
+    if validate:
+        lengths["eval.max_new_tokens"] = run.eval.max_new_tokens
     for key, new in lengths.items():
         if run.data.max_prompt_tokens + new > config.max_position_embeddings:
             raise ConfigError(
@@ -99,7 +100,7 @@ def check_positions(run: TrainConfig, config: ModelConfig, *, train: bool = True
             )
 
 
-def check_cache_fits(run: TrainConfig, config: ModelConfig, mesh: Mesh) -> None:
+def check_cache_fits(run: TrainConfig, config: ModelConfig, mesh: Mesh, *, validate: bool = True) -> None:
     """Refuse a rollout or validation batch whose KV cache alone cannot fit the devices' memory (host memory on
     CPU), before anything is allocated: such a call fails deep in the sampler, or on a host that overcommits
     memory, swaps and stops answering (SIGTERM included). The cache is a lower bound of what a call needs: a
@@ -110,8 +111,9 @@ def check_cache_fits(run: TrainConfig, config: ModelConfig, mesh: Mesh) -> None:
     available, where = device_memory(mesh)
     if available is None:
         return
-    calls = {"rollout.group_size": (run.rollout.group_size, run.rollout.max_new_tokens),
-             "eval.n": (run.eval.n, run.eval.max_new_tokens)}  # fmt: skip
+    calls = {"rollout.group_size": (run.rollout.group_size, run.rollout.max_new_tokens)}
+    if validate:
+        calls["eval.n"] = (run.eval.n, run.eval.max_new_tokens)
     for key, (n, new_tokens) in calls.items():
         rows = pow2_bucket(run.rollout.prompts_per_step) * n  # the shortest prompt bucket: a lower bound
         needed = kv_cache.cache_nbytes(config, rows, sampler.MIN_PROMPT_BUCKET + new_tokens)
@@ -427,11 +429,11 @@ class Run:
         config.yaml and the metrics log. What started is closed if a later part fails."""
         out_dir = self.out_dir
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
-        check_positions(run, self.policy.config)
+        check_positions(run, self.policy.config, validate=bool(validation_specs(run)))
         mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
         engine = ENGINES.resolve(run.rollout.engine)
         if run.rollout.engine == "jax":  # vLLM pages its cache and batches what does not fit
-            check_cache_fits(run, self.policy.config, mesh)
+            check_cache_fits(run, self.policy.config, mesh, validate=bool(validation_specs(run)))
         engine.prepare(run, self.policy, out_dir, logs=bool(self.writer))  # before the data: the engine starts last
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
         if self.writer and (line := self.data_report.losses()):
