@@ -471,6 +471,8 @@ class Run:
         run = self.run
         if not self.examples:
             raise data.DataError("no training prompts left after loading; see the data report")
+        if run.rollout.dynamic_sampling:
+            return reweight.DynamicSamplingPrompts(run, self.examples), None
         if not run.l2rr.enabled:
             shuffled = ShuffledPrompts(self.examples, run.rollout.prompts_per_step, seed=run.seed,
                                        shuffle=run.data.shuffle)  # fmt: skip

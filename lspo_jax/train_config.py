@@ -136,6 +136,9 @@ class RolloutConfig:
     ``compact_every`` (our sampler only): every this many decode steps the rows still running move into a
     smaller batch bucket when they fit one (``sampler.generate``); 0 never, which saves compiled programs where
     those dominate (a tiny model on a CPU).
+    ``dynamic_sampling``: DAPO's dynamic sampling (``reweight.DynamicSamplingPrompts``): groups whose rollouts all
+    pass or all fail are dropped and more prompts sampled, at most ``max_draw_rounds`` sampling rounds a step
+    (the first included); off as in the LSPO paper's runs.
     """
 
     prompts_per_step: int = 32
@@ -147,6 +150,8 @@ class RolloutConfig:
     engine: RolloutEngine = "jax"
     vllm_kv_cache_gib: int = 1
     compact_every: int = 16  # sampler.DEFAULT_COMPACT_EVERY
+    dynamic_sampling: bool = False
+    max_draw_rounds: int = 4
 
     def __post_init__(self) -> None:
         options.check(self, "rollout")
@@ -158,6 +163,7 @@ class RolloutConfig:
         _require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 disables it)")
         _require(self.vllm_kv_cache_gib > 0, "rollout.vllm_kv_cache_gib", "must be a positive number of GiB")
         _require(self.compact_every >= 0, "rollout.compact_every", "must be >= 0 (0 never compacts)")
+        _require(self.max_draw_rounds >= 1, "rollout.max_draw_rounds", "must be >= 1 (the first round included)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,6 +537,9 @@ class TrainConfig:
         m, k = self.scaffold.cliff_max_successes, self.rollout.group_size
         _require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
         _require(not self.l2rr.enabled or bool(self.l2rr.target), "l2rr.target", "must name the target set")
+        _require(not (self.rollout.dynamic_sampling and self.l2rr.enabled), "rollout.dynamic_sampling",
+                 "and l2rr.enabled both draw the step's rounds; L2RR already drops groups without a signal "
+                 "(l2rr.max_draw_rounds): turn one off")  # fmt: skip
 
     def update_rows_per_micro(self) -> int:
         """Rows of ``max_prompt_tokens + max_new_tokens`` slots in one micro-batch of the padded update."""

@@ -1031,6 +1031,48 @@ def test_l2rr_run_draws_unequal_groups_and_resumes(tmp_path, make_config, train_
     resumed.close()
 
 
+# ------------------------------------------------------------------------------------ dynamic sampling
+def sampler_counts(records) -> list[tuple]:
+    keys = ("sampler/drawn", "sampler/dropped", "sampler/kept", "sampler/filled", "sampler/draw_rounds")
+    return [tuple(r[key] for key in keys) for r in records]
+
+
+def test_dynamic_sampling_drops_groups_without_a_signal_refills_counts_and_resumes(tmp_path, make_config, easy_rule):
+    """No shuffling and no scaffold (a cliff is dropped); ``easy_rule`` passes prompts 1, 2, 5, 6 in slot 0, never
+    the others. Step 1 draws 0 and 1, drops 0's cliff, then draws 2: batch (1, 2). Step 2 draws 3 and 4 (both
+    dropped), then 5 and 6. Step 3 draws 7 and 0 (dropped), then 1 and 2. A run stopped after step 1 and resumed
+    draws the same."""
+    config = make_config(steps=3, scaffold__enabled=False, rollout__dynamic_sampling=True)
+    whole = str(tmp_path / "whole")
+    run_steps(config, whole, easy_rule)
+    records = train_records(whole)
+    assert sampler_counts(records) == [(3, 1, 2, 0, 2), (4, 2, 2, 0, 2), (4, 2, 2, 0, 2)]  # drawn, dropped, kept, ...
+    assert [r["sampler/rollouts_step"] for r in records] == [3 * K, 4 * K, 4 * K]
+    assert all(r["cliff_groups"] == 0 for r in records)  # no group without a signal reached an update
+    part = str(tmp_path / "part")
+    run_steps(dataclasses.replace(config, steps=1), part, easy_rule)
+    run_steps(config, part, easy_rule, resume=True)
+    assert train_records(part) == records
+    # At its bound the batch is filled with a dropped group, and the record says so.
+    bounded = str(tmp_path / "bounded")
+    run_steps(make_config(steps=1, scaffold__enabled=False, rollout__dynamic_sampling=True,
+                          rollout__max_draw_rounds=1), bounded, easy_rule)  # fmt: skip
+    (record,) = train_records(bounded)
+    assert sampler_counts([record]) == [(2, 1, 1, 1, 1)] and record["cliff_groups"] == 1
+
+
+def test_dynamic_sampling_is_the_plain_step_when_every_group_has_a_signal(tmp_path, make_config):
+    """Slot 0 of every group passes: nothing is dropped, and the first round is the plain step's own sampling (its
+    key, its prompts), so the two runs' records agree on every shared key."""
+    rule = lambda response, gold, slot: slot == 0  # noqa: E731
+    runs = {}
+    for dynamic in (False, True):
+        run_steps(make_config(steps=1, rollout__dynamic_sampling=dynamic), str(tmp_path / str(dynamic)), rule)
+        (runs[dynamic],) = train_records(str(tmp_path / str(dynamic)))
+    assert sampler_counts([runs[True]]) == [(2, 0, 2, 0, 1)]
+    assert {k: v for k, v in runs[True].items() if not k.startswith("sampler/")} == runs[False]
+
+
 def test_l2rr_look_ahead_scores_after_the_update(tmp_path, make_config, train_rows):
     """One L2RR step: with ``lookahead`` the prompts are scored after the update, their gradients at the base that
     sampled (a copy) and the target's at the updated one; without, both before it. The update is the same."""

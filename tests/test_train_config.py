@@ -52,6 +52,7 @@ def test_demo_config_loads():
         ("rollout.engine=sglang", "rollout.engine"),
         ("rollout.vllm_kv_cache_gib=0", "rollout.vllm_kv_cache_gib"),
         ("rollout.compact_every=-1", "rollout.compact_every"),
+        ("rollout.max_draw_rounds=0", "rollout.max_draw_rounds"),
         ("model.decode_attention=flash", "model.decode_attention"),
         ("loss.advantage=rloo", "loss.advantage"),
         ("loss.tis_cap=0", "loss.tis_cap"),
@@ -437,3 +438,9 @@ def apply(run, *overrides):
     from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
 
     return from_dict(TrainConfig, apply_overrides(to_dict(run), list(overrides)))
+
+
+def test_dynamic_sampling_and_l2rr_are_not_both_drawing_the_rounds():
+    with pytest.raises(ConfigError, match=r"^rollout\.dynamic_sampling: and l2rr\.enabled both draw the step's rounds"):
+        load_config(DEMO, ["rollout.dynamic_sampling=true", "l2rr.enabled=true", "l2rr.target=toy:heldout_2digit"])
+    assert load_config(DEMO, ["rollout.dynamic_sampling=true"]).rollout.max_draw_rounds == 4
