@@ -141,6 +141,27 @@ def sharded_sft_step(
 
 
 @functools.cache
+def sharded_base_sft_step(
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    rl: RLOptimConfig = _RL,
+    sft: SFTOptimConfig = _SFT,
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> tuple[Callable, Callable]:
+    """``optim.base_sft_step`` on ``mesh`` and the program that makes its fresh state from the params:
+    ``(init(params), step(params, opt_state, batch) -> (params, opt_state, metrics))``."""
+    tx = optim.direct_optimizer(rl, sft)
+    params_sh, state_sh, _ = step_shardings(config, mesh, tx)
+    init = jax.jit(tx.init, in_shardings=(params_sh,), out_shardings=state_sh)
+    step = functools.partial(
+        optim.base_sft_step, config, rl=rl, num_micro_batches=num_micro_batches, chunk_size=chunk_size
+    )
+    return init, jit_step(config, mesh, tx, step)
+
+
+@functools.cache
 def sharded_logprobs(
     config: ModelConfig,
     mesh: Mesh,

@@ -266,6 +266,21 @@ class Learner:
         state.params, state.opt_state, metrics = program(state.params, state.opt_state, placed.arrays)
         return {**metrics, "sft_micro_batches": placed.micro_batches}
 
+    def base_sft_steps(self, batch: Arrays, steps: int) -> dict[str, Any]:
+        """``steps`` SFT updates of the base on ``batch`` from a fresh AdamW state (the direct-supervision control,
+        ``scaffold.supervise: base``); the adapter and the RL optimizer's state are left as they are."""
+        state = self.state
+        placed = self.place_rows(batch, ("mask",))
+        init, program = distributed.sharded_base_sft_step(
+            self.policy.config, self.mesh, rl=self.run.optim, sft=self.run.scaffold.sft,
+            num_micro_batches=placed.micro_batches, chunk_size=self.run.loss.chunk_size,
+        )  # fmt: skip
+        params, opt_state = state.params, init(state.params)
+        for _ in range(steps):
+            params, opt_state, metrics = program(params, opt_state, placed.arrays)
+        state.params = params
+        return {**metrics, "sft_micro_batches": placed.micro_batches}
+
     def _rl_program(self, micro_batches: int):
         run = self.run
         return distributed.sharded_rl_step(

@@ -14,6 +14,7 @@ subtree and its optimizer state stay bit-identical.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -77,6 +78,12 @@ def make_optimizer(
     ``update_subtree``), never with its own ``update`` (see the module docstring).
     """
     return optax.multi_transform({BASE: adamw_transform(rl), LORA: adamw_transform(sft)}, param_labels)
+
+
+def direct_optimizer(rl: RLOptimConfig, sft: SFTOptimConfig) -> optax.GradientTransformation:
+    """The direct-supervision control's optimizer (``scaffold.supervise: base``): ``make_optimizer``'s with the
+    base's AdamW at its peak rate (``rl`` without warm-up), initialised fresh every step as the adapter's is."""
+    return make_optimizer(dataclasses.replace(rl, warmup_steps=0), sft)
 
 
 def update_subtree(
@@ -205,18 +212,39 @@ def sft_gradients(
     *,
     num_micro_batches: int = 1,
     chunk_size: int | None = None,
+    subtree: str = LORA,
 ) -> tuple[jax.Array, Params, losses.Metrics]:
-    """``sft_step``'s ``(loss, gradient w.r.t. the adapter, metrics)`` before the optimizer: ``batch`` as there."""
+    """``sft_step``'s ``(loss, gradient w.r.t. the adapter, metrics)`` before the optimizer: ``batch`` as there.
+    ``subtree=BASE``: the gradient w.r.t. the base with the adapter off (the direct-supervision control's)."""
 
-    def loss_fn(lora: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
-        full = {BASE: params[BASE], LORA: lora}
+    def loss_fn(trained: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
+        full, scale = ({BASE: trained}, 0.0) if subtree == BASE else ({BASE: params[BASE], LORA: trained}, 1.0)
         logp, _ = logprobs.sequence_logprobs(
-            config, full, micro["tokens"], **logprobs.layout(micro), lora_scale=1.0, chunk_size=chunk_size
+            config, full, micro["tokens"], **logprobs.layout(micro), lora_scale=scale, chunk_size=chunk_size
         )
         loss = losses.sft_loss(logp, micro["mask"], num_tokens=num_tokens)
         return loss, {"num_tokens": jnp.sum(micro["mask"].astype(jnp.float32))}
 
-    return losses.accumulate_gradients(loss_fn, params[LORA], batch, num_micro_batches)
+    return losses.accumulate_gradients(loss_fn, params[subtree], batch, num_micro_batches)
+
+
+def base_sft_step(
+    config: ModelConfig,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+    batch: Mapping[str, jax.Array],
+    *,
+    rl: RLOptimConfig = RLOptimConfig(),
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
+    """One SFT update of the base, adapter off: ``sft_step``'s loss and batch, ``direct_optimizer``'s state."""
+    loss, grads, metrics = sft_gradients(
+        config, params, batch, num_micro_batches=num_micro_batches, chunk_size=chunk_size, subtree=BASE
+    )
+    tx = adamw_transform(dataclasses.replace(rl, warmup_steps=0))
+    params, opt_state = update_subtree(tx, BASE, grads, params, opt_state)
+    return params, opt_state, {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads), **metrics}
 
 
 # ------------------------------------------------------------------------------------------- reset

@@ -31,6 +31,9 @@ Splice = Literal["partial", "group", "keep_failed"]
 Correction = Literal["token", "sequence", "floor", "shaped", "none"]
 # When the adapter is reset: every step (the paper), or kept across steps with its own SFT state.
 AdapterLifetime = Literal["fresh", "persistent"]
+# What the cliffs' worked solutions train: the adapter, which then re-rolls the cliffs (LSPO), or the base itself
+# with the SFT loss and nothing re-rolled (the direct-supervision control: interleaved SFT, as ReLIFT's).
+Supervise = Literal["adapter", "base"]
 # What samples the rollouts: the JAX sampler, or a vLLM engine given the base's weights after each update.
 RolloutEngine = Literal["jax", "vllm"]
 # The first-mistake judge's reference solution: the teacher's own verified one, or the dataset's.

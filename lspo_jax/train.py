@@ -272,6 +272,10 @@ def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases,
     if not run.scaffold.enabled or not usable.any():
         return rows, np.zeros(len(rows["accuracy"]), bool), counts
     cliff_examples = [examples[g] for g in np.flatnonzero(usable)]
+    if run.scaffold.supervise == "base":  # the direct-supervision control: the base learns the solutions itself
+        with phases("sft"):
+            counts["sft_loss"] = supervise_base(learner, cliff_examples)
+        return rows, np.zeros(len(rows["accuracy"]), bool), counts
     adapter_key, reroll_key = jax.random.split(key)
     n, scale, temperature = _reroll_settings(run)
     with phases("sft"):
@@ -301,18 +305,30 @@ def _cliff_slots(learner: Learner, cliffs: int) -> int:
 def fit_adapter(learner: Learner, cliff_examples, key) -> float:
     """A fresh adapter (or a persistent one where ``learner.adapter_due`` says so), then ``scaffold.sft_steps`` SFT
     steps on the cliffs' worked solutions; the last loss."""
-    run = learner.run
     if learner.adapter_due():
         learner.reset_adapter(key)
+    batch = sft_batch(learner, cliff_examples)
+    for _ in range(learner.run.scaffold.sft_steps):
+        metrics = learner.sft_step(batch)
+    return float(metrics["sft_loss"])
+
+
+def supervise_base(learner: Learner, cliff_examples) -> float:
+    """The direct-supervision control: ``scaffold.sft_steps`` SFT steps of the base itself on the rows the adapter
+    would have been fitted on; the last loss."""
+    metrics = learner.base_sft_steps(sft_batch(learner, cliff_examples), learner.run.scaffold.sft_steps)
+    return float(metrics["sft_loss"])
+
+
+def sft_batch(learner: Learner, cliff_examples) -> dict[str, np.ndarray]:
+    """The cliffs' prompts and worked solutions as SFT rows (``packing.pack_sft``), in a bucket of cliff slots."""
+    run = learner.run
     prompts, solutions = [ex.prompt_ids for ex in cliff_examples], [ex.solution_ids for ex in cliff_examples]
     # Rows as long as these cliffs need (a power of two), not the configured maxima: short worked solutions
     # would otherwise pay for max_prompt_tokens + max_solution_tokens of attention and MLP per row.
     lengths = packing.sft_slots(prompts, solutions, run.data.max_prompt_tokens, run.data.max_solution_tokens)
     row_count = packing.pow2_bucket(_cliff_slots(learner, len(prompts)))
-    batch = packing.pad_rows(packing.pack_sft(prompts, solutions, *lengths), row_count)
-    for _ in range(run.scaffold.sft_steps):
-        metrics = learner.sft_step(batch)
-    return float(metrics["sft_loss"])
+    return packing.pad_rows(packing.pack_sft(prompts, solutions, *lengths), row_count)
 
 
 def _reroll_settings(run: TrainConfig) -> tuple[int, float, float]:

@@ -38,6 +38,7 @@ from lspo_jax.options import (
     SFTOptimConfig,
     SolutionField,
     Splice,
+    Supervise,
     TargetLoss,
     WandbMode,
 )
@@ -231,10 +232,14 @@ class ScaffoldConfig:
     gradient pass a scaffolded step. ``cliff_max_successes``: groups with at most this many passing rows are
     cliffs. ``adapter``: ``fresh`` (reset every step: A random, B zero, a new SFT state; the paper) or
     ``persistent`` (kept and fitted further across steps with its own SFT state, reset every ``reset_every``
-    steps when set; checkpointed with the run).
+    steps when set; checkpointed with the run). ``supervise: base`` is the direct-supervision control: the
+    cliffs' worked solutions train the base itself, the same rows and ``sft_steps`` as the adapter would get, with
+    the SFT loss and a fresh AdamW state at the RL optimizer's rate (``optim.lr``, no warm-up), and nothing is
+    re-rolled or spliced; it breaks the routing rule on purpose (interleaved SFT, as in ReLIFT).
     """
 
     enabled: bool = True
+    supervise: Supervise = "adapter"
     sft_steps: int = 4
     sft: SFTOptimConfig = dataclasses.field(default_factory=SFTOptimConfig)
     splice: Splice = "partial"
@@ -256,6 +261,8 @@ class ScaffoldConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "scaffold")
+        _require(self.supervise == "adapter" or self.adapter == "fresh", "scaffold.supervise",
+                 "base fits no adapter, so there is none to keep (scaffold.adapter: persistent)")  # fmt: skip
         _require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive")
         _require(self.min_cliff_bucket > 0, "scaffold.min_cliff_bucket", "must be positive")
         _require(self.is_cap > 0, "scaffold.is_cap", "must be positive")

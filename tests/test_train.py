@@ -1031,6 +1031,68 @@ def test_l2rr_run_draws_unequal_groups_and_resumes(tmp_path, make_config, train_
     resumed.close()
 
 
+# ------------------------------------------------------------------------------------ direct supervision
+def test_direct_supervision_moves_the_base_by_the_sft_gradient_and_leaves_the_rl_update_as_it_was(
+    tmp_path, make_config, easy_rule, model_dir
+):
+    """``scaffold.supervise: base``, one step, one SFT update. Checked by hand against transformers: a fresh AdamW's
+    first update is ``-lr * g / (|g| + eps)`` (its bias-corrected moments are g and g^2), here with eps 1 so it is
+    about -lr * g, no clipping and no weight decay, where g is the gradient of the solution tokens' mean negative
+    log-likelihood under the Hugging Face model, by torch's autograd. Then the RL update gets the sampled rows
+    unchanged (the same tokens, masks and advantages as a run without the scaffold), nothing spliced."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lspo_jax import hf
+
+    # lr 0.1: the update (about lr * g, g ~ 4e-3) must stand well above the float32 rounding of the weights it is
+    # read from (after - before: an ulp of a 0.03 weight is 2e-9, 5e-6 of the update here, 1e-3 at lr 1e-3).
+    optim_settings = dict(optim__lr=0.1, optim__eps=1.0, optim__weight_decay=0.0, optim__max_grad_norm=None)
+    seen = {}
+
+    def capture(job):
+        learner = job.learner
+        before_sft = lambda batch, steps: seen.update(sft_batch=batch, before=copy_tree(learner.state.params))  # noqa: E731
+        wrap(learner, "base_sft_steps", before=before_sft)
+        wrap(learner, "rl_step", before=lambda batch, **kw: seen.setdefault("rl", []).append(
+            (dict(batch), copy_tree(learner.state.params))))  # fmt: skip
+
+    job = run_steps(make_config(steps=1, scaffold__supervise="base", scaffold__sft_steps=1, **optim_settings),
+                    str(tmp_path / "direct"), easy_rule, prepare=capture)  # fmt: skip
+    (record,) = train_records(str(tmp_path / "direct"))
+    assert record["cliff_groups"] == 1 and record["spliced_rows"] == 0 and record["rerolls"] == 0
+    config = job.policy.config
+    # The reference gradient, from transformers on the SFT rows (padding rows left out: nothing to attend to).
+    batch = {k: np.asarray(v) for k, v in seen["sft_batch"].items()}
+    live = batch["attention_mask"].sum(axis=1) > 0
+    tokens, attention, mask = (torch.tensor(batch[k][live]).long() for k in ("tokens", "attention_mask", "mask"))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    logits = reference(input_ids=tokens, attention_mask=attention, position_ids=positions).logits
+    logp = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    loss.backward()
+    grads = {name: p.grad.numpy() for name, p in reference.named_parameters() if p.grad is not None}
+    lr = job.run.optim.lr
+    before = dict(hf.to_hf_state_dict(config, seen["before"]))
+    after = dict(hf.to_hf_state_dict(config, seen["rl"][0][1]))  # the base the RL update started from
+    assert set(grads) <= set(after) and len(grads) > 10
+    for name, g in grads.items():  # every weight of the model
+        expected = -lr * g / (np.abs(g) + 1.0)
+        # The float32 weights round the update to their own ulp (half of one on writing after, as much on reading
+        # the difference); the two gradients differ by kernel rounding, <= 1.2e-6 of a tensor's largest entry.
+        bound = 2 * np.spacing(np.maximum(np.abs(before[name]), np.abs(after[name]))) + 1e-4 * np.abs(expected).max()
+        assert (np.abs(after[name] - before[name] - expected) <= bound).all(), name
+    # The RL update: the rows a run without the scaffold updates on, at the supervised base.
+    plain = {}
+    run_steps(make_config(steps=1, scaffold__enabled=False, **optim_settings), str(tmp_path / "plain"), easy_rule,
+              prepare=lambda job: wrap(job.learner, "rl_step", before=lambda batch, **kw: plain.setdefault(
+                  "batch", dict(batch))))  # fmt: skip
+    rl_batch = seen["rl"][0][0]
+    for key in ("tokens", "mask", "advantages"):
+        np.testing.assert_array_equal(np.asarray(rl_batch[key]), np.asarray(plain["batch"][key]), err_msg=key)
+
+
 # ------------------------------------------------------------------------------------ dynamic sampling
 def sampler_counts(records) -> list[tuple]:
     keys = ("sampler/drawn", "sampler/dropped", "sampler/kept", "sampler/filled", "sampler/draw_rounds")

@@ -65,6 +65,7 @@ def test_demo_config_loads():
         ("scaffold.cliff_max_successes=8", "scaffold.cliff_max_successes"),  # the demo's K: every group a cliff
         ("first_mistake.teacher_temperature=-1", "first_mistake"),
         ("scaffold.adapter=kept", "scaffold.adapter"),
+        ("scaffold.supervise=lora", "scaffold.supervise"),
         ("scaffold.reset_every=3", "scaffold.reset_every"),  # a fresh adapter is reset every step already
         ("scaffold.reset_every=0", "scaffold.reset_every"),
         ("optim.mini_batches=129", "optim.mini_batches"),  # the demo's step has 16 x 8 = 128 rows
@@ -444,3 +445,14 @@ def test_dynamic_sampling_and_l2rr_are_not_both_drawing_the_rounds():
     with pytest.raises(ConfigError, match=r"^rollout\.dynamic_sampling: and l2rr\.enabled both draw the step's rounds"):
         load_config(DEMO, ["rollout.dynamic_sampling=true", "l2rr.enabled=true", "l2rr.target=toy:heldout_2digit"])
     assert load_config(DEMO, ["rollout.dynamic_sampling=true"]).rollout.max_draw_rounds == 4
+
+
+def test_the_horizon_config_is_the_demo_at_200_steps_with_pass_at_8():
+    horizon, demo = (
+        to_dict(load_config(os.path.join(os.path.dirname(DEMO), "demo_horizon.yaml"))),
+        to_dict(load_config(DEMO)),
+    )
+    changed = {(section, key) for section, fields in horizon.items() if isinstance(fields, dict)
+               for key, value in fields.items() if demo[section][key] != value}  # fmt: skip
+    assert changed == {("eval", "every"), ("eval", "n"), ("eval", "ks"), ("checkpoint", "every")}
+    assert horizon["steps"] == 200 and horizon["eval"]["n"] >= 8 and max(horizon["eval"]["ks"]) == 8
