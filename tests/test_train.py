@@ -1379,9 +1379,12 @@ def test_ctrl_c_during_start_up_is_one_line(trained_run, tmp_path, capsys, monke
     assert "interrupted" in one_line(capsys, "lspo-export")
     # SIGTERM (a scheduler's stop) during start-up is the same stop, not a silent exit 143.
     monkeypatch.setattr(run_module, "load_policy", lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(export, "load_policy", lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGTERM))
     before = signal.getsignal(signal.SIGTERM)
     assert cli.train_main(["--config", PAPER_CONFIG, "--out", str(tmp_path / "r2")]) == 130
     assert "interrupted during start-up" in one_line(capsys, "lspo-train")
+    assert cli.eval_main(["--model", trained_run["dir"]]) == 130
+    assert "interrupted" in one_line(capsys, "lspo-eval")
     assert signal.getsignal(signal.SIGTERM) is before  # the handler was the command's alone
 
 
