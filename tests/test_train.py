@@ -36,6 +36,8 @@ from lspo_jax.train_config import ConfigError, load_config
 K = 2  # rollouts per prompt in every run of this module
 LONG_PROBLEM = "+".join("123456789") + "="  # 18 characters and BOS: over this module's 16 prompt slots
 # What a user passes to lspo-train for a new run: the paper's recipe, its paths overridden.
+# The paper's lengths (1024 + 8192 tokens) are beyond the test models' 256 positions, and refused as such first.
+WITHIN_256 = ("rollout.max_new_tokens=64", "eval.max_new_tokens=64", "reward.overlong_buffer=16")
 PAPER_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
 
 
@@ -848,7 +850,8 @@ def test_the_sft_step_runs_in_micro_batches_of_the_rl_steps_size(trained_run, ma
 def test_an_unusable_data_file_is_one_line_and_leaves_no_run(model_dir, tmp_path, capsys):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "problem": "1+1="}, {"id": "b", "problem": "2+2="}])
     out = tmp_path / "run"
-    argv = ["--config", PAPER_CONFIG, "--out", str(out), f"model.path={model_dir}", f"data.train={bad}"]
+    argv = ["--config", PAPER_CONFIG, "--out", str(out), f"model.path={model_dir}", f"data.train={bad}",
+            "data.max_prompt_tokens=64", *WITHIN_256]  # fmt: skip
     assert cli.train_main(argv) == 2
     err = capsys.readouterr().err
     assert "none of its 2 rows is usable" in err and "line 1 (id a): missing answer" in err and "Traceback" not in err
@@ -861,7 +864,7 @@ def test_an_l2rr_target_without_a_usable_example_is_one_line(model_dir, train_fi
     argv = ["--config", PAPER_CONFIG, "--out", str(tmp_path / "run"), f"model.path={model_dir}",
             f"data.train={train_file}", "eval.benchmarks=[]",
             "data.instruction_position=none", "data.max_prompt_tokens=16", "l2rr.enabled=true",
-            f"l2rr.target={target}"]  # fmt: skip
+            f"l2rr.target={target}", *WITHIN_256]  # fmt: skip
     assert cli.train_main(argv) == 2  # the paper's 32 prompts a step from a file of 8
     assert f"prompts a step, but data.train {train_file} has 8 usable ones" in capsys.readouterr().err
     assert cli.train_main([*argv, "rollout.prompts_per_step=2"]) == 2
@@ -1356,7 +1359,8 @@ def test_vllm_with_an_unsupported_head_dim_is_refused_before_it_starts(hf_untied
     code = "import sys; from lspo_jax import cli, vllm_sampler; vllm_sampler.VLLMSampler = None; " \
         "raise SystemExit(cli.train_main(sys.argv[1:]))"  # fmt: skip
     argv = ["--config", PAPER_CONFIG, "--out", str(tmp_path / "r"), f"model.path={hf_untied_dir}",
-            f"data.train={train_file}", "data.instruction_position=none", "rollout.engine=vllm"]  # fmt: skip
+            f"data.train={train_file}", "data.instruction_position=none", "rollout.engine=vllm",
+            "data.max_prompt_tokens=64", *WITHIN_256]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]  # the tiny test model's head_dim is 64 / 4 = 16
     assert "rollout.engine: vLLM's CPU attention does not support head_dim 16" in done.stderr
