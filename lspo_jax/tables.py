@@ -310,9 +310,10 @@ def metric_keys(records: Iterable[dict[str, Any]]) -> list[str]:
 
 
 def start_peak_last(runs: Sequence[RunTrace], horizon: int | None) -> dict[str, Any]:
-    """``{"horizon": H, "arms": {arm: {seed: {benchmark: {metric: {"start", "peak", "last"}}}}}}``: per run the
-    first, largest and last value of every held-out metric over its validation steps <= ``horizon`` (the largest
-    is the best for every one of them, the log-likelihoods included)."""
+    """``{"horizon": H, "arms": {arm: {seed: {benchmark: {metric: {"start", "peak", "last", "mean"}}}}}}``: per run
+    the first, largest and last value of every held-out metric over its validation steps <= ``horizon`` (the
+    largest is the best for every one of them, the log-likelihoods included), and the mean over those after step 0
+    (the trained trace: a decay late in a run hides from a peak, and one last value is noisy)."""
     arms: dict[str, dict[str, Any]] = {}
     for run in runs:
         within = [r for r in run.evals if horizon is None or r["step"] <= horizon]
@@ -320,10 +321,11 @@ def start_peak_last(runs: Sequence[RunTrace], horizon: int | None) -> dict[str, 
         for b in dict.fromkeys(map(benchmark_of, within)):
             records = sorted((r for r in within if benchmark_of(r) == b), key=lambda r: r["step"])
             per_benchmark[b] = {
-                key: {"start": values[0], "peak": max(values), "last": values[-1]}
+                key: {"start": values[0][1], "peak": max(v for _, v in values), "last": values[-1][1],
+                      **({"mean": float(np.mean(trained))} if (trained := [v for s, v in values if s > 0]) else {})}
                 for key in metric_keys(records)
-                if (values := [r[key] for r in records if r.get(key) is not None])
-            }
+                if (values := [(r["step"], r[key]) for r in records if r.get(key) is not None])
+            }  # fmt: skip
         arms.setdefault(run.arm, {})[str(run.seed)] = per_benchmark
     return {"horizon": horizon, "arms": arms}
 

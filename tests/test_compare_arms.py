@@ -149,8 +149,9 @@ def test_paired_differences_by_hand(tool, tmp_path, monkeypatch, capsys):
     assert result["horizon"] == 40 and list(result["arms"]) == ["dapo", "lspo", "none"]
     cliff = result["arms"]["none"]["42"]["cliff"]
     assert list(cliff) == ["pass@1", "accuracy", "gold_logprob", "gold_logprob_seq"]
-    assert cliff["gold_logprob"] == {"start": -2.0, "peak": -1.85, "last": -1.85}
-    assert cliff["gold_logprob_seq"] == pytest.approx({"start": -80.0, "peak": -74.0, "last": -74.0})
+    # The mean over the trained steps 10 and 20: (-1.95 - 1.85) / 2 = -1.90, and 40 times it per sequence.
+    assert cliff["gold_logprob"] == pytest.approx({"start": -2.0, "peak": -1.85, "last": -1.85, "mean": -1.9})
+    assert cliff["gold_logprob_seq"] == pytest.approx({"start": -80.0, "peak": -74.0, "last": -74.0, "mean": -76.0})
     # Run again: every finished run is reused; an arm name given other overrides is refused before training.
     assert tool.main(argv) == 0 and len(calls) == 6
     capsys.readouterr()

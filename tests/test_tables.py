@@ -144,12 +144,15 @@ def test_start_peak_last_and_curves_by_hand(run_args, tmp_path):
     assert out["horizon"] == 20 and set(out["arms"]) == {"lspo", "dapo"}
     # lspo seed 42, math500 up to step 20: pass@1 0.50, 0.60, 0.55 -> start 0.50, peak 0.60, last 0.55 (step 30's
     # 0.90 is past the horizon); the unbiased values are half the first-k ones.
+    # The mean is over the trained steps 10 and 20: (0.60 + 0.55) / 2 = 0.575; unbiased pass@4 (0.36 + 0.40) / 2.
     math500 = out["arms"]["lspo"]["42"]["math500"]
-    assert math500["pass@1"] == {"start": 0.50, "peak": 0.60, "last": 0.55}
-    assert math500["pass@4_unbiased"] == pytest.approx({"start": 0.35, "peak": 0.40, "last": 0.40})
+    assert math500["pass@1"] == pytest.approx({"start": 0.50, "peak": 0.60, "last": 0.55, "mean": 0.575})
+    assert math500["pass@4_unbiased"] == pytest.approx({"start": 0.35, "peak": 0.40, "last": 0.40, "mean": 0.38})
     assert list(math500) == ["pass@1", "pass@4", "pass@1_unbiased", "pass@4_unbiased"]
     # aime24 of lspo 42 starts at step 10 (its first record): 0.10, then 0.20.
-    assert out["arms"]["lspo"]["42"]["aime24"]["pass@1"] == {"start": 0.10, "peak": 0.20, "last": 0.20}
+    assert out["arms"]["lspo"]["42"]["aime24"]["pass@1"] == pytest.approx(
+        {"start": 0.10, "peak": 0.20, "last": 0.20, "mean": 0.15}
+    )
     assert "aime24" not in out["arms"]["lspo"]["43"]
     # Curves: dapo pass@1 at steps 0, 10, 20 over seeds 42 and 43 = (0.50, 0.40), (0.51, 0.45), (0.53, 0.44).
     steps, mean, low, high, n = tables.curves(runs, "math500", "pass@1", horizon=20)["dapo"]

@@ -19,8 +19,9 @@ An arm's overrides apply on top of ``--config`` and the trailing overrides; a va
 brackets (``eval.ks=[1,4]``). Every arm's config is checked before anything trains. Runs go to
 ``OUT/NAME_seedSEED``: a finished one is reused and an interrupted one resumed, a directory holding another
 config's run is refused. ``--json OUT`` writes ``{"horizon": H, "arms": {NAME: {SEED: {BENCHMARK: {METRIC:
-{"start", "peak", "last"}}}}}}`` for every held-out benchmark and metric (pass@k, accuracy, gold_logprob,
-gold_logprob_seq; the demo's cliff class is the benchmark whose name holds ``cliff``); ``--plot OUT`` draws
+{"start", "peak", "last", "mean"}}}}}}`` (the mean over the validations after step 0) for every held-out
+benchmark and metric (pass@k, accuracy, gold_logprob, gold_logprob_seq; the demo's cliff class is the benchmark
+whose name holds ``cliff``); ``--plot OUT`` draws
 held-out pass@1 against the step per benchmark, each arm's mean over seeds and its range.
 """
 
