@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lspo_jax import corrections, losses, packing, scaffold
+from lspo_jax import corrections, losses, options, packing, scaffold
 from lspo_jax.learner import Learner
 from lspo_jax.packing import Rows
 from lspo_jax.prompts import Draw
@@ -272,10 +272,19 @@ def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases,
     if not run.scaffold.enabled or not usable.any():
         return rows, np.zeros(len(rows["accuracy"]), bool), counts
     cliff_examples = [examples[g] for g in np.flatnonzero(usable)]
-    if run.scaffold.supervise == "base":  # the direct-supervision control: the base learns the solutions itself
-        with phases("sft"):
-            counts["sft_loss"] = supervise_base(learner, cliff_examples)
-        return rows, np.zeros(len(rows["accuracy"]), bool), counts
+    supervise = SUPERVISORS.resolve(run.scaffold.supervise)
+    return supervise(learner, rows, cliff_examples, usable, key, phases, valid, counts)
+
+
+# What the cliffs' worked solutions train (``scaffold.supervise``): ``(learner, rows, cliff_examples, usable, key,
+# phases, valid, counts) -> (rows, spliced_rows, counts)``.
+SUPERVISORS = options.Registry(options.Supervise, "scaffold supervision")
+
+
+@SUPERVISORS.register("adapter")
+def rescue_with_adapter(learner: Learner, rows: Rows, cliff_examples, usable, key, phases: Phases, valid, counts):
+    """LSPO: fit the adapter on the solutions, re-roll the cliffs with it on, splice the verified re-rolls."""
+    run, k = learner.run, learner.run.rollout.group_size
     adapter_key, reroll_key = jax.random.split(key)
     n, scale, temperature = _reroll_settings(run)
     with phases("sft"):
@@ -297,6 +306,16 @@ def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases,
     return Rows(spliced), spliced_rows, counts
 
 
+@SUPERVISORS.register("base")
+def supervise_base(learner: Learner, rows: Rows, cliff_examples, usable, key, phases: Phases, valid, counts):
+    """The direct-supervision control: ``scaffold.sft_steps`` SFT steps of the base itself on the rows the adapter
+    would have been fitted on; nothing re-rolled or spliced."""
+    with phases("sft"):
+        metrics = learner.base_sft_steps(sft_batch(learner, cliff_examples), learner.run.scaffold.sft_steps)
+    counts["sft_loss"] = float(metrics["sft_loss"])
+    return rows, np.zeros(len(rows["accuracy"]), bool), counts
+
+
 def _cliff_slots(learner: Learner, cliffs: int) -> int:
     """Cliff prompts per scaffold batch, at least ``scaffold.min_cliff_bucket`` (the passes bucket it further)."""
     return max(cliffs, learner.run.scaffold.min_cliff_bucket)
@@ -310,13 +329,6 @@ def fit_adapter(learner: Learner, cliff_examples, key) -> float:
     batch = sft_batch(learner, cliff_examples)
     for _ in range(learner.run.scaffold.sft_steps):
         metrics = learner.sft_step(batch)
-    return float(metrics["sft_loss"])
-
-
-def supervise_base(learner: Learner, cliff_examples) -> float:
-    """The direct-supervision control: ``scaffold.sft_steps`` SFT steps of the base itself on the rows the adapter
-    would have been fitted on; the last loss."""
-    metrics = learner.base_sft_steps(sft_batch(learner, cliff_examples), learner.run.scaffold.sft_steps)
     return float(metrics["sft_loss"])
 
 

@@ -275,7 +275,7 @@ def test_every_option_is_typed_and_checked_one_way_from_yaml_and_from_python():
 
 
 def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup():
-    from lspo_jax import corrections, losses, model, options, run, scaffold
+    from lspo_jax import corrections, losses, model, options, run, scaffold, train
 
     registries = {
         "rollout.engine": run.ENGINES,
@@ -285,6 +285,7 @@ def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup()
         "scaffold.splice": scaffold.SPLICE_VARIANTS,
         "scaffold.correction": corrections.CORRECTIONS,
         "scaffold.adapter": scaffold.ADAPTER_LIFETIMES,
+        "scaffold.supervise": train.SUPERVISORS,
     }
     hints = {f"{s}.{n}": hint for s, n, hint in _option_fields()}
     for key, registry in registries.items():
