@@ -29,13 +29,15 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, DataError, CheckpointError, MetricsError, OSError
 
 
-_OS_ADVICE = {
-    errno.ENOSPC: "free some space; a run continues from its last checkpoint with --resume",
-    errno.EDQUOT: "free some space; a run continues from its last checkpoint with --resume",
-    errno.EROFS: "choose a writable --out",
-    errno.EACCES: "choose a path you may write to",
-    errno.EPERM: "choose a path you may write to",
+# OS errors that say what to do: (what failed, the advice). Space and a read-only file system can only be a write's,
+# so they are looked for through an error's causes too (a checkpoint's write deep in orbax); permissions may be a
+# read's, so only an OSError raised as it is gets that line.
+_WRITES = {
+    errno.ENOSPC: ("cannot write", "free some space; a run continues from its last checkpoint with --resume"),
+    errno.EDQUOT: ("cannot write", "free some space; a run continues from its last checkpoint with --resume"),
+    errno.EROFS: ("cannot write", "choose a writable --out"),
 }
+_ACCESS = {errno.EACCES: ("cannot use", "check its permissions"), errno.EPERM: ("cannot use", "check its permissions")}
 
 
 def describe(err: BaseException) -> str:
@@ -50,14 +52,23 @@ def describe(err: BaseException) -> str:
             f"the devices ran out of memory ({first}); raise loss.micro_batches or lower rollout.prompts_per_step or "
             "rollout.group_size (a run continues from its last checkpoint with --resume and the new values)"
         )
-    cause = err
-    while cause is not None and not (isinstance(cause, OSError) and cause.errno in _OS_ADVICE):
-        cause = cause.__cause__ or cause.__context__  # a checkpoint's write failing for space, deep in orbax
-    if isinstance(cause, OSError):
-        where = f" {cause.filename}" if cause.filename else ""
-        return f"cannot write{where}: {cause.strerror or os.strerror(cause.errno)}; {_OS_ADVICE[cause.errno]}"
+    cause, seen = err, set()
+    while cause is not None and id(cause) not in seen and not _os_line(cause, _WRITES):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    line = (_os_line(cause, _WRITES) if cause is not None else None) or _os_line(err, _ACCESS)
+    if line:
+        return line
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
+
+
+def _os_line(err: BaseException, known: dict) -> str | None:
+    if not (isinstance(err, OSError) and err.errno in known):
+        return None
+    what, advice = known[err.errno]
+    where = f" {err.filename}" if err.filename else ""
+    return f"{what}{where}: {err.strerror or os.strerror(err.errno)}; {advice}"
 
 
 def _run_command(prog: str, body, args, interrupted: str) -> int:
@@ -78,6 +89,19 @@ def _run_command(prog: str, body, args, interrupted: str) -> int:
             traceback.print_exc()
         print(f"{prog}: {describe(err)}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _finish_on_terminate() -> None:
+    """Once training has ended, a SIGTERM comes while the run closes its engine and verifier and plots: not a
+    stop during start-up, and nothing left to checkpoint. The first is let finish, with a line; a second ends the
+    process at once."""
+
+    def finishing(signum, frame):
+        print("lspo-train: finishing the run (closing, plotting); a second SIGTERM ends it at once", file=sys.stderr)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, finishing)
 
 
 def _out_of_memory(err: BaseException) -> bool:
@@ -101,7 +125,7 @@ def _terminate_as_interrupt():
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
 
 
 def _quiet_imports() -> None:
@@ -190,7 +214,7 @@ def _train(args) -> int:
     # Before any other JAX call: every process of a multi-host job must join before devices are listed.
     initialize_distributed(config.mesh.coordinator, config.mesh.num_processes, config.mesh.process_id)
     try:
-        summary = train_run(config, args.out, resume=args.resume)
+        summary = train_run(config, args.out, resume=args.resume, on_finish=_finish_on_terminate)
     except RunStopped as err:
         print(f"lspo-train: stopped: {err}", file=sys.stderr)
         return 3

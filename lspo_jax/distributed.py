@@ -158,7 +158,8 @@ def sharded_base_sft_step(
     step = functools.partial(
         optim.base_sft_step, config, rl=rl, num_micro_batches=num_micro_batches, chunk_size=chunk_size
     )
-    return init, jit_step(config, mesh, tx, step)
+    # One non-finite SFT step would poison the base the run keeps: skipped whole, as a non-finite RL update is.
+    return init, jit_step(config, mesh, tx, optim.keep_if_finite(step, "sft_loss", "sft_grad_norm"))
 
 
 @functools.cache

@@ -275,10 +275,9 @@ class Learner:
             self.policy.config, self.mesh, rl=self.run.optim, sft=self.run.scaffold.sft,
             num_micro_batches=placed.micro_batches, chunk_size=self.run.loss.chunk_size,
         )  # fmt: skip
-        params, opt_state = state.params, init(state.params)
-        for _ in range(steps):
-            params, opt_state, metrics = program(params, opt_state, placed.arrays)
-        state.params = params
+        opt_state = init(state.params)
+        for _ in range(steps):  # each step donates the params it is given: the state holds the live ones
+            state.params, opt_state, metrics = program(state.params, opt_state, placed.arrays)
         return {**metrics, "sft_micro_batches": placed.micro_batches}
 
     def _rl_program(self, micro_batches: int):

@@ -162,7 +162,7 @@ def rl_gradients(
     return losses.accumulate_gradients(loss_fn, base, batch, num_micro_batches)
 
 
-def keep_if_finite(step: Callable) -> Callable:
+def keep_if_finite(step: Callable, loss: str = "loss", norm: str = "grad_norm") -> Callable:
     """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` that returns params and optimizer state
     as they came in when the loss or the gradient norm is non-finite, and says which in ``metrics["finite"]``:
     one bad batch skips its update whole (the optimizer's count included) instead of poisoning the weights."""
@@ -170,7 +170,7 @@ def keep_if_finite(step: Callable) -> Callable:
     @functools.wraps(step)
     def guarded(params: Params, opt_state: Any, batch: Mapping[str, jax.Array]):
         new_params, new_state, metrics = step(params, opt_state, batch)
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        finite = jnp.isfinite(metrics[loss]) & jnp.isfinite(metrics[norm])
         keep = lambda new, old: jnp.where(finite, new, old)
         params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, new_state, opt_state)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -132,7 +133,7 @@ def _size(nbytes: int) -> str:
 def device_memory(mesh: Mesh) -> tuple[int | None, str]:
     """Bytes the mesh's devices can hold together, and what that is: the allocator's limit on each accelerator
     times their number, or the host's available memory for CPU devices (they share it). None when unknown."""
-    device = mesh.devices.flat[0]
+    device = mesh.local_devices[0]  # this host's: another host's device has no memory stats here
     if device.platform == "cpu":
         try:
             with open("/proc/meminfo") as f:
@@ -149,7 +150,7 @@ def device_memory(mesh: Mesh) -> tuple[int | None, str]:
     )
 
 
-def check_resumable(run: TrainConfig, out_dir: str, checkpointer: Checkpointer) -> None:
+def check_resumable(run: TrainConfig, out_dir: str) -> None:
     """Refuse to resume what the checkpoints cannot hold: another model than the run's own (its ``config.yaml``:
     the arrays would not fit it, and the error would come from deep inside the restore), or an adapter lifetime
     that checkpoints the adapter where the run's did not (or the reverse). How the model computes (dtype, remat,
@@ -159,17 +160,17 @@ def check_resumable(run: TrainConfig, out_dir: str, checkpointer: Checkpointer) 
         return
     with open(path) as f:
         saved = yaml.safe_load(f) or {}
-    saved_path = saved.get("model", {}).get("path")
+    saved_path = (saved.get("model") or {}).get("path")
     if saved_path is not None and saved_path != run.model.path:
-        checkpointer.close()
         raise ConfigError(
             f"--resume: model.path {run.model.path!r} is not the run's {saved_path!r} ({path}); resume without "
             "--config to use the run's own config"
         )
     lifetimes = scaffold.ADAPTER_LIFETIMES
-    saved_adapter = saved.get("scaffold", {}).get("adapter", run.scaffold.adapter)
+    saved_adapter = (saved.get("scaffold") or {}).get("adapter", run.scaffold.adapter)
+    if saved_adapter not in lifetimes:
+        return  # a config.yaml from another version: the restore says what does not fit
     if lifetimes.resolve(saved_adapter).checkpointed != lifetimes.resolve(run.scaffold.adapter).checkpointed:
-        checkpointer.close()
         raise ConfigError(
             f"--resume: scaffold.adapter {run.scaffold.adapter!r} cannot continue the run's checkpoints, written "
             f"with {saved_adapter!r} (one keeps the adapter in them, the other not); start a new run to change it"
@@ -189,12 +190,13 @@ def record_config(run: TrainConfig, out_dir: str, step: int | None) -> None:
         if changed:
             kept = os.path.join(out_dir, f"config.step{step}.yaml")
             if not os.path.exists(kept):
-                os.replace(path, kept)
+                shutil.copyfile(path, kept)
             shown = ", ".join(f"{key} {_get(old, key)!r} -> {_get(new, key)!r}" for key in changed[:6])
             more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
             print(f"lspo-train: --resume changes {shown}{more}; steps 1-{step} ran with {kept}", file=sys.stderr)
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:  # replaced whole: a full disk or a stop leaves the old file, not half one
         yaml.safe_dump(new, f, sort_keys=False)
+    os.replace(path + ".tmp", path)
 
 
 def _changed(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -416,9 +418,9 @@ class Run:
         if latest is None and resume:
             self.checkpointer.close()
             raise FileNotFoundError(f"nothing to resume in {out_dir}: it holds no checkpoint")
-        if latest is not None:
-            check_resumable(run, out_dir, self.checkpointer)
         try:
+            if latest is not None:
+                check_resumable(run, out_dir)
             self._load(run, resume=latest is not None, verifier=verifier, judge=judge)
         except BaseException:
             _close_after_failure(self.checkpointer, "checkpointer")
@@ -607,7 +609,7 @@ class Run:
                     self._validate_once(stop)
                 except evaluation.ValidationStopped:
                     stopped = True
-        return self._summary(time.perf_counter() - start, stopped)
+            return self._summary(time.perf_counter() - start, stopped)
 
     def _due(self, step: int) -> bool:
         """Whether validation is scheduled at ``step`` (before training, every ``eval.every``, at the end)."""
@@ -733,10 +735,15 @@ SUMMED = ("cliff_groups", "scaffold_attempted", "scaffold_no_solution", "surpass
           "rerolls_passed", "rollouts")  # fmt: skip
 
 
-def train_run(run: TrainConfig, out_dir: str, *, resume: bool = False) -> dict[str, Any]:
-    """Train, write everything under ``out_dir``, and return the summary."""
+def train_run(
+    run: TrainConfig, out_dir: str, *, resume: bool = False, on_finish: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Train, write everything under ``out_dir``, and return the summary. ``on_finish`` is called once training
+    has ended (or failed), before the run's resources close: ``lspo-train`` lets a SIGTERM from then on finish."""
     job = Run(run, out_dir, resume=resume)
     try:
         return job.train()
     finally:
+        if on_finish is not None:
+            on_finish()
         job.close()

@@ -25,17 +25,20 @@ class RunLock:
         path = os.path.join(out_dir, LOCK_NAME)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                raise FileExistsError(
+                    f"--out {out_dir} is being written by another run ({holder}); wait for it to end or choose "
+                    "another --out"
+                ) from None
+            os.ftruncate(fd, 0)
+            since = time.strftime("%Y-%m-%d %H:%M:%S")
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}".encode())
+        except BaseException:  # a refusal, a full disk, a stop: the descriptor (and any lock on it) goes too
             os.close(fd)
-            raise FileExistsError(
-                f"--out {out_dir} is being written by another run ({holder}); wait for it to end or choose "
-                "another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        since = time.strftime("%Y-%m-%d %H:%M:%S")
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}".encode())
+            raise
         self._fd: int | None = fd
 
     def close(self) -> None:

@@ -61,12 +61,17 @@ class Phases:
         self.seconds: dict[str, float] = {f"time_{name}": 0.0 for name in self.NAMES}
         self.stop = stop
 
+    def check(self, name: str) -> None:
+        """``StepAbandoned`` if a stop was asked for (agreed by every process) before the ``name`` phase."""
+        if self.stop is not None and self.stop.agreed():
+            raise StepAbandoned(f"stop requested before the step's {name} phase")
+
     @contextlib.contextmanager
     def __call__(self, name: str, *, check_stop: bool = True):
         """Time the ``name`` phase; ``check_stop=False`` only times it (a phase entered right after a checked one:
         on several processes each check is a collective)."""
-        if check_stop and self.stop is not None and self.stop.agreed():
-            raise StepAbandoned(f"stop requested before the step's {name} phase")
+        if check_stop:
+            self.check(name)
         start = time.perf_counter()
         try:
             yield
@@ -96,7 +101,9 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     sample_key, scaffold_key = jax.random.split(draw.key)
     rows, valid = sample_and_score(learner, draw, sample_key, phases)  # sample, reward
     record = rollout_metrics(learner.run, rows, valid)
-    rows, spliced_mask, scaffold_record = scaffold_cliffs(learner, rows, draw.examples, scaffold_key, phases, valid)
+    rows, spliced_mask, scaffold_record, before_update = scaffold_cliffs(
+        learner, rows, draw.examples, scaffold_key, phases, valid
+    )
     with phases("logprob"):
         base_logp = learner.logprobs(rows, lora_scale=0.0)
     # The log-probs of the policy that sampled each row: the adapter-on one's on spliced rows, the base's elsewhere.
@@ -110,7 +117,11 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     rows = rows.replace(old_logp=old_logp)
     advantages, judge_record = step_advantages(learner, rows, draw.examples, valid, phases)
     record.update(judge_record)
-    with phases("update"):
+    phases.check("update")  # the step's last stop check: the base changes only after it
+    if before_update is not None:
+        with phases("sft", check_stop=False):
+            scaffold_record.update(before_update())
+    with phases("update", check_stop=False):
         update, scores = update_base(learner, rows, advantages, weights, spliced_mask, draw.score_prompts, record)
     record["spliced_accuracy_mean"] = float(rows["accuracy"].mean())
     record.update(scaffold_record)
@@ -258,10 +269,12 @@ def step_rates(record: dict[str, Any]) -> dict[str, float | None]:
 def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases, valid=None):
     """Fit a fresh adapter on the cliffs' solutions, re-roll them, splice verified successes into ``rows``.
 
-    Returns ``(rows, spliced_rows, counts)``, the rows with ``adapter_logp`` (the re-rollouts' adapter-on log-probs
-    on spliced rows, 0 elsewhere) when the scaffold ran; cliff groups whose prompt has no worked solution are
-    skipped by the scaffold and counted in ``scaffold_no_solution``. ``valid`` marks the rows of groups smaller than
-    ``group_size`` (the rest is padding, never a cliff's failed row nor spliced into).
+    Returns ``(rows, spliced_rows, counts, before_update)``, the rows with ``adapter_logp`` (the re-rollouts'
+    adapter-on log-probs on spliced rows, 0 elsewhere) when the scaffold ran, and what the step runs just before
+    its update (None, or a function returning its metrics: the direct-supervision control's base SFT); cliff
+    groups whose prompt has no worked solution are skipped by the scaffold and counted in ``scaffold_no_solution``.
+    ``valid`` marks the rows of groups smaller than ``group_size`` (the rest is padding, never a cliff's failed row
+    nor spliced into).
     """
     run, k = learner.run, learner.run.rollout.group_size
     cliffs = scaffold.find_cliffs(rows["accuracy"], k, valid, max_successes=run.scaffold.cliff_max_successes)
@@ -270,14 +283,14 @@ def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases,
               "scaffold_attempted": int(usable.sum()) if run.scaffold.enabled else 0, "surpassed_groups": 0,
               "spliced_rows": 0, "rerolls": 0, "rerolls_passed": 0}  # fmt: skip
     if not run.scaffold.enabled or not usable.any():
-        return rows, np.zeros(len(rows["accuracy"]), bool), counts
+        return rows, np.zeros(len(rows["accuracy"]), bool), counts, None
     cliff_examples = [examples[g] for g in np.flatnonzero(usable)]
     supervise = SUPERVISORS.resolve(run.scaffold.supervise)
     return supervise(learner, rows, cliff_examples, usable, key, phases, valid, counts)
 
 
 # What the cliffs' worked solutions train (``scaffold.supervise``): ``(learner, rows, cliff_examples, usable, key,
-# phases, valid, counts) -> (rows, spliced_rows, counts)``.
+# phases, valid, counts) -> (rows, spliced_rows, counts, before_update)`` (see ``scaffold_cliffs``).
 SUPERVISORS = options.Registry(options.Supervise, "scaffold supervision")
 
 
@@ -303,17 +316,23 @@ def rescue_with_adapter(learner: Learner, rows: Rows, cliff_examples, usable, ke
     )  # fmt: skip
     counts.update(surpassed_groups=stats.num_surpassed, spliced_rows=stats.num_spliced, rerolls=stats.num_rerolls,
                   rerolls_passed=stats.num_passing_rerolls)  # fmt: skip
-    return Rows(spliced), spliced_rows, counts
+    return Rows(spliced), spliced_rows, counts, None
 
 
 @SUPERVISORS.register("base")
 def supervise_base(learner: Learner, rows: Rows, cliff_examples, usable, key, phases: Phases, valid, counts):
     """The direct-supervision control: ``scaffold.sft_steps`` SFT steps of the base itself on the rows the adapter
-    would have been fitted on; nothing re-rolled or spliced."""
-    with phases("sft"):
-        metrics = learner.base_sft_steps(sft_batch(learner, cliff_examples), learner.run.scaffold.sft_steps)
-    counts["sft_loss"] = float(metrics["sft_loss"])
-    return rows, np.zeros(len(rows["accuracy"]), bool), counts
+    would have been fitted on, nothing re-rolled or spliced. The SFT runs just before the RL update (timed as
+    ``sft``): after the rows' log-probs, so their importance ratios keep the base that sampled them as the
+    denominator, and after the step's last stop check, so an abandoned step leaves the base as it came. No surpass
+    rate: the groups are counted as ``supervised_groups``, not as attempted."""
+    batch = sft_batch(learner, cliff_examples)
+    counts.update(scaffold_attempted=0, supervised_groups=len(cliff_examples))
+
+    def before_update() -> dict:
+        return {"sft_loss": float(learner.base_sft_steps(batch, learner.run.scaffold.sft_steps)["sft_loss"])}
+
+    return rows, np.zeros(len(rows["accuracy"]), bool), counts, before_update
 
 
 def _cliff_slots(learner: Learner, cliffs: int) -> int:

@@ -787,7 +787,8 @@ def test_refusals_leave_the_runs_config_as_it_was(trained_run, make_config, easy
 
 def test_resume_without_config_takes_the_runs_own(trained_run, monkeypatch):
     seen = []
-    monkeypatch.setattr(run_module, "train_run", lambda config, out, resume: seen.append((config, resume)) or {})
+    record = lambda config, out, resume, **_: seen.append((config, resume)) or {}  # noqa: E731
+    monkeypatch.setattr(run_module, "train_run", record)
     monkeypatch.setattr(cli, "format_summary", lambda summary: "")
     monkeypatch.setattr(cli, "_plot", lambda out: None)
     assert cli.train_main(["--out", trained_run["dir"], "--resume", "steps=6"]) == 0
@@ -1064,6 +1065,7 @@ def test_direct_supervision_moves_the_base_by_the_sft_gradient_and_leaves_the_rl
                     str(tmp_path / "direct"), easy_rule, prepare=capture)  # fmt: skip
     (record,) = train_records(str(tmp_path / "direct"))
     assert record["cliff_groups"] == 1 and record["spliced_rows"] == 0 and record["rerolls"] == 0
+    assert record["supervised_groups"] == 1 and record["scaffold_attempted"] == 0  # no surpass rate to report
     config = job.policy.config
     # The reference gradient, from transformers on the SFT rows (padding rows left out: nothing to attend to).
     batch = {k: np.asarray(v) for k, v in seen["sft_batch"].items()}
@@ -1094,6 +1096,9 @@ def test_direct_supervision_moves_the_base_by_the_sft_gradient_and_leaves_the_rl
     rl_batch = seen["rl"][0][0]
     for key in ("tokens", "mask", "advantages"):
         np.testing.assert_array_equal(np.asarray(rl_batch[key]), np.asarray(plain["batch"][key]), err_msg=key)
+    # The ratio's denominator is the base that sampled the rows (the SFT runs after their log-probs), as in the
+    # scaffold-off run: the same program on the same params and rows.
+    np.testing.assert_array_equal(np.asarray(rl_batch["old_logp"]), np.asarray(plain["batch"]["old_logp"]))
 
 
 # ------------------------------------------------------------------------------------ dynamic sampling
@@ -1390,6 +1395,38 @@ def test_ctrl_c_during_start_up_is_one_line(trained_run, tmp_path, capsys, monke
     assert cli.eval_main(["--model", trained_run["dir"]]) == 130
     assert "interrupted" in one_line(capsys, "lspo-eval")
     assert signal.getsignal(signal.SIGTERM) is before  # the handler was the command's alone
+
+
+def test_a_sigterm_after_training_lets_the_run_finish_and_a_second_ends_it(capsys):
+    """Once training has ended the run closes and plots: a SIGTERM then is neither a stop during start-up (the
+    interrupted line, 130) nor a reason to leave the engine and verifier processes behind."""
+    before = signal.getsignal(signal.SIGTERM)
+    with cli._terminate_as_interrupt():
+        with pytest.raises(KeyboardInterrupt):  # during start-up
+            os.kill(os.getpid(), signal.SIGTERM)
+        cli._finish_on_terminate()  # what train_run calls once training has ended
+        os.kill(os.getpid(), signal.SIGTERM)  # let finish, said
+        assert "finishing the run" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a second one ends the process
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_describe_says_what_failed_without_calling_a_read_a_write():
+    import errno
+
+    from lspo_jax.checkpoint import CheckpointError
+    from lspo_jax.data import DataError
+
+    denied = PermissionError(errno.EACCES, "Permission denied", "/data/x.jsonl")
+    assert cli.describe(denied) == "cannot use /data/x.jsonl: Permission denied; check its permissions"
+    try:  # a data file that cannot be read: its own line, not advice about writing
+        raise DataError("/data/x.jsonl: cannot be opened (PermissionError: Permission denied)") from denied
+    except DataError as err:
+        assert cli.describe(err) == "/data/x.jsonl: cannot be opened (PermissionError: Permission denied)"
+    try:  # space is only ever a write's, found through the causes
+        raise CheckpointError("checkpoint step 3 could not be written") from OSError(errno.ENOSPC, "No space", "/c")
+    except CheckpointError as err:
+        assert cli.describe(err).startswith("cannot write /c: No space; free some space")
 
 
 def test_the_machine_refusing_a_write_is_one_line_and_the_traceback_is_there_when_asked(tmp_path, capsys,
