@@ -196,12 +196,17 @@ def sft_step(
     updated; the base enters the forward as a constant. Temperature 1: the adapter fits the data distribution.
     ``chunk_size`` as in ``rl_step``.
     """
+    return _sft_update(config, params, opt_state, batch, adamw_transform(sft), LORA, num_micro_batches, chunk_size)
+
+
+def _sft_update(config, params, opt_state, batch, tx, subtree, num_micro_batches, chunk_size):
+    """The SFT loss's gradient w.r.t. ``subtree`` (``sft_gradients``) applied by ``tx`` to that subtree alone."""
     with jax.named_scope("sft_grad"):
         loss, grads, metrics = sft_gradients(
-            config, params, batch, num_micro_batches=num_micro_batches, chunk_size=chunk_size
+            config, params, batch, num_micro_batches=num_micro_batches, chunk_size=chunk_size, subtree=subtree
         )
     with jax.named_scope("sft_update"):
-        params, opt_state = update_subtree(adamw_transform(sft), LORA, grads, params, opt_state)
+        params, opt_state = update_subtree(tx, subtree, grads, params, opt_state)
     return params, opt_state, {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads), **metrics}
 
 
@@ -239,12 +244,8 @@ def base_sft_step(
     chunk_size: int | None = None,
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
     """One SFT update of the base, adapter off: ``sft_step``'s loss and batch, ``direct_optimizer``'s state."""
-    loss, grads, metrics = sft_gradients(
-        config, params, batch, num_micro_batches=num_micro_batches, chunk_size=chunk_size, subtree=BASE
-    )
     tx = adamw_transform(dataclasses.replace(rl, warmup_steps=0))
-    params, opt_state = update_subtree(tx, BASE, grads, params, opt_state)
-    return params, opt_state, {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads), **metrics}
+    return _sft_update(config, params, opt_state, batch, tx, BASE, num_micro_batches, chunk_size)
 
 
 # ------------------------------------------------------------------------------------------- reset
