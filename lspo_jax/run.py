@@ -339,7 +339,10 @@ def load_examples(
 
 
 def validation_specs(run: TrainConfig) -> tuple[str, ...]:
-    """What a run validates on: ``eval.benchmarks``, else the demo's held-out classes for a generated task."""
+    """What a run validates on: ``eval.benchmarks``, else the demo's held-out classes for a generated task; nothing
+    with ``eval.enabled: false``."""
+    if not run.eval.enabled:
+        return ()
     return run.eval.benchmarks or (toy.HELDOUT_SPECS if data.is_generated(run.data.train) else ())
 
 

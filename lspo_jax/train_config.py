@@ -284,7 +284,8 @@ class ScaffoldConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """Held-out validation every ``every`` steps (0: only before and after training), pass@k over ``n``.
+    """Held-out validation every ``every`` steps (0: only before and after training), pass@k over ``n``;
+    ``enabled: false`` validates never, not even before and after (a run that checks the step, not the model).
 
     ``benchmarks`` are names (``math500`` reads ``DATA_DIR/math500.jsonl``, ``DATA_DIR`` being ``data_dir`` or
     the project's ``../shared/data``) or paths; each is scored and logged on its own. ``limit`` keeps the
@@ -292,6 +293,7 @@ class EvalConfig:
     """
 
     every: int = 10
+    enabled: bool = True
     benchmarks: tuple[str, ...] = ()
     n: int = 16
     ks: tuple[int, ...] = (1, 4, 8, 16)

@@ -345,7 +345,7 @@ def _train_config(workdir: str, **mesh):
         "data.max_solution_tokens": 48, "data.shuffle": False, "rollout.prompts_per_step": 4, "rollout.group_size": 2,
         "rollout.max_new_tokens": 12, "reward.overlong_buffer": 4, "reward.workers": 0, "optim.lr": 1e-3,
         "optim.eps": 1e-3, "scaffold.sft_steps": 2, "scaffold.sft.lr": 1e-2, "scaffold.sft.eps": 1e-3,
-        "eval.every": 0, "checkpoint.every": 1, "loss.micro_batches": 2, "loss.chunk_size": 8, "steps": 2,
+        "eval.every": 0, "checkpoint.every": 100, "loss.micro_batches": 2, "loss.chunk_size": 8, "steps": 2,
         **{f"mesh.{k}": v for k, v in mesh.items()},
     }  # fmt: skip
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in values.items()]), [r["answer"] for r in rows]

@@ -137,23 +137,18 @@ def test_failures_are_recorded_and_the_rest_written(tmp_path):
     assert all(key in result and result[key] is None for key in ("train_mfu", "lspo_step_seconds", "scaffold_share"))
 
 
-def test_time_budget_skips_sections(tmp_path):
-    proc, result = run_bench(str(tmp_path), "--time-budget", "1")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for section in result["sections"].values():
-        assert section["status"] == "skipped" and section["reason"].startswith("time budget")
-    assert result["sampler_tokens_per_s_b256"] is None and result["lspo_phases"] is None
-
-
 def test_a_later_call_merges_the_sections_it_did_not_run(smoke, tmp_path):
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({**smoke, "sections": {**smoke["sections"], "lspo": {"status": "skipped"}}}))
-    # Budget 1 s: nothing runs now, so every section the earlier run has is taken from it, figures included.
+    # Budget 1 s: every section is skipped for time now, and each one the earlier run has is taken from it, figures
+    # included; its skipped LSPO section is not, so that one keeps the budget's reason.
     proc, result = run_bench(str(tmp_path), "--time-budget", "1", "--merge", str(earlier))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert result["merged"] == ["sampler", "train"] and "--merge" in result["command"]
     assert result["sections"]["train"]["merged_from"]["date"] == smoke["date"]
-    assert result["sections"]["lspo"]["status"] == "skipped" and result["lspo_step_seconds"] is None
+    lspo = result["sections"]["lspo"]
+    assert lspo["status"] == "skipped" and lspo["reason"].startswith("time budget"), lspo
+    assert result["lspo_step_seconds"] is None and result["lspo_phases"] is None
     keys = ("sampler_tokens_per_s_b256", "train_mfu", "train_attention") + HAS_HF * ("sampler_ratio_vs_hf_b64",)
     for key in keys:
         assert result[key] == smoke[key] is not None, key

@@ -48,7 +48,7 @@ def launch(out: str, port: int, process_id: int, *, resume: bool = False) -> sub
     if resume:  # the run's own config.yaml, as a restarted job would
         cmd += ["--resume", *join]
     else:
-        overrides = [f"steps={STEPS}", "eval.every=0", "eval.limit=4", "checkpoint.every=10",
+        overrides = [f"steps={STEPS}", "eval.enabled=false", "checkpoint.every=10",
                      "rollout.prompts_per_step=4", "rollout.group_size=4", "scaffold.sft_steps=4",
                      "scaffold.min_cliff_bucket=4"]  # fmt: skip
         cmd += ["--config", os.path.join(ROOT, "configs", "demo.yaml"), *overrides, *join]

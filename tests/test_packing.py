@@ -164,7 +164,7 @@ def test_demo_agrees_with_packing_on_and_off(tmp_path):
     records = {}
     for packed in (True, False):
         # Half the demo's prompts and groups: the same passes, fewer packed buckets to compile.
-        overrides = ["steps=1", "eval.benchmarks=[]", "reward.workers=0", "checkpoint.every=100",
+        overrides = ["steps=1", "eval.enabled=false", "reward.workers=0", "checkpoint.every=100",
                      "rollout.prompts_per_step=8", "rollout.group_size=4", f"loss.packing={packed}"]  # fmt: skip
         job = Run(load_config(DEMO, overrides), str(tmp_path / str(packed)))
         try:
@@ -172,6 +172,7 @@ def test_demo_agrees_with_packing_on_and_off(tmp_path):
         finally:
             job.close()
         metrics = read_metrics(str(tmp_path / str(packed) / "metrics.jsonl"))
+        assert not [m for m in metrics if m["kind"] == "eval"]  # eval.enabled=false: not even before and after
         records[packed] = [m for m in metrics if m["kind"] == "train"]
     on, off = records[True], records[False]
     assert [m["step"] for m in on] == [m["step"] for m in off] == [1]

@@ -108,6 +108,13 @@ def test_two_step_lspo_run_with_vllm_rollouts_logs_sync_time_and_mismatch(checks
         assert record["vllm_logp_abs_diff"] < 1e-2 and abs(record["vllm_kl"]) < 1e-3  # float32 on both sides
 
 
+def test_a_head_dim_vllm_lacks_is_refused_in_one_line_before_an_engine_starts(checks):
+    got = checks["refusal"]
+    assert got["code"] == 2, got["stderr"][-3000:]  # the model's head_dim is 64 / 4 = 16
+    assert "rollout.engine: vLLM's CPU attention does not support head_dim 16" in got["stderr"]
+    assert "Traceback" not in got["stderr"]
+
+
 # ------------------------------------------------------------------------------------------ no engine
 def test_logprob_mismatch():
     trainer = np.array([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, -0.7, -3.0]])

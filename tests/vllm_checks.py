@@ -2,7 +2,8 @@
 
 After the engine's checks (and with their engine closed), the same process runs two LSPO steps of
 ``configs/demo.yaml`` with ``rollout.engine=vllm``: the result's ``train`` holds the run's train records and whether
-its summary was written.
+its summary was written. Then ``lspo-train`` of a model whose head_dim vLLM's CPU attention lacks: ``refusal``
+holds its exit status and what it printed.
 
 vLLM spawns processes (so its caller needs the main-module guard) and takes about 30 s to start and 20 s to
 warm up, so one engine serves every check here; the script prints one JSON object of measured numbers
@@ -39,7 +40,7 @@ NEW = 12  # new tokens per row
 T = 0.7  # sampling temperature of the log-prob check
 
 
-def random_params(seed: int = 0):
+def random_params(seed: int = 0, config: ModelConfig = CONFIG):
     """O(1) logits (std 0.15, random norms and biases) and a non-zero adapter that changes the greedy output."""
     rng = np.random.default_rng(seed)
 
@@ -50,7 +51,7 @@ def random_params(seed: int = 0):
             return jnp.asarray(1.0 + 0.1 * noise)
         return jnp.asarray((0.1 if "lora" in name else 0.15) * noise)
 
-    return jax.tree_util.tree_map_with_path(draw, abstract_params(CONFIG))
+    return jax.tree_util.tree_map_with_path(draw, abstract_params(config))
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "lora_scale"))
@@ -250,6 +251,39 @@ def train(workdir: str) -> dict:
     }
 
 
+PAPER_CONFIG = os.path.join(os.path.dirname(DEMO_CONFIG), "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
+
+
+def refusal(workdir: str) -> dict:
+    """``lspo-train`` with ``rollout.engine=vllm`` on a model of head_dim 16: its exit status and stderr. Here, where
+    vLLM is imported already: an import of its own costs a process tens of seconds."""
+    import contextlib
+    import dataclasses
+    import io
+
+    from lspo_jax import cli, vllm_sampler
+
+    config = dataclasses.replace(CONFIG, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    model_dir = os.path.join(workdir, "head_dim_16")
+    hf.save_pretrained(model_dir, config, random_params(config=config))
+    toy.char_tokenizer().save_pretrained(model_dir)
+    train_file = os.path.join(workdir, "train.jsonl")
+    with open(train_file, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in toy.addition_rows(8, (2, 2), seed=0))
+    argv = ["--config", PAPER_CONFIG, "--out", os.path.join(workdir, "refused"), f"model.path={model_dir}",
+            f"data.train={train_file}", "data.instruction_position=none", "rollout.engine=vllm",
+            "data.max_prompt_tokens=64", "rollout.max_new_tokens=64", "eval.max_new_tokens=64",
+            "reward.overlong_buffer=16"]  # fmt: skip
+    engine, vllm_sampler.VLLMSampler = vllm_sampler.VLLMSampler, None  # an engine start would fail loudly
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = cli.train_main(argv)
+    finally:
+        vllm_sampler.VLLMSampler = engine
+    return {"code": code, "stderr": err.getvalue()}
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t_main = time.perf_counter()
@@ -257,7 +291,7 @@ if __name__ == "__main__":
     try:
         # One process for both: each start imports vLLM, torch and JAX again (tens of seconds on 2 cores).
         os.makedirs(os.path.join(workdir, "engine"))
-        result = {**main(os.path.join(workdir, "engine")), "train": train(workdir)}
+        result = {**main(os.path.join(workdir, "engine")), "train": train(workdir), "refusal": refusal(workdir)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["time_total"] = time.perf_counter() - t_main
