@@ -47,7 +47,7 @@ from lspo_jax.metrics_log import MetricsLog, NullLog, records_until, rewrite, wa
 from lspo_jax.model import Params
 from lspo_jax.progress import Progress
 from lspo_jax.prompts import ShuffledPrompts
-from lspo_jax.run_lock import RunLock
+from lspo_jax.run_lock import take_run_lock
 from lspo_jax.train import Phases, StepAbandoned, StopFlag, step_rates, train_step
 from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
 
@@ -397,7 +397,7 @@ class Run:
         os.makedirs(out_dir, exist_ok=True)
         # Several hosts share out_dir: process 0 writes the files, all of them write checkpoint shards.
         self.writer = jax.process_index() == 0
-        self.lock = RunLock(out_dir) if self.writer else None  # a second run into out_dir stops here
+        self.lock = take_run_lock(out_dir)  # a second run into out_dir stops here, on every process
         try:
             self._start(run, resume=resume, verifier=verifier, judge=judge)
         except BaseException:

@@ -45,3 +45,30 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor releases the lock
             self._fd = None
+
+
+def take_run_lock(out_dir: str) -> RunLock | None:
+    """The run's lock, taken by process 0 (the writer); ``None`` on the other processes. With several processes all
+    of them learn whether process 0 got it, so a refused job ends on every host in one line: the others would
+    otherwise wait at their first collective for a process that has gone."""
+    import jax
+    import numpy as np
+
+    lock, error = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = RunLock(out_dir)
+        except OSError as err:
+            error = err
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if refused and error is None:
+            error = FileExistsError(
+                f"--out {out_dir}: process 0 could not take the run's lock (its own message says why); nothing "
+                "was started"
+            )
+    if error is not None:
+        raise error
+    return lock

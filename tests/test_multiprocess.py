@@ -122,3 +122,24 @@ def test_both_processes_resume_the_stopped_run_to_its_end(stopped_job):
     # The resumed steps follow the stopped ones in the same log, none repeated or skipped.
     assert [r["step"] for r in train_records(stopped_job["out"])] == list(range(1, STEPS + 1))
     assert checkpoint_steps(stopped_job["out"])[-1] == STEPS
+
+
+def test_a_refused_lock_ends_every_process_in_one_line(tmp_path):
+    """Another run holds the directory: process 0 is refused its lock, and process 1, which takes no lock, learns it
+    from process 0 instead of waiting for it at the first collective."""
+    from lspo_jax.run_lock import RunLock
+
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    held = RunLock(out)  # this process is the other run
+    try:
+        port = free_port()
+        procs = [launch(out, port, i) for i in range(2)]
+        outputs = finish(procs, 120)
+    finally:
+        held.close()
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    assert f"--out {out} is being written by another run (pid {os.getpid()}" in outputs[0]
+    assert "process 0 could not take the run's lock" in outputs[1]
+    assert not any("Traceback" in text for text in outputs), outputs
+    assert not os.path.exists(os.path.join(out, "config.yaml"))  # nothing of the refused run was written
