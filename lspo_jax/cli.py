@@ -405,13 +405,15 @@ def _eval(args) -> int:
         for name, (examples, report) in benchmarks.items():
             start = time.perf_counter()
             bench_key = evaluation.benchmark_key(key, name)
-            correct = evaluation.correct_table(run, generator, params, examples, pool, bench_key)
+            correct, spread = evaluation.graded_samples(run, generator, params, examples, pool, bench_key)
             results[name] = {
                 **evaluation.pass_at_k_metrics(correct, run.eval.ks),
+                "answer_entropy": float(spread.mean()),
                 "seconds": round(time.perf_counter() - start, 1),
                 "data": report,
                 "per_problem": [
-                    {"id": ex.id, "correct": row.tolist()} for ex, row in zip(examples, correct, strict=True)
+                    {"id": ex.id, "correct": row.tolist(), "answer_entropy": h}
+                    for ex, row, h in zip(examples, correct, spread.tolist(), strict=True)
                 ],
             }
     finally:

@@ -6,7 +6,9 @@ base policy (a ``learner.Generator``: the JAX sampler, or the run's vLLM engine)
 verifier and reduces the [problems, n] table of passes to pass@k. Benchmarks are scored one by one, so a
 result (and a ``metrics.jsonl`` record) is per benchmark. The paper reports the first-k-slice estimator; the
 unbiased one is logged beside it. Validation also scores the base's log-likelihood of each benchmark's gold worked
-solutions (``gold_logprob``): a signal that moves before pass@k does, on a class that no sample passes yet.
+solutions (``gold_logprob``): a signal that moves before pass@k does, on a class that no sample passes yet, and the
+spread of the samples' final answers (``answer_entropy``): a policy that sharpens onto one answer a problem, right
+or wrong, shows it there before its pass@k falls.
 """
 
 from __future__ import annotations
@@ -111,8 +113,14 @@ def correct_table(run, generator, params, examples: Sequence[Any], pool, key, st
     Problems are sampled ``rollout.prompts_per_step`` at a time, each chunk with its own key; ``stop`` (a
     callable) is asked before each chunk, and when it answers true ``ValidationStopped`` is raised.
     """
+    return graded_samples(run, generator, params, examples, pool, key, stop)[0]
+
+
+def graded_samples(run, generator, params, examples, pool, key, stop=None) -> tuple[np.ndarray, np.ndarray]:
+    """``correct_table``'s booleans and, per problem, the entropy of its samples' final answers
+    (``answer_entropy``)."""
     n, chunk_size = run.eval.n, run.rollout.prompts_per_step
-    rows = []
+    rows, spread = [], []
     for start in range(0, len(examples), chunk_size):
         _check(stop)
         chunk = examples[start : start + chunk_size]
@@ -120,13 +128,30 @@ def correct_table(run, generator, params, examples: Sequence[Any], pool, key, st
         texts = sample_responses(run, generator, params, prompts, jax.random.fold_in(key, start))
         accuracy = np.asarray(pool.score(texts, [ex.answer for ex in chunk for _ in range(n)]))
         rows.append(accuracy.reshape(len(chunk), n) > 0)
-    return np.concatenate(rows) if rows else np.zeros((0, n), bool)
+        spread.extend(answer_entropy(texts[i : i + n]) for i in range(0, len(texts), n))
+    if not rows:
+        return np.zeros((0, n), bool), np.zeros(0)
+    return np.concatenate(rows), np.asarray(spread)
+
+
+def answer_entropy(responses: Sequence[str]) -> float:
+    """The entropy (nats) of the final answers among one problem's samples: 0 when every sample gives the same
+    answer, ``ln n`` when all ``n`` differ. The answer is the last ``\\boxed{}``'s content, compared verbatim; the
+    samples without one count as one more answer."""
+    from lspo_jax.rewards import last_boxed
+
+    counts = np.unique([str(last_boxed(r)) for r in responses], return_counts=True)[1]
+    p = counts / counts.sum()
+    return float(max(0.0, -(p * np.log(p)).sum()))  # max: -0.0 when all agree
 
 
 def evaluate(run, generator, params, examples: Sequence[Any], pool, key, logprobs=None, stop=None) -> dict[str, float]:
-    """pass@k (first-k slice and unbiased) over ``eval.n`` samples per problem, for each k of ``eval.ks``; with
-    ``logprobs`` (see ``gold_logprob``) also the gold solutions' log-likelihood. ``stop``: see ``correct_table``."""
-    metrics = pass_at_k_metrics(correct_table(run, generator, params, examples, pool, key, stop), run.eval.ks)
+    """pass@k (first-k slice and unbiased) over ``eval.n`` samples per problem, for each k of ``eval.ks``, and the
+    mean over problems of ``answer_entropy``; with ``logprobs`` (see ``gold_logprob``) also the gold solutions'
+    log-likelihood. ``stop``: see ``correct_table``."""
+    correct, spread = graded_samples(run, generator, params, examples, pool, key, stop)
+    metrics = pass_at_k_metrics(correct, run.eval.ks)
+    metrics["answer_entropy"] = float(spread.mean()) if spread.size else 0.0
     if logprobs is not None:
         # As many rows a pass as the RL step's batch, which the log-prob pass's micro-batches are sized for.
         rows = run.rollout.prompts_per_step * run.rollout.group_size

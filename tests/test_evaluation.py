@@ -124,6 +124,7 @@ def test_validation_scores_gold_solutions_against_transformers(tmp_path, monkeyp
     finally:
         job.close()
     assert "gold_logprob" not in results["bare"]  # no solutions: nothing to score, no key
+    assert results["sums"]["answer_entropy"] == 0.0  # every sample "x": no answer, the same for all
     assert [r["benchmark"] for r in job.history] == ["sums", "bare"] and job.history[0]["gold_solutions"] == 3
 
     hf_model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -202,6 +203,16 @@ def test_lspo_eval_on_math500_with_the_jax_sampler(model_dir, tmp_path, monkeypa
     assert "| math500 | 4 | first_k |" in capsys.readouterr().out
 
 
+def test_answer_entropy_by_hand():
+    boxed = lambda answer: f"so \\boxed{{{answer}}}"
+    assert evaluation.answer_entropy([boxed(7)] * 8) == 0.0  # all agree, right or wrong
+    assert evaluation.answer_entropy([boxed(a) for a in range(8)]) == pytest.approx(math.log(8))  # all differ
+    # 1, 1, 2 and no answer: p = 1/2, 1/4, 1/4, so H = 1/2 ln 2 + 2 * 1/4 ln 4 = 1.5 ln 2. The last box counts.
+    responses = [boxed(1), f"{boxed(2)} no, {boxed(1)}", boxed(2), "I give up"]
+    assert evaluation.answer_entropy(responses) == pytest.approx(1.5 * math.log(2))
+    assert evaluation.answer_entropy([boxed("1/2"), boxed("0.5")]) == pytest.approx(math.log(2))  # verbatim
+
+
 def test_lspo_eval_from_a_checkpoint(model_dir, tmp_path, monkeypatch):
     from lspo_jax.run import Run
     from lspo_jax.train_config import load_config
@@ -236,6 +247,9 @@ def test_lspo_eval_from_a_checkpoint(model_dir, tmp_path, monkeypatch):
         0.375,
         0.75,
     )
+    # Every problem's two samples answer 2 and 3: two answers at 1/2 each, ln 2 nats.
+    assert sums["answer_entropy"] == pytest.approx(math.log(2))
+    assert [p["answer_entropy"] for p in sums["per_problem"]] == pytest.approx([math.log(2)] * 4)
     # The params sampled from are the checkpoint's, which hold the model directory's weights.
     _, loaded = hf.load_pretrained(model_dir)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(seen[0]["base"]), jax.device_get(loaded["base"]))
