@@ -525,7 +525,7 @@ def test_validation_before_and_after(trained_run):
     }
     before = summary["held_out_before"]["train"]
     assert {"pass@1", "pass@2", "pass@1_unbiased", "pass@2_unbiased", "accuracy", "problems", "gold_logprob",
-            "gold_logprob_seq", "gold_solutions", "gold_tokens"} == set(before)  # fmt: skip
+            "gold_logprob_seq", "gold_solutions", "gold_tokens", "answer_entropy"} == set(before)  # fmt: skip
     assert before["gold_solutions"] == 2 and before["gold_logprob"] < 0
     # eval.limit = 2: prompt 0 is a cliff (never passes) and prompt 1 passes in one of its two samples.
     assert before["problems"] == 2 and before["pass@2"] == 0.5 and before["accuracy"] == 0.25
@@ -1332,7 +1332,7 @@ def test_eval_refuses_an_unwritable_out_and_an_empty_benchmark_before_any_work(t
     def no_sampling(*args, **kwargs):
         raise AssertionError("evaluation started")
 
-    monkeypatch.setattr(evaluation, "correct_table", no_sampling)
+    monkeypatch.setattr(evaluation, "graded_samples", no_sampling)
     base = ["--model", trained_run["dir"], "--limit", "1"]
     assert cli.eval_main([*base, "--out", str(tmp_path)]) == 2
     assert "is a directory" in one_line(capsys, "lspo-eval")
@@ -1564,11 +1564,11 @@ def test_eval_limit_takes_the_first_rows_of_the_file_and_says_what_it_dropped(tr
                                                                               monkeypatch):  # fmt: skip
     seen = []
 
-    def no_sampling(run, policy, params, examples, pool, key):
+    def no_sampling(run, policy, params, examples, pool, key, stop=None):
         seen.append([ex.id for ex in examples])
-        return np.zeros((len(examples), run.eval.n), bool)
+        return np.zeros((len(examples), run.eval.n), bool), np.zeros(len(examples))
 
-    monkeypatch.setattr(evaluation, "correct_table", no_sampling)
+    monkeypatch.setattr(evaluation, "graded_samples", no_sampling)
     rows = too_long_rows(1)  # dropped at load
     rows += [{"id": f"p{i}", "problem": f"{i}+{i}=", "answer": str(2 * i), "solution": "\\boxed{0}"} for i in (1, 2, 3)]
     bench = write_jsonl(tmp_path / "bench.jsonl", rows)
