@@ -220,7 +220,7 @@ def _linear(x: jax.Array, w: jax.Array, lora: Params | None, lora_c: jax.Array |
     if lora is None:
         return y
     # Scale the rank-R intermediate, not the output: cheaper, and c = 0 gives exact zeros (0 * finite),
-    # so lora_scale = 0 reproduces the base bit for bit and gives the adapter exactly zero gradient.
+    # so lora_scale = 0 adds exact zeros to the base's output and gives the adapter exactly zero gradient.
     xa = jnp.tensordot(x, lora["a"].astype(x.dtype), axes=n_in) * jnp.asarray(lora_c, x.dtype)
     return y + jnp.tensordot(xa, lora["b"].astype(x.dtype), axes=1)
 
