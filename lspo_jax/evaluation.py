@@ -13,6 +13,7 @@ or wrong, shows it there before its pass@k falls.
 
 from __future__ import annotations
 
+import collections
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -137,10 +138,11 @@ def graded_samples(run, generator, params, examples, pool, key, stop=None) -> tu
 def answer_entropy(responses: Sequence[str]) -> float:
     """The entropy (nats) of the final answers among one problem's samples: 0 when every sample gives the same
     answer, ``ln n`` when all ``n`` differ. The answer is the last ``\\boxed{}``'s content, compared verbatim; the
-    samples without one count as one more answer."""
+    samples without one count as one more answer, shared by all of them (so samples cut off before any answer read as
+    agreeing). With one sample a problem it is always 0."""
     from lspo_jax.rewards import last_boxed
 
-    counts = np.unique([str(last_boxed(r)) for r in responses], return_counts=True)[1]
+    counts = np.fromiter(collections.Counter(last_boxed(r) for r in responses).values(), float)
     p = counts / counts.sum()
     return float(max(0.0, -(p * np.log(p)).sum()))  # max: -0.0 when all agree
 
@@ -151,7 +153,7 @@ def evaluate(run, generator, params, examples: Sequence[Any], pool, key, logprob
     log-likelihood. ``stop``: see ``correct_table``."""
     correct, spread = graded_samples(run, generator, params, examples, pool, key, stop)
     metrics = pass_at_k_metrics(correct, run.eval.ks)
-    metrics["answer_entropy"] = float(spread.mean()) if spread.size else 0.0
+    metrics["answer_entropy"] = float(spread.mean())
     if logprobs is not None:
         # As many rows a pass as the RL step's batch, which the log-prob pass's micro-batches are sized for.
         rows = run.rollout.prompts_per_step * run.rollout.group_size

@@ -58,12 +58,17 @@ def take_run_lock(out_dir: str) -> RunLock | None:
     if jax.process_index() == 0:
         try:
             lock = RunLock(out_dir)
-        except OSError as err:
+        except BaseException as err:  # a refusal, an unwritable directory, a Ctrl-C: the others hear of it too
             error = err
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        try:
+            refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        except BaseException:
+            if lock is not None:
+                lock.close()
+            raise
         if refused and error is None:
             error = FileExistsError(
                 f"--out {out_dir}: process 0 could not take the run's lock (its own message says why); nothing "

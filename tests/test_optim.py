@@ -134,8 +134,9 @@ def test_rl_gradient_with_adapter_at_scale_zero_equals_base_alone():
     # The forward pass adds exact zeros, but XLA may order the backward's sums differently once the adapter's path
     # is in the program: the base's gradient agrees to float32 rounding (<= 1.9e-7 of a leaf's norm measured, under
     # both of XLA's CPU fusion emitters), where an adapter leaking through at scale 0 moves it by O(1).
-    for path, got in jax.tree_util.tree_leaves_with_path(at_zero):
-        want = functools.reduce(lambda tree, key: tree[key.key], path, alone)
+    assert jax.tree.structure(at_zero) == jax.tree.structure(alone)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(at_zero), jax.tree.leaves(alone), strict=True):
+        assert got.dtype == want.dtype, jax.tree_util.keystr(path)
         assert_close_relative(got, want, 1e-5, jax.tree_util.keystr(path))
     # The adapter is real: switched on, it changes the gradient.
     alone, at_one = _rl_grads(_params(), 1.0)
