@@ -27,7 +27,7 @@ Estimator = Literal["std", "mean_only", "loo"]
 # How a cliff's verified re-rolls enter its group (``scaffold.splice``): replace failed rows up to a share
 # (the paper's), replace the whole group, or append and keep every failed row.
 Splice = Literal["partial", "group", "keep_failed"]
-# The correction of a spliced row for being sampled with the adapter on (``train.importance_weights``).
+# The correction of a spliced row for being sampled with the adapter on (``corrections.importance_weights``).
 Correction = Literal["token", "sequence", "floor", "shaped", "none"]
 # When the adapter is reset: every step (the paper), or kept across steps with its own SFT state.
 AdapterLifetime = Literal["fresh", "persistent"]
@@ -178,3 +178,33 @@ class SFTOptimConfig(AdamWConfig):
     """The adapter's optimizer: AdamW lr 2.5e-5, re-initialised with every fresh adapter."""
 
     lr: float = 2.5e-5
+
+
+# ------------------------------------------------------------------------------------- adapter lifetimes
+# Plain objects with no dependencies, here beside their names: the config's checks read them too, and the config
+# imports nothing above this module.
+class FreshAdapter:
+    """The paper's: a fresh adapter (A random, B zero, a new SFT state) every step, never checkpointed."""
+
+    checkpointed = False  # a checkpoint holds the adapter and its SFT state
+    scheduled = False  # reset on ``scaffold.reset_every``'s schedule
+
+    def due(self, step: int, last_reset: int | None, reset_every: int | None) -> bool:
+        """Whether the step ``step`` starts from a fresh adapter, the last reset having been at ``last_reset``."""
+        return True
+
+
+class PersistentAdapter(FreshAdapter):
+    """Kept and fitted further across steps with its own SFT state, checkpointed with the run; reset at its first
+    use and then every ``reset_every`` steps (None: never again)."""
+
+    checkpointed = True
+    scheduled = True
+
+    def due(self, step: int, last_reset: int | None, reset_every: int | None) -> bool:
+        return last_reset is None or (reset_every is not None and step - last_reset >= reset_every)
+
+
+ADAPTER_LIFETIMES = Registry(AdapterLifetime, "adapter lifetime")
+ADAPTER_LIFETIMES.register("fresh")(FreshAdapter())
+ADAPTER_LIFETIMES.register("persistent")(PersistentAdapter())

@@ -42,7 +42,6 @@ from lspo_jax.options import (
     TargetLoss,
     WandbMode,
 )
-from lspo_jax.scaffold import ADAPTER_LIFETIMES
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -137,7 +136,7 @@ class RolloutConfig:
     ``compact_every`` (our sampler only): every this many decode steps the rows still running move into a
     smaller batch bucket when they fit one (``sampler.generate``); 0 never, which saves compiled programs where
     those dominate (a tiny model on a CPU).
-    ``dynamic_sampling``: DAPO's dynamic sampling (``reweight.DynamicSamplingPrompts``): groups whose rollouts all
+    ``dynamic_sampling``: DAPO's dynamic sampling (``rl.rounds.DynamicSamplingPrompts``): groups whose rollouts all
     pass or all fail are dropped and more prompts sampled, at most ``max_draw_rounds`` sampling rounds a step
     (the first included); off as in the LSPO paper's runs.
     """
@@ -199,7 +198,7 @@ class LossConfig:
     # rows' real tokens only, several sequences to a buffer row; false runs the padded [B * K, P + R] rows.
     packing: bool = True
     # Truncated importance sampling against the sampling engine's numerics: each token's loss times
-    # min(exp(old_logp - sampler_logp), tis_cap), detached (``train.importance_weights``); null: off.
+    # min(exp(old_logp - sampler_logp), tis_cap), detached (``corrections.importance_weights``); null: off.
     tis_cap: float | None = None
 
     def __post_init__(self) -> None:
@@ -223,7 +222,7 @@ class ScaffoldConfig:
     ``token`` (per-token ratio over the adapter-on log-prob), ``sequence`` (ratio over the base's own old log-prob
     times the detached row weight ``min(prod_t pi_theta_old / pi_mu, is_cap)``), ``floor`` (the per-token ratio
     clipped from below at ``ratio_floor``), ``shaped`` (LUFFY's ``pi / (pi + shaping_gamma)`` in place of the
-    ratio), ``none`` (treated as on-policy); see ``train.importance_weights``. ``reroll_n`` re-rolls per cliff
+    ratio), ``none`` (treated as on-policy); see ``corrections.importance_weights``. ``reroll_n`` re-rolls per cliff
     (null: group_size), sampled at ``reroll_temperature`` (null: the rollout's) with the adapter at
     ``reroll_scale``; the denominators follow both. ``reroll_scale: 0`` is the compute-matched control: no adapter
     is fitted and each cliff is re-rolled by the base itself, so its rescued rows are extra samples (on-policy at
@@ -276,7 +275,7 @@ class ScaffoldConfig:
         _require(self.cliff_max_successes >= 0, "scaffold.cliff_max_successes", "must be >= 0")
         _require(self.reset_every is None or self.reset_every > 0, "scaffold.reset_every", "must be positive or null")
         _require(
-            self.reset_every is None or ADAPTER_LIFETIMES.resolve(self.adapter).scheduled,
+            self.reset_every is None or options.ADAPTER_LIFETIMES.resolve(self.adapter).scheduled,
             "scaffold.reset_every",
             "resets a persistent adapter; a fresh one is reset every step (set scaffold.adapter: persistent)",
         )
@@ -382,7 +381,7 @@ class LogConfig:
 
 
 # ----------------------------------------------------------------------------- the options' configs
-# Here rather than in first_mistake.py and l2rr.py: those modules use the data and model layers, which read this
+# Here rather than in methods/first_mistake and methods/l2rr: those folders use the lower layers, which read this
 # module, so a config class of theirs here keeps the imports one way.
 @dataclasses.dataclass(frozen=True)
 class FirstMistakeConfig:

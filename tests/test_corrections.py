@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lspo_jax import losses, train
+from lspo_jax import corrections, losses, train
 from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
 
 
@@ -20,12 +20,12 @@ def run_config(*overrides: str) -> TrainConfig:
 
 
 def logit_gradient(correction: str, p: float, q: float, advantage: float = 1.0, **options) -> float:
-    """d loss / d z_y for one spliced token of base probability ``p`` and adapter-on probability ``q``, through
-    the update's own path: ``train.importance_weights``, ``losses.weighted_advantages``, ``losses.policy_loss``."""
+    """d loss / d z_y for one spliced token of base probability ``p`` and adapter-on probability ``q``, through the
+    update's own path: ``corrections.importance_weights``, ``losses.weighted_advantages``, ``losses.policy_loss``."""
     run = run_config(f"scaffold.correction={correction}", *(f"scaffold.{k}={v}" for k, v in options.items()))
     base_logp, behaviour = np.array([[math.log(p)]], np.float32), np.array([[math.log(q)]], np.float32)
     rows = {"mask": np.ones((1, 1), np.float32)}
-    old, weights = train.importance_weights(run, rows, base_logp, behaviour, np.array([True]))
+    old, weights = corrections.importance_weights(run, rows, base_logp, behaviour, np.array([True]))
     adv = jnp.array([advantage])
     if weights is not None:
         adv = losses.weighted_advantages(adv, weights, (1, 1))
@@ -59,8 +59,8 @@ def test_floor_clips_the_ratio_from_below(p, q, want):
 
 def test_floor_leaves_base_rows_as_they_were():
     base = jnp.log(jnp.array([[0.2, 0.9, 0.01]]))
-    np.testing.assert_allclose(losses.floored_old_logp(base, base, 0.2), base, rtol=1e-7)
-    np.testing.assert_allclose(losses.floored_old_logp(base, base, 1.0), base, rtol=1e-7)
+    np.testing.assert_allclose(corrections.floored_old_logp(base, base, 0.2), base, rtol=1e-7)
+    np.testing.assert_allclose(corrections.floored_old_logp(base, base, 1.0), base, rtol=1e-7)
 
 
 @pytest.mark.parametrize(("p", "want"), [
@@ -85,13 +85,15 @@ def test_shaping_weights_by_hand_and_one_off_the_mask():
     logp = jnp.log(jnp.array([[0.01, 0.1, 0.5]]))
     # gamma 0.1: 0.001 / 0.0121 = 0.0826446; 0.01 / 0.04 = 0.25; the third token masked -> 1.
     want = [[0.001 / 0.0121, 0.25, 1.0]]
-    np.testing.assert_allclose(losses.shaping_weights(logp, jnp.array([[1, 1, 0]]), 0.1), want, rtol=RTOL)
+    np.testing.assert_allclose(corrections.shaping_weights(logp, jnp.array([[1, 1, 0]]), 0.1), want, rtol=RTOL)
 
 
 def test_shaped_weights_only_the_spliced_rows():
     run = run_config("scaffold.correction=shaped")
     base = np.log(np.full((2, 2), 0.5, np.float32))
-    old, weights = train.importance_weights(run, {"mask": np.ones((2, 2))}, base, base - 1, np.array([False, True]))
+    old, weights = corrections.importance_weights(
+        run, {"mask": np.ones((2, 2))}, base, base - 1, np.array([False, True])
+    )
     np.testing.assert_allclose(old, base)  # the base's own denominator on both rows
     # Row 1 spliced: 0.1 * 0.5 / 0.6^2 = 0.138889 on both tokens; row 0 untouched.
     np.testing.assert_allclose(weights, [[1.0, 1.0], [0.05 / 0.36] * 2], rtol=RTOL)
@@ -103,7 +105,7 @@ def test_shaped_weights_times_the_engines_truncated_weights():
     run = run_config("scaffold.correction=shaped", "loss.tis_cap=2.0")
     base = np.log(np.full((2, 2), 0.5, np.float32))
     rows = {"mask": np.ones((2, 2)), "sampler_logp": base - np.array([[0.5, 1.0], [0.0, 0.0]], np.float32)}
-    _, weights = train.importance_weights(run, rows, base, base, np.array([False, True]))
+    _, weights = corrections.importance_weights(run, rows, base, base, np.array([False, True]))
     np.testing.assert_allclose(weights, [[math.exp(0.5), 2.0], [0.05 / 0.36] * 2], rtol=RTOL)
 
 

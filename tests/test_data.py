@@ -12,8 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lspo_jax import data, evaluation, packing, qwen_vocab, toy, toy_model
+from lspo_jax import data, packing, qwen_vocab, toy, toy_model
 from lspo_jax.rewards import math_reward
+from lspo_jax.tasks import benchmarks
 from lspo_jax.train_config import DataConfig
 
 TRACE = "Add them: 2+3=5.\n</think>\n\nThe sum is \\boxed{5}."  # an R1 trace: no opening <think>, one </think>
@@ -276,7 +277,7 @@ def test_the_demo_task_has_fixed_held_out_classes_kept_out_of_training():
         assert {kind: kinds.count(kind) for kind in toy.CLASSES.values()} == dict.fromkeys(toy.CLASSES.values(), 750)
         assert data.read_rows("toy:heldout_3digit", seed=seed) == held["3digit"]
     assert data.read_rows("toy:addition", seed=0) != data.read_rows("toy:addition", seed=1)
-    assert [evaluation.benchmark_name(s) for s in toy.HELDOUT_SPECS] == [
+    assert [benchmarks.benchmark_name(s) for s in toy.HELDOUT_SPECS] == [
         "toy_heldout_2digit", "toy_heldout_3digit", "toy_heldout_4digit_cliff_beyond",
         "toy_heldout_3term_frontier"]  # fmt: skip
     # The two-operand classes kept the problems they had before the frontier class came.
@@ -303,7 +304,7 @@ def test_benchmark_gold_answers_verify_against_themselves():
     that verifies is MATH500 test/algebra/1837, gold ``5`` against ``x=5``: the same answer."""
     golds = []
     for name in ("math500", "aime24", "aime25", "aime26"):
-        path = evaluation.benchmark_path(name)
+        path = benchmarks.benchmark_path(name)
         try:
             with open(path) as f:
                 golds += [(name, json.loads(line)["id"], json.loads(line)["answer"]) for line in f if line.strip()]

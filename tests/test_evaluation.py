@@ -15,6 +15,7 @@ import pytest
 from lspo_jax import cli, data, evaluation, hf, toy_model
 from lspo_jax.evaluation import pass_at_k
 from lspo_jax.rewards import math_reward
+from lspo_jax.tasks import benchmarks
 
 F, T = False, True
 
@@ -66,11 +67,11 @@ def test_metrics_keys_and_table():
 
 
 def test_benchmark_names_and_paths(tmp_path):
-    assert evaluation.benchmark_path("math500") == str(evaluation.DEFAULT_DATA_DIR / "math500.jsonl")
-    assert evaluation.benchmark_path("aime24", tmp_path) == str(tmp_path / "aime24.jsonl")
+    assert benchmarks.benchmark_path("math500") == str(evaluation.DEFAULT_DATA_DIR / "math500.jsonl")
+    assert benchmarks.benchmark_path("aime24", tmp_path) == str(tmp_path / "aime24.jsonl")
     for value in ("runs/x.jsonl", "x.parquet", "toy:heldout", "/abs/dir"):
-        assert evaluation.benchmark_path(value) == value  # anything but a bare name is a path
-    names = [evaluation.benchmark_name(v) for v in ("math500", "../d/aime25.jsonl", "toy:heldout", "shards/dm")]
+        assert benchmarks.benchmark_path(value) == value  # anything but a bare name is a path
+    names = [benchmarks.benchmark_name(v) for v in ("math500", "../d/aime25.jsonl", "toy:heldout", "shards/dm")]
     assert names == ["math500", "aime25", "toy_heldout", "dm"]
 
 
@@ -188,7 +189,7 @@ def test_lspo_eval_on_math500_with_the_jax_sampler(model_dir, tmp_path, monkeypa
     # --n 2: pass@1 and pass@2 (n itself); the usual 4, 8, 16 do not fit.
     assert (results["n"], results["ks"], results["max_new_tokens"], results["checkpoint_step"]) == (2, [1, 2], 8, None)
     math500 = results["benchmarks"]["math500"]
-    with open(evaluation.benchmark_path("math500")) as f:
+    with open(benchmarks.benchmark_path("math500")) as f:
         rows = [json.loads(next(f)) for _ in range(4)]
     assert [p["id"] for p in math500["per_problem"]] == [r["id"] for r in rows]
     # 2 samples of at most 8 tokens per problem, graded against the right gold in the right order.

@@ -233,7 +233,7 @@ def test_a_directory_without_model_or_tokenizer_is_named(hf_untied_dir, tmp_path
 def test_a_model_directory_that_cannot_load_is_one_config_error_naming_it(hf_untied_dir, tmp_path, damage):
     """What lspo-train and lspo-eval say of ``model.path``: a damaged ``model.safetensors``, a ``config.json`` the
     weights disagree with, another architecture; each a ``ConfigError`` (one line, exit 2) naming the directory."""
-    from lspo_jax.run import load_policy
+    from lspo_jax.job.build import load_policy
     from lspo_jax.train_config import ConfigError, load_config
 
     model = tmp_path / "model"

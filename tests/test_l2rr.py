@@ -12,6 +12,7 @@ from conftest import assert_close_relative
 
 from lspo_jax import l2rr, logprobs, losses, packing
 from lspo_jax.config import ModelConfig
+from lspo_jax.train_config import L2RRConfig
 
 CONFIG = ModelConfig.preset("tiny")
 
@@ -47,7 +48,7 @@ def test_group_advantages_all_valid_equals_the_unmasked_path():
 # -------------------------------------------------------------------------------------------- allocation
 def _sampler(num_prompts: int, group_size: int, *, log_w=None, zero_streak=None, **config) -> l2rr.L2RRSampler:
     """An L2RR sampler whose weights and streaks are set through its checkpoint state."""
-    sampler = l2rr.L2RRSampler(num_prompts, group_size, l2rr.L2RRConfig(enabled=True, **config))
+    sampler = l2rr.L2RRSampler(num_prompts, group_size, L2RRConfig(enabled=True, **config))
     state = sampler.state_dict()
     if log_w is not None:
         state["log_w"] = list(log_w)
@@ -123,12 +124,12 @@ def test_config_validation_and_step_size():
                   "target_loss": "kl", "prompt_loss_norm": "row", "explore": 1.0, "max_draw_rounds": 0}  # fmt: skip
     for bad in ({field: value} for field, value in bad_values.items()):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            l2rr.L2RRConfig(**bad)
-    anytime = l2rr.L2RRConfig(a=2.0)
+            L2RRConfig(**bad)
+    anytime = L2RRConfig(a=2.0)
     assert anytime.step_size(0) == 2.0 and anytime.step_size(3) == 1.0  # a / sqrt(t), t = 1 and 4
-    assert l2rr.L2RRConfig(a=2.0, horizon=16).step_size(3) == 0.5
+    assert L2RRConfig(a=2.0, horizon=16).step_size(3) == 0.5
     with pytest.raises(ValueError, match="g_min"):
-        l2rr.L2RRSampler(4, 4, l2rr.L2RRConfig(g_min=5))
+        l2rr.L2RRSampler(4, 4, L2RRConfig(g_min=5))
 
 
 # --------------------------------------------------------------------------------------------- samplers

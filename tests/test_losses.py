@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lspo_jax import losses
+from lspo_jax import corrections, logprobs, losses
 
 PROPERTY = settings(max_examples=25, deadline=None)
 
@@ -75,10 +75,10 @@ def test_importance_weights_by_hand():
     logp = jnp.array([[-1.0, -1.0, 5.0], [-1.0, -1.0, -1.0]])
     mu = jnp.array([[-0.5, -0.75, -4.0], [-1.5, -1.5, -1.5]])
     mask = jnp.array([[1, 1, 0], [1, 1, 1]])
-    np.testing.assert_allclose(losses.sequence_weights(logp, mu, mask, 2.0), [math.exp(-0.75), 2.0], rtol=1e-6)
+    np.testing.assert_allclose(corrections.sequence_weights(logp, mu, mask, 2.0), [math.exp(-0.75), 2.0], rtol=1e-6)
     # Per token, cap 1.5: exp(-0.5) = 0.60653, exp(-0.25) = 0.77880, 1 off the mask; exp(0.5) = 1.6487 -> 1.5.
     want = [[math.exp(-0.5), math.exp(-0.25), 1.0], [1.5, 1.5, 1.5]]
-    np.testing.assert_allclose(losses.token_weights(logp, mu, mask, 1.5), want, rtol=1e-6)
+    np.testing.assert_allclose(corrections.token_weights(logp, mu, mask, 1.5), want, rtol=1e-6)
     # Row advantages [2, -1] times per-row weights [0.5, 3]: [1, 1, 1] and [-3, -3, -3].
     weighted = losses.weighted_advantages(jnp.array([2.0, -1.0]), jnp.array([0.5, 3.0]), (2, 3))
     np.testing.assert_allclose(weighted, [[1.0] * 3, [-3.0] * 3])
@@ -184,13 +184,13 @@ def test_sft_loss_and_logprob_helpers():
     assert float(losses.sft_loss(jnp.array([[-1.0, -2.0, jnp.nan]]), jnp.array([[1, 1, 0]]))) == pytest.approx(1.5)
     # logits [0, ln 3]: softmax = [1/4, 3/4]; at temperature 2, z = [0, ln(3)/2], p1 = sqrt3 / (1 + sqrt3).
     logits = jnp.array([[0.0, math.log(3.0)]])
-    assert float(losses.token_logprobs(logits, jnp.array([1]))[0]) == pytest.approx(math.log(0.75), rel=1e-6)
+    assert float(logprobs.token_logprobs(logits, jnp.array([1]))[0]) == pytest.approx(math.log(0.75), rel=1e-6)
     p1 = math.sqrt(3) / (1 + math.sqrt(3))
-    assert float(losses.token_logprobs(logits, jnp.array([1]), 2.0)[0]) == pytest.approx(math.log(p1), rel=1e-6)
+    assert float(logprobs.token_logprobs(logits, jnp.array([1]), 2.0)[0]) == pytest.approx(math.log(p1), rel=1e-6)
     # H([1/4, 3/4]) = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.56234; uniform over 4 -> ln 4.
-    assert float(losses.token_entropy(logits)[0]) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
-    assert float(losses.token_entropy(jnp.zeros((1, 4)))[0]) == pytest.approx(math.log(4.0))
-    assert losses.token_logprobs(logits.astype(jnp.bfloat16), jnp.array([1])).dtype == jnp.float32
+    assert float(logprobs.token_entropy(logits)[0]) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    assert float(logprobs.token_entropy(jnp.zeros((1, 4)))[0]) == pytest.approx(math.log(4.0))
+    assert logprobs.token_logprobs(logits.astype(jnp.bfloat16), jnp.array([1])).dtype == jnp.float32
 
 
 # ---------------------------------------------------------------------------------- micro-batching
@@ -212,7 +212,7 @@ def _linear_policy_batch():
 
 
 def _linear_policy_loss(w, batch, num_tokens):
-    logp = losses.token_logprobs(batch["x"] @ w, batch["targets"])
+    logp = logprobs.token_logprobs(batch["x"] @ w, batch["targets"])
     return losses.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"], num_tokens=num_tokens)
 
 

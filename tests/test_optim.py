@@ -240,7 +240,7 @@ def test_the_head_runs_on_even_chunks_no_longer_than_the_batch(positions, chunk_
         return h_BCD @ jnp.ones((3, 7))
 
     hidden, targets = jnp.ones((2, positions, 3)), jnp.zeros((2, positions), jnp.int32)
-    logp, _ = losses.chunked_token_logprobs(hidden, head, targets, chunk_size=chunk_size)
+    logp, _ = logprobs.chunked_token_logprobs(hidden, head, targets, chunk_size=chunk_size)
     assert logp.shape == (2, positions) and seen == [size]
     # uniform logits over 7 words: every log-prob is -log 7, pad positions dropped
     np.testing.assert_allclose(np.asarray(logp), -np.log(7.0), rtol=1e-6)
@@ -339,10 +339,10 @@ def test_the_learner_is_built_whole_restoring_before_the_engine_starts_and_closi
         events.append("engine")
         return Part("engine")
 
-    verifier, judge, target = Part("verifier"), object(), object()
-    learner = Learner(TrainConfig(), Policy(CONFIG, None, ()), _params(), verifier=verifier, judge=judge,
-                      target=target, resume=resume, engine=engine)  # fmt: skip
-    assert (learner.verifier, learner.judge, learner.target) == (verifier, judge, target)
+    verifier, token_advantages = Part("verifier"), object()
+    learner = Learner(TrainConfig(), Policy(CONFIG, None, ()), _params(), verifier=verifier,
+                      token_advantages=token_advantages, resume=resume, engine=engine)  # fmt: skip
+    assert (learner.verifier, learner.token_advantages) == (verifier, token_advantages)
     assert learner.state.step == 7 and learner.vllm.name == "engine" and learner.generator.vllm is learner.vllm
     learner.close()
     assert events == ["resume (adapter kept: False)", "engine", "close engine", "close verifier"]

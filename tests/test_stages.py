@@ -56,7 +56,7 @@ class FakeLearner:
 
     def __init__(self, run, phases: RecordingPhases):
         self.run, self.phases, self.calls = run, phases, []
-        self.vllm, self.judge, self.verifier = None, None, None
+        self.vllm, self.verifier, self.token_advantages = None, None, None
         self.state = types.SimpleNamespace(step=0, nonfinite_total=0)
         self.estimator = losses.ESTIMATORS.resolve(run.loss.advantage)
         self.splice_variant = scaffold.SPLICE_VARIANTS.resolve(run.scaffold.splice)
@@ -115,18 +115,21 @@ def _examples():
 
 
 @pytest.mark.parametrize("judged", [False, True])
-def test_train_step_runs_its_stages_in_the_documented_order(monkeypatch, judged):
+def test_train_step_runs_its_stages_in_the_documented_order(judged):
     overrides = [f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={K}", "scaffold.sft_steps=2",
                  "scaffold.min_cliff_bucket=1", f"first_mistake.enabled={str(judged).lower()}"]  # fmt: skip
     run = load_config(str(ROOT / "configs" / "demo.yaml"), overrides)
     phases = RecordingPhases()
     learner = FakeLearner(run, phases)
 
-    def judge_advantages(learner_, rows, examples, outcome, valid=None):
-        learner_._log("judge")
-        return np.repeat(outcome[:, None], rows["mask"].shape[1], axis=1), {}
+    class Judged:  # a token-advantages strategy, as a method gives the learner one
+        phase = "judge"
 
-    monkeypatch.setattr(train, "judge_advantages", judge_advantages)
+        def __call__(self, learner_, rows, examples, outcome, valid=None):
+            learner_._log("judge")
+            return np.repeat(outcome[:, None], rows["mask"].shape[1], axis=1), {}
+
+    learner.token_advantages = Judged() if judged else None
     result = train.train_step(learner, Draw(_examples(), jax.random.key(0)), phases)
 
     scale = run.scaffold.reroll_scale

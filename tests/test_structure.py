@@ -1,34 +1,67 @@
-"""The package's shape: imports that go one way, one program per pass (no single-device fork), short loop
-functions, the log-prob pass in its own module. Read from the source with ``ast``, so these cost no JAX."""
+"""The package's shape: one folder per layer, imports that go one way and only down the layers, a step that never
+names an optional method, one program per pass (no single-device fork), short loop functions, the log-prob pass in
+its own module. Read from the source with ``ast``, so these cost no JAX."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lspo_jax"
 # The modules a training step runs through: where a reader follows the method, so functions stay short.
-LOOP_MODULES = ("train", "learner", "run", "prompts", "reweight", "distributed", "evaluation")
+LOOP_MODULES = (
+    "rl/train", "rl/learner", "rl/prompts", "rl/rounds", "rl/distributed", "job/run", "job/build", "job/evaluation",
+    "methods/l2rr/prompts", "methods/first_mistake/strategy",
+)  # fmt: skip
+# The layers, bottom up: the package's root (config, options) < models < rollout < rl < methods < job, with tasks
+# beside (anything above the root may read it; it reads only the root). A layer never imports these:
+NEVER = {
+    "root": {"models", "tasks", "rollout", "rl", "methods", "job"},
+    "models": {"tasks", "rollout", "rl", "methods", "job"},
+    "tasks": {"models", "rollout", "rl", "methods", "job"},
+    "rollout": {"tasks", "rl", "methods", "job"},
+    "rl": {"methods", "job"},
+    "methods": {"job"},
+    "job": set(),
+}
+METHOD_NAMES = re.compile(r"l2rr|first_mistake|first-mistake", re.IGNORECASE)
+
+
+def module_name(path: Path, package: Path) -> str:
+    """``rl/train.py`` -> ``rl.train``; a folder's ``__init__.py`` is the folder's name (the root's is ``""``)."""
+    parts = path.relative_to(package).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def import_graph(package: Path) -> dict[str, set[str]]:
     """Module -> the package's modules it imports, at the top or inside a function (a deferred import is still a
-    dependency: it only hides a cycle until the call)."""
+    dependency: it only hides a cycle until the call). ``from pkg.a import b`` is module ``a.b`` when that is a
+    module, else ``a``; an import of a name that is no module of the package (an old path) is kept as it is, so
+    ``unresolved`` finds it."""
     name = package.name
-    modules = {path.stem for path in package.glob("*.py")}
+    modules = {module_name(path, package) for path in package.rglob("*.py")}
     graph = {}
-    for path in package.glob("*.py"):
+    for path in package.rglob("*.py"):
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == name:
-                parts = node.module.split(".")
-                deps |= {a.name for a in node.names if a.name in modules} if len(parts) == 1 else {parts[1]}
+                parent = ".".join(node.module.split(".")[1:])
+                for alias in node.names:
+                    child = f"{parent}.{alias.name}".lstrip(".")
+                    deps.add(child if child in modules else parent)
             elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith(f"{name}.")}
-        graph[path.stem] = deps - {path.stem}
+                deps |= {a.name.partition(".")[2] for a in node.names if a.name.startswith(f"{name}.")}
+        graph[module_name(path, package)] = deps - {module_name(path, package), ""}
     return graph
+
+
+def layer(module: str) -> str:
+    """The layer a module belongs to: its top folder, or ``root`` for a module beside the folders."""
+    first, dot, _ = module.partition(".")
+    return first if first and (dot or (PACKAGE / first).is_dir()) else "root"
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -60,20 +93,56 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_cycle_finder_finds_a_deferred_cycle(tmp_path):
+def test_the_cycle_finder_finds_a_deferred_cycle_across_folders(tmp_path):
     package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "a.py").write_text("from pkg import b\n")
-    (package / "b.py").write_text("def f():\n    from pkg.c import g\n")
-    (package / "c.py").write_text("import pkg.a\n")
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("def f():\n    from pkg.sub.c import g\n")
+    (package / "sub" / "c.py").write_text("import pkg.a\n")
     (package / "d.py").write_text("from pkg import a\n")
-    assert cycles(import_graph(package)) == [["a", "b", "c"]]
+    graph = import_graph(package)
+    assert graph["a"] == {"sub.b"} and graph["d"] == {"a"}
+    assert cycles(graph) == [["a", "sub.b", "sub.c"]]
 
 
 def test_the_package_imports_one_way():
     graph = import_graph(PACKAGE)
-    assert {"model", "sharding", "train_config", "learner"} <= set(graph)  # the graph really read the package
+    assert {"models.model", "models.sharding", "train_config", "rl.learner", "job.run"} <= set(graph)  # read it all
     assert cycles(graph) == []
+
+
+def test_every_import_inside_the_package_names_a_module_where_it_is():
+    """The old top-level paths are for users; the package itself imports every module where it lives."""
+    graph = import_graph(PACKAGE)
+    unresolved = {m: sorted(d for d in deps if d not in graph) for m, deps in graph.items()}
+    assert {m: deps for m, deps in unresolved.items() if deps} == {}
+
+
+def test_imports_run_down_the_layers():
+    graph = import_graph(PACKAGE)
+    assert {layer(m) for m in graph} == set(NEVER)  # every module sits in a known layer
+    against = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer(d) in NEVER[layer(m)])
+    assert against == []
+
+
+def test_a_method_never_imports_another():
+    graph = import_graph(PACKAGE)
+    method = lambda m: m.split(".")[1] if m.startswith("methods.") and m.count(".") >= 1 else None
+    crossing = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if method(m) and method(d)
+                      and method(m) != method(d))  # fmt: skip
+    assert crossing == []
+
+
+def test_the_step_never_names_a_method():
+    """The step's layer holds the interfaces a method plugs into (a token-advantages strategy, a hook around the
+    update) and no method: a new one is its folder, its config section and a line in the run's builder."""
+    named = {
+        str(path.relative_to(PACKAGE)): METHOD_NAMES.findall(path.read_text())
+        for path in (PACKAGE / "rl").rglob("*.py")
+    }
+    assert {path: names for path, names in named.items() if names} == {}
 
 
 def functions(module: str):
@@ -91,13 +160,18 @@ def test_one_program_per_pass_whatever_the_device_count():
     """No module forks a single-device path from the mesh path: one device is a 1 x 1 x 1 mesh, and the only
     test of a missing mesh is the default that supplies that one (``sharding.mesh_or_local``)."""
     forks = {
-        path.name: text.count("mesh is None") + text.count("mesh is not None")
-        for path in PACKAGE.glob("*.py")
+        str(path.relative_to(PACKAGE)): text.count("mesh is None") + text.count("mesh is not None")
+        for path in PACKAGE.rglob("*.py")
         if "mesh is None" in (text := path.read_text()) or "mesh is not None" in text
     }
-    assert forks == {"sharding.py": 1}
+    assert forks == {"models/sharding.py": 1}
 
 
 def test_the_log_prob_pass_lives_in_its_own_module():
-    assert not [f.name for f in functions("optim") if "logprob" in f.name]
-    assert {"sequence_logprobs", "grouped_logprobs", "logprobs_and_entropy"} <= {f.name for f in functions("logprobs")}
+    assert not [f.name for f in functions("rl/optim") if "logprob" in f.name]
+    in_logprobs = {f.name for f in functions("rl/logprobs")}
+    assert {"sequence_logprobs", "grouped_logprobs", "logprobs_and_entropy"} <= in_logprobs
+    # The per-token log-prob math too: the losses read it from there, never the reverse.
+    per_token = {"token_logprobs", "token_entropy", "chunked_token_logprobs", "split_rows", "merge_rows"}
+    assert per_token <= in_logprobs and not per_token & {f.name for f in functions("rl/losses")}
+    assert "rl.losses" not in import_graph(PACKAGE)["rl.logprobs"]

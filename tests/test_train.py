@@ -25,12 +25,12 @@ import pytest
 
 from lspo_jax import cli, compiles, evaluation, logprobs, losses, model, optim, packing, toy, toy_model, train
 from lspo_jax import run as run_module
-from lspo_jax.checkpoint import Checkpointer
+from lspo_jax.checkpoint import Checkpointer, checkpoint_state
 from lspo_jax.cli import format_summary
 from lspo_jax.export import export_checkpoint
 from lspo_jax.learner import Generator, Learner, TrainState
 from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import Run, RunStopped, checkpoint_state
+from lspo_jax.run import Run, RunStopped
 from lspo_jax.train_config import ConfigError, load_config
 
 K = 2  # rollouts per prompt in every run of this module
@@ -1155,11 +1155,11 @@ def test_l2rr_look_ahead_scores_after_the_update(tmp_path, make_config, train_ro
         base = lambda learner=learner: copy_tree(learner.state.params["base"])
         wrap(learner, "rl_step", before=lambda batch, base=base, calls=calls, **kw: calls.append(("update", base())))
 
-        def scored(batch, params=None, target_params=None, base=base, calls=calls):
+        def scored(params, batch, target_params=None, base=base, calls=calls):
             at = lambda p: None if p is None else copy_tree(p["base"])
             calls.append(("score", base(), at(params), at(target_params)))
 
-        wrap(learner, "prompt_scores", before=scored)
+        wrap(job.prompts.scorer, "scores", before=scored)
         try:
             job.train()
         finally:
@@ -1173,7 +1173,8 @@ def test_l2rr_look_ahead_scores_after_the_update(tmp_path, make_config, train_ro
             assert_trees_equal(target_params, now)  # the target's at the updated base, the learner's now
             assert trees_differ(now, sampled)
         else:
-            assert params is None and target_params is None
+            assert target_params is None  # the target's gradient at the same base
+            assert_trees_equal(params, now)  # the learner's base, as it sampled: before the update
             assert_trees_equal(now, sampled)
         bases[lookahead] = copy_tree(learner.state.params["base"])
     assert_trees_equal(bases[True], bases[False])  # the scores feed the next draw only
@@ -1359,9 +1360,10 @@ def test_ctrl_c_during_start_up_is_one_line(trained_run, tmp_path, capsys, monke
         raise KeyboardInterrupt
 
     from lspo_jax import export
+    from lspo_jax.job import build
 
-    monkeypatch.setattr(run_module, "load_policy", interrupted)
-    monkeypatch.setattr(export, "load_policy", interrupted)
+    for module in (run_module, build, export):  # the run's start, lspo-eval's and lspo-export's
+        monkeypatch.setattr(module, "load_policy", interrupted)
     assert cli.train_main(["--config", PAPER_CONFIG, "--out", str(tmp_path / "r")]) == 130
     assert "interrupted during start-up" in one_line(capsys, "lspo-train")
     assert cli.eval_main(["--model", trained_run["dir"]]) == 130
@@ -1369,8 +1371,8 @@ def test_ctrl_c_during_start_up_is_one_line(trained_run, tmp_path, capsys, monke
     assert cli.export_main([trained_run["dir"], str(tmp_path / "hf")]) == 130
     assert "interrupted" in one_line(capsys, "lspo-export")
     # SIGTERM (a scheduler's stop) during start-up is the same stop, not a silent exit 143.
-    monkeypatch.setattr(run_module, "load_policy", lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGTERM))
-    monkeypatch.setattr(export, "load_policy", lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGTERM))
+    for module in (run_module, build, export):
+        monkeypatch.setattr(module, "load_policy", lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGTERM))
     before = signal.getsignal(signal.SIGTERM)
     assert cli.train_main(["--config", PAPER_CONFIG, "--out", str(tmp_path / "r2")]) == 130
     assert "interrupted during start-up" in one_line(capsys, "lspo-train")

@@ -284,7 +284,7 @@ def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup()
         "loss.advantage": losses.ESTIMATORS,
         "scaffold.splice": scaffold.SPLICE_VARIANTS,
         "scaffold.correction": corrections.CORRECTIONS,
-        "scaffold.adapter": scaffold.ADAPTER_LIFETIMES,
+        "scaffold.adapter": options.ADAPTER_LIFETIMES,
         "scaffold.supervise": train.SUPERVISORS,
     }
     hints = {f"{s}.{n}": hint for s, n, hint in _option_fields()}
@@ -335,7 +335,7 @@ def test_rollout_compact_every_reaches_the_jax_sampler(monkeypatch):
 
 
 def test_lspo_train_sets_jaxs_memory_share_from_the_config(monkeypatch, capsys):
-    from lspo_jax.run import MEMORY_FRACTION_VAR, claim_device_memory
+    from lspo_jax.job.build import MEMORY_FRACTION_VAR, claim_device_memory
 
     monkeypatch.delenv(MEMORY_FRACTION_VAR, raising=False)
     vllm = claim_device_memory(load_config(None, ["rollout.engine=vllm"]))
@@ -397,9 +397,9 @@ def test_a_config_file_that_is_not_a_mapping_or_not_text_is_named(tmp_path):
 def test_lengths_beyond_the_model_and_a_cache_beyond_the_memory_are_refused_before_anything_runs(monkeypatch):
     import jax
 
-    from lspo_jax import run as run_module
     from lspo_jax import sharding
     from lspo_jax.config import ModelConfig
+    from lspo_jax.job import build
 
     tiny = ModelConfig.preset("tiny", compute_dtype="float32")  # 512 positions; 2 layers x 2 KV heads x head_dim 16
     run = load_config(
@@ -411,29 +411,29 @@ def test_lengths_beyond_the_model_and_a_cache_beyond_the_memory_are_refused_befo
             "reward.overlong_buffer=4",
         ],
     )
-    run_module.check_positions(run, tiny)  # 16 + 496 = 512: the last position the model has
+    build.check_positions(run, tiny)  # 16 + 496 = 512: the last position the model has
     with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens = 16 \+ 497 is beyond the model's max_position"):
-        run_module.check_positions(apply(run, "rollout.max_new_tokens=497"), tiny)
-    run_module.check_positions(apply(run, "rollout.max_new_tokens=497"), tiny, train=False)  # lspo-eval: its own
+        build.check_positions(apply(run, "rollout.max_new_tokens=497"), tiny)
+    build.check_positions(apply(run, "rollout.max_new_tokens=497"), tiny, train=False)  # lspo-eval: its own
     # The KV cache of a rollout: 16 prompts (a power of two already) x 4 samples = 64 rows of 16 (the smallest
     # prompt bucket) + 496 slots, x 2 (keys, values) x 2 layers x 2 KV heads x 16 dims x 4 bytes (float32)
     # = 32,768 slots x 512 bytes = 16,777,216 bytes; validation's 16 x 16 rows of 16 + 64 slots: 20,480 x 256
     # bytes (per slot: 2 x 2 x 2 x 16 x 4) = 5,242,880.
     run = apply(run, "rollout.prompts_per_step=16", "rollout.group_size=4", "eval.n=16")
     mesh = sharding.local_mesh()
-    monkeypatch.setattr(run_module, "device_memory", lambda mesh: (16_777_216, "here"))
-    run_module.check_cache_fits(run, tiny, mesh)
-    monkeypatch.setattr(run_module, "device_memory", lambda mesh: (16_777_215, "here"))
+    monkeypatch.setattr(build, "device_memory", lambda mesh: (16_777_216, "here"))
+    build.check_cache_fits(run, tiny, mesh)
+    monkeypatch.setattr(build, "device_memory", lambda mesh: (16_777_215, "here"))
     with pytest.raises(ConfigError, match=r"rollout\.group_size: 16 prompts x 4 samples of 496 new tokens need a KV "
                                           r"cache of at least 16\.0 MiB, more than the 16\.0 MiB here"):  # fmt: skip
-        run_module.check_cache_fits(run, tiny, mesh)
-    monkeypatch.setattr(run_module, "device_memory", lambda mesh: (5_242_879, "here"))
+        build.check_cache_fits(run, tiny, mesh)
+    monkeypatch.setattr(build, "device_memory", lambda mesh: (5_242_879, "here"))
     with pytest.raises(ConfigError, match=r"rollout\.group_size"):
-        run_module.check_cache_fits(run, tiny, mesh)
+        build.check_cache_fits(run, tiny, mesh)
     small = apply(run, "rollout.group_size=2", "rollout.max_new_tokens=16")  # 32 rows of 32 slots: 262,144 bytes
     with pytest.raises(ConfigError, match=r"^eval\.n: 16 prompts x 16 samples of 64 new tokens"):
-        run_module.check_cache_fits(small, tiny, mesh)
-    assert run_module.device_memory(mesh)[0] > 2**20 and jax.devices()[0].platform == "cpu"  # the host's, read
+        build.check_cache_fits(small, tiny, mesh)
+    assert build.device_memory(mesh)[0] > 2**20 and jax.devices()[0].platform == "cpu"  # the host's, read
 
 
 def apply(run, *overrides):

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     from lspo_jax import evaluation, toy, toy_model
     from lspo_jax.compiles import use_cache
     from lspo_jax.config import cache_root
+    from lspo_jax.job.build import load_benchmarks, load_policy, make_verifier
     from lspo_jax.learner import Generator
-    from lspo_jax.run import load_benchmarks, load_policy, make_verifier
     from lspo_jax.train_config import load_config
 
     names = args.classes.split(",") if args.classes else list(toy.CLASSES)

@@ -24,15 +24,16 @@ import sys
 import numpy as np
 
 from lspo_jax import data, evaluation, hf, rewards, tables
+from lspo_jax.job.build import model_dir, validation_specs
 from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import model_dir, validation_specs
+from lspo_jax.tasks import benchmarks
 from lspo_jax.train_config import ConfigError, load_config, to_dict
 
 
 def held_out(run, tokenizer) -> dict[str, list]:
     """The run's held-out benchmarks as rows (the demo's classes when the config names none)."""
     specs = validation_specs(run)
-    paths = {evaluation.benchmark_name(s): evaluation.benchmark_path(s, run.eval.data_dir) for s in specs}
+    paths = {benchmarks.benchmark_name(s): benchmarks.benchmark_path(s, run.eval.data_dir) for s in specs}
     return {name: data.read_rows(path, seed=run.seed, max_rows=run.eval.limit) for name, path in paths.items()}
 
 

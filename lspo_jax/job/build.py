@@ -1,0 +1,295 @@
+"""What a run is built from, each made from the run's config: the policy and its checks (positions, cache memory),
+the mesh, the verifier, the rollout engines, the data and benchmarks, the checkpoint's restore target, and the
+optional methods wired in (``PROMPT_METHODS``, ``ADVANTAGE_METHODS``: one line a method). The loop (``run``), the
+commands (``cli``), ``export`` and the tools build with these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from safetensors import SafetensorError
+
+from lspo_jax import options
+from lspo_jax.config import ModelConfig
+from lspo_jax.job import toy_model
+from lspo_jax.methods import first_mistake, l2rr
+from lspo_jax.models import hf, model, sharding
+from lspo_jax.models.model import Params
+from lspo_jax.rl import optim
+from lspo_jax.rl.checkpoint import checkpoint_state
+from lspo_jax.rl.learner import Policy
+from lspo_jax.rl.prompts import ShuffledPrompts
+from lspo_jax.rl.rounds import DynamicSamplingPrompts
+from lspo_jax.rollout import sampler
+from lspo_jax.tasks import benchmarks, data, example_store, toy, verify_pool
+from lspo_jax.train_config import ConfigError, TrainConfig
+
+
+def model_dir(run: TrainConfig, cache_dir: str) -> str:
+    """The Hugging Face directory of the policy: ``model.path``, or the demo's own model (``toy``), made here."""
+    return toy_model.model_dir(os.path.join(cache_dir, "toy_model")) if run.model.path == "toy" else run.model.path
+
+
+def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
+    """The policy's config, tokenizer and base params from ``model.path`` (``toy``: the demo's own model)."""
+    path = model_dir(run, cache_dir)
+    try:
+        config, params = hf.load_pretrained(path)
+        tokenizer = hf.load_tokenizer(path)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"model.path: {err}") from err
+    except (OSError, ValueError, SafetensorError) as err:  # damaged weights, a config.json they disagree with, another
+        # architecture: the model directory named in one line, as for a missing one
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ConfigError(f"model.path {path}: {first}") from None
+    config = dataclasses.replace(
+        config,
+        compute_dtype=run.model.compute_dtype,
+        remat=run.model.remat,
+        attention=run.model.attention,
+        decode_attention=run.model.decode_attention,
+        lora=run.model.lora,
+    )
+    eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, tuple | list) else (int(eos),)
+    return Policy(config, tokenizer, eos_ids), params
+
+
+def check_positions(run: TrainConfig, config: ModelConfig, *, train: bool = True, validate: bool = True) -> None:
+    """Refuse sequences longer than the model's ``max_position_embeddings``: RoPE computes any position, so
+    nothing would fail, the model would only be asked for positions it never saw in training. ``train``: the
+    rollouts' length; ``validate``: the evaluation's."""
+    lengths = {"rollout.max_new_tokens": run.rollout.max_new_tokens} if train else {}
+    if validate:
+        lengths["eval.max_new_tokens"] = run.eval.max_new_tokens
+    for key, new in lengths.items():
+        if run.data.max_prompt_tokens + new > config.max_position_embeddings:
+            raise ConfigError(
+                f"data.max_prompt_tokens + {key} = {run.data.max_prompt_tokens} + {new} is beyond the model's "
+                f"max_position_embeddings ({config.max_position_embeddings}); lower one of them"
+            )
+
+
+def check_cache_fits(run: TrainConfig, config: ModelConfig, mesh: Mesh, *, validate: bool = True) -> None:
+    """Refuse a rollout or validation batch whose KV cache alone cannot fit the devices' memory (host memory on
+    CPU), before anything is allocated: such a call fails deep in the sampler, or on a host that overcommits
+    memory, swaps and stops answering (SIGTERM included). The cache is a lower bound of what a call needs: a
+    refusal is certain, a pass is not a promise."""
+    from lspo_jax.rl.packing import pow2_bucket
+    from lspo_jax.rollout import kv_cache
+
+    available, where = device_memory(mesh)
+    if available is None:
+        return
+    calls = {"rollout.group_size": (run.rollout.group_size, run.rollout.max_new_tokens)}
+    if validate:
+        calls["eval.n"] = (run.eval.n, run.eval.max_new_tokens)
+    for key, (n, new_tokens) in calls.items():
+        rows = pow2_bucket(run.rollout.prompts_per_step) * n  # the shortest prompt bucket: a lower bound
+        needed = kv_cache.cache_nbytes(config, rows, sampler.MIN_PROMPT_BUCKET + new_tokens)
+        if needed > available:
+            raise ConfigError(
+                f"{key}: {run.rollout.prompts_per_step} prompts x {n} samples of {new_tokens} new tokens need a KV "
+                f"cache of at least {_size(needed)}, more than the {_size(available)} {where}; "
+                f"lower {key} or rollout.prompts_per_step"
+            )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def device_memory(mesh: Mesh) -> tuple[int | None, str]:
+    """Bytes the mesh's devices can hold together, and what that is: the allocator's limit on each accelerator
+    times their number, or the host's available memory for CPU devices (they share it). None when unknown."""
+    device = mesh.local_devices[0]  # this host's: another host's device has no memory stats here
+    if device.platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                fields = dict(line.split(":", 1) for line in f)
+            return int(fields["MemAvailable"].split()[0]) * 1024, "of memory this host has available"
+        except (OSError, KeyError, ValueError):
+            return None, ""
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return (
+        (None, "")
+        if limit is None
+        else (limit * mesh.devices.size, f"{mesh.devices.size} {device.platform} devices hold")
+    )
+
+
+def run_mesh(run: TrainConfig) -> Mesh:
+    """The run's device mesh (``mesh`` section); disabled, the first device as a 1 x 1 x 1 mesh.
+
+    ``mesh.enabled: null`` spans every device when JAX sees more than one.
+    """
+    enabled = run.mesh.enabled if run.mesh.enabled is not None else jax.device_count() > 1
+    if not enabled:
+        return sharding.local_mesh()
+    return sharding.make_mesh(sharding.MeshConfig(data=run.mesh.data, fsdp=run.mesh.fsdp, tp=run.mesh.tp))
+
+
+MEMORY_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def claim_device_memory(run: TrainConfig) -> TrainConfig:
+    """Set JAX's share of each GPU from ``mesh.memory_fraction`` (``XLA_PYTHON_CLIENT_MEM_FRACTION``, which the
+    allocator reads when its backend starts: call this first). Left null, another share already set in that
+    variable is kept and written into the returned config, so the config (and with vLLM the engine's share) says
+    what the run used; an explicit config value replaces the variable's, with a note. Refuses an unreadable value."""
+    env = os.environ.get(MEMORY_FRACTION_VAR, "").strip()
+    if run.mesh.memory_fraction is None and env:
+        try:
+            fraction = float(env)
+        except ValueError:
+            raise ConfigError(f"{MEMORY_FRACTION_VAR}={env!r} is not a number; set mesh.memory_fraction") from None
+        if fraction != run.mesh.memory_fractions(run.rollout.engine)[0]:  # not the default this would set anyway
+            run = dataclasses.replace(run, mesh=dataclasses.replace(run.mesh, memory_fraction=fraction))
+    fraction = run.mesh.memory_fractions(run.rollout.engine)[0]
+    if env and _number(env) != fraction:
+        print(f"lspo-train: mesh.memory_fraction {fraction} replaces {MEMORY_FRACTION_VAR}={env}", file=sys.stderr)
+    os.environ[MEMORY_FRACTION_VAR] = str(fraction)
+    return run
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def make_verifier(run: TrainConfig) -> verify_pool.VerifierPool:
+    """The math-verify worker pool of ``run.reward`` (workers, per-item timeout, ``</think>`` grading)."""
+    reward = run.reward
+    return verify_pool.VerifierPool(
+        workers=reward.workers, timeout=reward.timeout_s, require_think_close=reward.require_think_close
+    )
+
+
+class JaxEngine:
+    """``rollout.engine: jax``: the learner's own sampler; nothing to check or start."""
+
+    def prepare(self, run: TrainConfig, policy: Policy, out_dir: str, logs: bool) -> None:
+        """Refuse a model the engine cannot run, before the data and the state load (``ConfigError``)."""
+
+    def starter(self, run: TrainConfig, policy: Policy, out_dir: str) -> Callable[[], Any] | None:
+        """What the learner calls last to start the engine (None: there is none to start)."""
+        return None
+
+
+class VLLMEngine(JaxEngine):
+    """``rollout.engine: vllm`` on the policy's Hugging Face directory. It computes in ``model.compute_dtype``
+    and holds sequences of up to ``data.max_prompt_tokens + rollout.max_new_tokens`` tokens; its weights are
+    synced from the trainer's params before each call."""
+
+    def prepare(self, run: TrainConfig, policy: Policy, out_dir: str, logs: bool) -> None:
+        from lspo_jax.rollout import vllm_sampler
+
+        if logs:  # before vLLM is first imported: it logs from then on
+            vllm_sampler.route_logs(os.path.join(out_dir, "vllm.log"))
+        try:
+            vllm_sampler.check_model(policy.config)
+        except ValueError as err:
+            raise ConfigError(f"rollout.engine: {err}") from None
+
+    def starter(self, run: TrainConfig, policy: Policy, out_dir: str) -> Callable[[], Any]:
+        def start() -> Any:
+            from lspo_jax.rollout.vllm_sampler import VLLMSampler
+
+            return VLLMSampler(
+                model_dir(run, os.path.join(out_dir, "cache")), policy.config,
+                kv_cache_space_gib=run.rollout.vllm_kv_cache_gib, dtype=run.model.compute_dtype, seed=run.seed,
+                gpu_memory_utilization=run.mesh.memory_fractions("vllm")[1],
+                max_model_len=run.data.max_prompt_tokens + run.rollout.max_new_tokens,
+            )  # fmt: skip
+
+        return start
+
+
+ENGINES = options.Registry(options.RolloutEngine, "rollout engine")
+ENGINES.register("jax")(JaxEngine())
+ENGINES.register("vllm")(VLLMEngine())
+
+
+def load_examples(
+    run: TrainConfig, policy: Policy, spec: str, seed: int, max_rows: int | None = None
+) -> tuple[Sequence[data.Example], data.DataReport]:
+    """Tokenised examples of ``spec`` with invalid rows and unparseable gold answers excluded, and the report (its
+    solution counts grow as the run tokenises them: ``example_store``). Only the writing process says when a
+    store is built."""
+    quiet = jax.process_index() != 0
+    return example_store.load_examples(spec, policy.tokenizer, run.data, seed=seed, max_rows=max_rows, quiet=quiet)
+
+
+def validation_specs(run: TrainConfig) -> tuple[str, ...]:
+    """What a run validates on: ``eval.benchmarks``, else the demo's held-out classes for a generated task; nothing
+    with ``eval.enabled: false``."""
+    if not run.eval.enabled:
+        return ()
+    return run.eval.benchmarks or (toy.HELDOUT_SPECS if data.is_generated(run.data.train) else ())
+
+
+def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> dict[str, tuple[list, dict]]:
+    """Benchmark name -> (its examples, its load report); names resolve in ``eval.data_dir``. With ``eval.limit``
+    only the first that many problems of each file are read: those that loading drops among them are reported,
+    not replaced by later ones, so a limited run is a prefix of the benchmark."""
+    out: dict[str, tuple[list, dict]] = {}
+    for spec in specs:
+        name = benchmarks.benchmark_name(spec)
+        if name in out:
+            raise ConfigError(f"eval.benchmarks: two benchmarks are named {name!r}; rename one of the files")
+        path = benchmarks.benchmark_path(spec, run.eval.data_dir)
+        examples, report = load_examples(run, policy, path, run.seed, max_rows=run.eval.limit)
+        out[name] = examples, dataclasses.asdict(report)
+    return out
+
+
+def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str, Any]:
+    """Shapes and dtypes of ``checkpoint_state`` for this run, without allocating: a restore target."""
+
+    def build():
+        params = model.init_params(config, jax.random.key(0))
+        opt_state = optim.make_optimizer(run.optim, run.scaffold.sft).init(params)
+        checkpointed = options.ADAPTER_LIFETIMES.resolve(run.scaffold.adapter).checkpointed
+        return checkpoint_state(params, opt_state, adapter=checkpointed)
+
+    return jax.eval_shape(build)
+
+
+# The optional methods, one builder each: it returns its part of the run from the config's section, or None when
+# the section leaves the method off. A prompt method's: (run, examples, model config, load_examples) -> a prompt
+# source; a token-advantages method's: (run, policy, base params, mesh, judge=) -> a ``train.TokenAdvantages``.
+PROMPT_METHODS = (l2rr.make_prompt_source,)
+ADVANTAGE_METHODS = (first_mistake.make_token_advantages,)
+
+
+def prompt_source(run: TrainConfig, examples: list[data.Example], policy: Policy) -> Any:
+    """The run's prompt source: dynamic sampling, a method's (the first of ``PROMPT_METHODS`` its config turns on),
+    or the seeded order."""
+    if not examples:
+        raise data.DataError("no training prompts left after loading; see the data report")
+    if run.rollout.dynamic_sampling:
+        return DynamicSamplingPrompts(run, examples)
+    load = lambda path: load_examples(run, policy, path, run.seed)
+    for make in PROMPT_METHODS:
+        if (source := make(run, examples, policy.config, load)) is not None:
+            return source
+    return ShuffledPrompts(examples, run.rollout.prompts_per_step, seed=run.seed, shuffle=run.data.shuffle)
+
+
+def make_token_advantages(run: TrainConfig, policy: Policy, base_params: Any, mesh: Mesh, judge: Any = None) -> Any:
+    """The step's token-advantages strategy: the first of ``ADVANTAGE_METHODS`` the config turns on, or None.
+    ``judge`` replaces the first-mistake judge; ``base_params`` returns the policy's current base."""
+    for make in ADVANTAGE_METHODS:
+        if (strategy := make(run, policy, base_params, mesh, judge=judge)) is not None:
+            return strategy
+    return None

@@ -1,0 +1,457 @@
+"""Command-line entry points: ``lspo-train``, ``lspo-eval``, ``lspo-export``. Each is a thin shell."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+
+EXIT_CONFIG = 2  # a bad config, file, path or checkpoint: nothing ran
+EXIT_STOPPED = 75  # stopped by SIGTERM or Ctrl-C with a checkpoint written: `--resume` continues it (EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM before the run had started: nothing to resume from it
+DEBUG_VAR = "LSPO_JAX_DEBUG"  # set (to anything but 0): a one-line error also prints its traceback
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that come from what the user gave (a config, a path, a file, a model directory, a checkpoint)
+    or from the machine (permissions, space): each ends a command in one line and ``EXIT_CONFIG``."""
+    from lspo_jax.job.metrics_log import MetricsError
+    from lspo_jax.rl.checkpoint import CheckpointError
+    from lspo_jax.tasks.data import DataError
+    from lspo_jax.train_config import ConfigError
+
+    return ConfigError, DataError, CheckpointError, MetricsError, OSError
+
+
+# OS errors that say what to do: (what failed, the advice). Space and a read-only file system can only be a write's,
+# so they are looked for through an error's causes too (a checkpoint's write deep in orbax); permissions may be a
+# read's, so only an OSError raised as it is gets that line.
+_WRITES = {
+    errno.ENOSPC: ("cannot write", "free some space; a run continues from its last checkpoint with --resume"),
+    errno.EDQUOT: ("cannot write", "free some space; a run continues from its last checkpoint with --resume"),
+    errno.EROFS: ("cannot write", "choose a writable --out"),
+}
+_ACCESS = {errno.EACCES: ("cannot use", "check its permissions"), errno.EPERM: ("cannot use", "check its permissions")}
+
+
+def describe(err: BaseException) -> str:
+    """One line for a user error: what failed, on which path, and what to do."""
+    from lspo_jax.train_config import ConfigError
+
+    if isinstance(err, ConfigError):
+        return f"config error: {err}"
+    if _out_of_memory(err):
+        first = str(err).strip().splitlines()[0][:200]
+        return (
+            f"the devices ran out of memory ({first}); raise loss.micro_batches or lower rollout.prompts_per_step or "
+            "rollout.group_size (a run continues from its last checkpoint with --resume and the new values)"
+        )
+    cause, seen = err, set()
+    while cause is not None and id(cause) not in seen and not _os_line(cause, _WRITES):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    line = (_os_line(cause, _WRITES) if cause is not None else None) or _os_line(err, _ACCESS)
+    if line:
+        return line
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _os_line(err: BaseException, known: dict) -> str | None:
+    if not (isinstance(err, OSError) and err.errno in known):
+        return None
+    what, advice = known[err.errno]
+    where = f" {err.filename}" if err.filename else ""
+    return f"{what}{where}: {err.strerror or os.strerror(err.errno)}; {advice}"
+
+
+def _run_command(prog: str, body, args, interrupted: str) -> int:
+    """``body(args)``'s exit status, through one funnel: a user error (``_user_errors``) is one line and
+    ``EXIT_CONFIG``, its traceback only with ``LSPO_JAX_DEBUG`` set; Ctrl-C or SIGTERM before the command's own
+    handlers take over is ``interrupted`` and ``EXIT_INTERRUPTED``. Any other error is a bug: its traceback."""
+    _quiet_imports()
+    try:
+        with _terminate_as_interrupt():
+            return body(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: {interrupted}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        if not (isinstance(err, _user_errors()) or _out_of_memory(err)):
+            raise
+        if os.environ.get(DEBUG_VAR, "0") not in ("", "0"):
+            traceback.print_exc()
+        print(f"{prog}: {describe(err)}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _finish_on_terminate() -> None:
+    """Once training has ended, a SIGTERM comes while the run closes its engine and verifier and plots: not a
+    stop during start-up, and nothing left to checkpoint. The first is let finish, with a line; a second ends the
+    process at once."""
+
+    def finishing(signum, frame):
+        print("lspo-train: finishing the run (closing, plotting); a second SIGTERM ends it at once", file=sys.stderr)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, finishing)
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """XLA's allocation failure on an accelerator: a shape the devices cannot hold, not a bug of the program."""
+    return type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and str(err).startswith("RESOURCE_EXHAUSTED")
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (a scheduler's stop) read as Ctrl-C until the command's own handlers replace it: a stop during
+    start-up ends with the interrupted line and ``EXIT_INTERRUPTED``, the resources opened so far closed, not
+    with a silent 143. The previous handler comes back afterwards (a test, a notebook)."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
+
+
+def _quiet_imports() -> None:
+    """transformers announces at import that PyTorch is absent (the JAX path never needs it), as advice:
+    advice is off unless the user set ``TRANSFORMERS_NO_ADVISORY_WARNINGS`` themselves; its warnings stay."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lspo-train",
+        description="Train with LSPO (or DAPO: scaffold.enabled=false).",
+        epilog=f"Exit status: 0 finished; {EXIT_CONFIG} bad config, data, path or checkpoint (nothing ran); 3 stopped "
+        f"after non-finite updates in a row; {EXIT_STOPPED} stopped by SIGTERM or Ctrl-C with a checkpoint written "
+        f"(--resume continues it); {EXIT_INTERRUPTED} interrupted during start-up.",
+    )
+    p.add_argument("--config", help="YAML config (defaults apply to keys it does not name); a new run needs one")
+    p.add_argument(
+        "--out", help="output directory: metrics, checkpoints, summary, plots (not needed to --print-config a new run)"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --out (with its config.yaml when --config is not given)",
+    )
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. rollout.group_size=8")
+    return p
+
+
+def has_checkpoint(out_dir: str) -> bool:
+    """Whether ``out_dir`` holds a finished checkpoint step (orbax names them by number), without orbax."""
+    directory = os.path.join(out_dir, "checkpoints")
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def _train_config(args):
+    """The run's config: ``--config`` (or, resuming without one, the run's own ``config.yaml``) and overrides."""
+    from lspo_jax.train_config import ConfigError, load_config
+
+    saved = os.path.join(args.out, "config.yaml") if args.out else None
+    if args.resume and not has_checkpoint(args.out):
+        raise FileNotFoundError(f"nothing to resume in {args.out}: it holds no checkpoint")
+    config_path = args.config
+    if config_path is None and args.resume and os.path.exists(saved):
+        config_path = saved  # the run's own settings, the overrides on top
+        if not args.print_config:
+            print(f"lspo-train: resuming with {saved}", file=sys.stderr)
+    if config_path is None and args.resume:
+        raise ConfigError(f"--resume: {saved} is missing (the run's own settings); pass the run's config with --config")
+    if config_path is None:
+        # The built-in defaults are the paper's shape (32 x 16 rollouts of 8192 tokens): no machine to run by
+        # accident. configs/ has the recipes.
+        raise ConfigError("--config: a new run needs a config file (configs/demo.yaml is the CPU demo, "
+                          "configs/lspo_deepmath_r1_distill_qwen_1p5b.yaml the paper's recipe)")  # fmt: skip
+    # Process 0 wrote config.yaml, with its own mesh.process_id: each host takes its id from the environment.
+    overrides = ["mesh.process_id=null", *args.overrides] if config_path == saved else args.overrides
+    return load_config(config_path, overrides)
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    parser = _train_parser()
+    args = parser.parse_args(argv)
+    if args.out is None and (args.resume or not args.print_config):
+        parser.error("--out is required" + (" to resume" if args.resume else " (only --print-config runs without it)"))
+    return _run_command("lspo-train", _train, args, "interrupted during start-up; nothing was trained")
+
+
+def _train(args) -> int:
+    from lspo_jax.train_config import to_dict
+
+    config = _train_config(args)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    from lspo_jax.job.build import claim_device_memory
+    from lspo_jax.job.compiles import use_cache
+
+    config = claim_device_memory(config)  # before JAX's backends start: the allocator reads it once
+    use_cache(config.compile_cache)  # before anything compiles: JAX decides once per process
+    from lspo_jax.job.run import RunStopped, train_run
+    from lspo_jax.models.sharding import initialize_distributed
+
+    # Before any other JAX call: every process of a multi-host job must join before devices are listed.
+    initialize_distributed(config.mesh.coordinator, config.mesh.num_processes, config.mesh.process_id)
+    try:
+        summary = train_run(config, args.out, resume=args.resume, on_finish=_finish_on_terminate)
+    except RunStopped as err:
+        print(f"lspo-train: stopped: {err}", file=sys.stderr)
+        return 3
+    print(format_summary(summary))
+    import jax
+
+    if jax.process_index() == 0:  # one writer of the run directory, as for its logs and config
+        _plot(args.out)
+    if summary.get("stopped_early"):
+        print(f"lspo-train: stopped at step {summary['steps']} with a checkpoint; --resume continues it "
+              f"(exit status {EXIT_STOPPED})", file=sys.stderr)  # fmt: skip
+        return EXIT_STOPPED
+    return 0
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-run lines a reader compares with the paper's mechanism figures, and one line per held-out
+    benchmark: the per-sample accuracy, the largest-k pass@k and the gold solutions' log-likelihood (where the
+    benchmark has worked solutions) before and after training."""
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    def nats(x):
+        return "n/a" if x is None else f"{x:.3f}"
+
+    lines = [
+        f"steps {summary['steps']} in {summary['seconds']} s"
+        + (" (stopped early)" if summary["stopped_early"] else ""),
+        f"cliff groups {summary['cliff_groups']}, {summary['scaffold_attempted']} attempted by the scaffold "
+        f"({summary['scaffold_no_solution']} without a worked solution), surpassed {summary['surpassed_groups']} "
+        f"(surpass rate {pct(summary['surpass_rate'])} of those attempted)",
+        f"per-rollout pass rate after the scaffold {pct(summary['rescue_pass_rate'])} "
+        f"({summary['rerolls_passed']} of {summary['rerolls']} re-rollouts verified)",
+    ]
+    spread = summary.get("surpass_rate_per_step")
+    if spread:
+        lines.append(f"per-step surpass rate over {spread['steps']} cliff-bearing steps: {pct(spread['at_0'])} of them "
+                     f"at 0, {pct(spread['at_1'])} at 1 (paper: 31% and 21%)")  # fmt: skip
+    before, after = summary.get("held_out_before") or {}, summary.get("held_out_after") or {}
+    for name in dict.fromkeys([*before, *after]):
+        b, a = before.get(name) or {}, after.get(name) or {}
+        ks = sorted(int(key[5:]) for key in {*b, *a} if key.startswith("pass@") and key[5:].isdigit())
+        line = f"held-out {name} ({(a or b).get('problems', '?')} problems): accuracy before {pct(b.get('accuracy'))}, "
+        line += f"after {pct(a.get('accuracy'))}"
+        if ks:
+            key = f"pass@{ks[-1]}"
+            line += f"; {key} before {pct(b.get(key))}, after {pct(a.get(key))}"
+        if "gold_logprob" in b or "gold_logprob" in a:
+            line += f"; gold nats/token before {nats(b.get('gold_logprob'))}, after {nats(a.get('gold_logprob'))}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _plot(out_dir: str) -> None:
+    from lspo_jax.job.plots import plot_run
+
+    for path in plot_run(out_dir):
+        print(f"plot: {path}")
+
+
+DEFAULT_BENCHMARKS = "math500,aime24,aime25,aime26"
+DEFAULT_KS = (1, 4, 8, 16)
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lspo-eval",
+        description="pass@k of a model on math benchmarks, sampled with the JAX sampler. Settings not given here "
+        "come from the run's config.yaml (a checkpoint) or from --config / the defaults (a Hugging Face directory).",
+    )
+    p.add_argument(
+        "--model", required=True, help="a Hugging Face directory, 'toy', or a training run's --out directory"
+    )
+    p.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: the latest)")
+    p.add_argument("--config", default=None, help="YAML run config for a Hugging Face model (prompt, reward settings)")
+    p.add_argument("--benchmarks", default=DEFAULT_BENCHMARKS,
+                   help="comma-separated names (DATA_DIR/NAME.jsonl) or paths (default: %(default)s)")  # fmt: skip
+    p.add_argument("--data-dir", default=None, help="where benchmark names resolve (default: ../shared/data)")
+    p.add_argument("--n", type=int, default=None, help="samples per problem (default: eval.n)")
+    p.add_argument("--ks", default=None, help="comma-separated k (default: eval.ks; with --n, n and 1,4,8,16 <= n)")
+    p.add_argument("--limit", type=int, default=None, help="the first N problems of each file")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens")
+    p.add_argument("--temperature", type=float, default=None, help="default: eval.temperature")
+    p.add_argument(
+        "--prompts-per-batch", type=int, default=None, help="problems sampled together (rollout.prompts_per_step)"
+    )
+    p.add_argument("--workers", type=int, default=None, help="verifier processes (0: in this process; reward.workers)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+    p.add_argument("--out", default=None, help="write the results here as JSON")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. reward.require_think_close=true")
+    return p
+
+
+def _eval_settings(run, args):
+    """``run`` with this command's evaluation settings on top (each only when given)."""
+    from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
+
+    n = run.eval.n if args.n is None else args.n  # --n 0 is refused by eval.n's check, not read as unset
+    if args.ks:
+        ks = _ints("--ks", args.ks)
+    else:  # with a new n, the usual ks that fit and n itself; otherwise those of the config
+        ks = sorted({k for k in DEFAULT_KS if k <= n} | {n}) if args.n else list(run.eval.ks)
+    flags = {
+        "eval.benchmarks": [b.strip() for b in args.benchmarks.split(",") if b.strip()], "eval.n": n, "eval.ks": ks,
+        "eval.limit": args.limit, "eval.max_new_tokens": args.max_new_tokens, "eval.temperature": args.temperature,
+        "eval.data_dir": args.data_dir, "rollout.prompts_per_step": args.prompts_per_batch,
+        "reward.workers": args.workers, "seed": args.seed,
+    }  # fmt: skip
+    overrides = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
+    return from_dict(TrainConfig, apply_overrides(to_dict(run), overrides))
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    from lspo_jax.train_config import ConfigError
+
+    try:
+        return [int(k) for k in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: not a comma-separated list of integers") from None
+
+
+def _eval_model(args):
+    """``(run config, policy, params, checkpoint step or None)`` of ``--model``: a training run's checkpoint
+    with the run's own config, or a Hugging Face directory with ``--config`` (or the defaults)."""
+    from lspo_jax.config import cache_root
+    from lspo_jax.job import export
+    from lspo_jax.job.build import load_policy
+    from lspo_jax.job.compiles import use_cache
+    from lspo_jax.train_config import load_config
+
+    if export.is_run_dir(args.model):
+        # The cache is set before the checkpoint is read: JAX decides at its first compile whether it uses one.
+        use_cache(load_config(os.path.join(args.model, "config.yaml"), args.overrides).compile_cache)
+        run, policy, params, step = export.restore_run(args.model, args.step, args.overrides)
+    elif args.step is not None:
+        raise FileNotFoundError(f"--step {args.step}: {args.model} is not a training run (no config.yaml and "
+                                "checkpoints/ in it)")  # fmt: skip
+    else:
+        run = load_config(args.config, [f"model.path={json.dumps(args.model)}", *args.overrides])
+        use_cache(run.compile_cache)
+        policy, params = load_policy(run, str(cache_root()))
+        step = None
+    return _eval_settings(run, args), policy, params, step
+
+
+def check_output_file(path: str) -> None:
+    """Refuse, before any work, an output file that could not be written at the end."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise FileExistsError(f"--out {path} is a directory; name a file to write the results to")
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"--out {path}: no directory {parent} to write it in")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise PermissionError(f"--out {path}: not writable")
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    args = _eval_parser().parse_args(argv)
+    return _run_command("lspo-eval", _eval, args, "interrupted")
+
+
+def _eval(args) -> int:
+    import time
+
+    import jax
+
+    from lspo_jax.job import evaluation
+    from lspo_jax.job.build import check_positions, load_benchmarks, make_verifier
+    from lspo_jax.rl.learner import Generator
+
+    try:
+        if args.out:
+            check_output_file(args.out)
+        run, policy, params, step = _eval_model(args)
+        check_positions(run, policy.config, train=False)
+        benchmarks = load_benchmarks(run, policy, run.eval.benchmarks)
+        for name, (examples, report) in benchmarks.items():
+            _warn_about_rows(name, report)
+            if not examples:
+                raise ValueError(f"{name}: no problem is left to evaluate (rows read: {report['rows']})")
+    except ValueError as err:  # the loaders' plain ValueErrors are about the files given too; the rest: the funnel
+        print(f"lspo-eval: {describe(err)}", file=sys.stderr)
+        return EXIT_CONFIG
+    pool, generator = make_verifier(run), Generator(policy)
+    results, key = {}, jax.random.key(run.seed)
+    try:
+        for name, (examples, report) in benchmarks.items():
+            start = time.perf_counter()
+            bench_key = evaluation.benchmark_key(key, name)
+            correct, spread = evaluation.graded_samples(run, generator, params, examples, pool, bench_key)
+            results[name] = {
+                **evaluation.pass_at_k_metrics(correct, run.eval.ks),
+                "answer_entropy": float(spread.mean()),
+                "seconds": round(time.perf_counter() - start, 1),
+                "data": report,
+                "per_problem": [
+                    {"id": ex.id, "correct": row.tolist(), "answer_entropy": h}
+                    for ex, row, h in zip(examples, correct, spread.tolist(), strict=True)
+                ],
+            }
+    finally:
+        pool.close()
+    print(evaluation.format_results(results, run.eval.ks))
+    if args.out:
+        output = {
+            "model": args.model, "checkpoint_step": step, "n": run.eval.n, "ks": list(run.eval.ks),
+            "temperature": run.eval.temperature, "max_new_tokens": run.eval.max_new_tokens, "seed": run.seed,
+            "require_think_close": run.reward.require_think_close, "benchmarks": results,
+        }  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(output, f, indent=1)
+        print(f"results: {args.out}")
+    return 0
+
+
+def _warn_about_rows(name: str, report: dict) -> None:
+    """A benchmark that lost problems at load time is not the published benchmark: say so."""
+    from lspo_jax.tasks.data import DataReport
+
+    line = DataReport(**report).losses()
+    if line:
+        print(f"lspo-eval: {name}: {line}", file=sys.stderr)
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lspo-export", description="Checkpoint of a run -> Hugging Face directory.")
+    p.add_argument("run_dir", help="a training run's --out directory")
+    p.add_argument("out", help="directory to write (config.json, model.safetensors, tokenizer files)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    args = p.parse_args(argv)
+    return _run_command("lspo-export", _export, args, "interrupted; nothing was written")
+
+
+def _export(args) -> int:
+    from lspo_jax.job.export import export_checkpoint
+
+    path = export_checkpoint(args.run_dir, args.out, step=args.step)
+    print(json.dumps({"exported": os.path.abspath(path)}))  # absolute: the line is read by scripts run elsewhere
+    return 0

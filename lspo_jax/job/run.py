@@ -1,0 +1,490 @@
+"""A training run: load the policy and data, loop over steps with validation, checkpoints and metrics.
+
+``lspo-train`` calls ``train_run``. The output directory holds ``config.yaml``, ``metrics.jsonl``,
+``tensorboard/``, ``checkpoints/`` (base params and RL optimizer state only), ``summary.json``, and plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+from jax.experimental import multihost_utils
+
+from lspo_jax import options
+from lspo_jax.job import evaluation
+from lspo_jax.job.build import (
+    ENGINES,
+    check_cache_fits,
+    check_positions,
+    load_benchmarks,
+    load_examples,
+    load_policy,
+    make_token_advantages,
+    make_verifier,
+    prompt_source,
+    run_mesh,
+    validation_specs,
+)
+from lspo_jax.job.compiles import CompileCount
+from lspo_jax.job.metrics_log import MetricsLog, NullLog, records_until, rewrite, wandb_options
+from lspo_jax.job.progress import Progress
+from lspo_jax.job.run_lock import take_run_lock
+from lspo_jax.rl.checkpoint import Checkpointer, TrainState
+from lspo_jax.rl.learner import Learner
+from lspo_jax.rl.train import Phases, StepAbandoned, StopFlag, step_rates, train_step
+from lspo_jax.tasks import data, example_store
+from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
+
+
+class RunStopped(RuntimeError):
+    """The run stopped early (non-finite updates in a row); a checkpoint was written first."""
+
+
+def check_resumable(run: TrainConfig, out_dir: str) -> None:
+    """Refuse to resume what the checkpoints cannot hold: another model than the run's own (its ``config.yaml``:
+    the arrays would not fit it, and the error would come from deep inside the restore), or an adapter lifetime
+    that checkpoints the adapter where the run's did not (or the reverse). How the model computes (dtype, remat,
+    attention) may change."""
+    path = os.path.join(out_dir, "config.yaml")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = yaml.safe_load(f) or {}
+    saved_path = (saved.get("model") or {}).get("path")
+    if saved_path is not None and saved_path != run.model.path:
+        raise ConfigError(
+            f"--resume: model.path {run.model.path!r} is not the run's {saved_path!r} ({path}); resume without "
+            "--config to use the run's own config"
+        )
+    lifetimes = options.ADAPTER_LIFETIMES
+    saved_adapter = (saved.get("scaffold") or {}).get("adapter", run.scaffold.adapter)
+    if saved_adapter not in lifetimes:
+        return  # a config.yaml from another version: the restore says what does not fit
+    if lifetimes.resolve(saved_adapter).checkpointed != lifetimes.resolve(run.scaffold.adapter).checkpointed:
+        raise ConfigError(
+            f"--resume: scaffold.adapter {run.scaffold.adapter!r} cannot continue the run's checkpoints, written "
+            f"with {saved_adapter!r} (one keeps the adapter in them, the other not); start a new run to change it"
+        )
+
+
+def record_config(run: TrainConfig, out_dir: str, step: int | None) -> None:
+    """Write the run's ``config.yaml``. Resuming at ``step`` with settings that differ from the file's, the file
+    the steps so far ran with is kept beside it as ``config.step<step>.yaml`` (the first such file for that step
+    stays), and a line names what changed."""
+    path = os.path.join(out_dir, "config.yaml")
+    new = to_dict(run)
+    if step and os.path.exists(path):
+        with open(path) as f:
+            old = yaml.safe_load(f) or {}
+        changed = [key for key in _changed(old, new) if key != "mesh.process_id"]  # each host's own
+        if changed:
+            kept = os.path.join(out_dir, f"config.step{step}.yaml")
+            if not os.path.exists(kept):
+                shutil.copyfile(path, kept)
+            shown = ", ".join(f"{key} {_get(old, key)!r} -> {_get(new, key)!r}" for key in changed[:6])
+            more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+            print(f"lspo-train: --resume changes {shown}{more}; steps 1-{step} ran with {kept}", file=sys.stderr)
+    with open(path + ".tmp", "w") as f:  # replaced whole: a full disk or a stop leaves the old file, not half one
+        yaml.safe_dump(new, f, sort_keys=False)
+    os.replace(path + ".tmp", path)
+
+
+def _changed(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = dict.fromkeys([*old, *new])
+        return [k for key in keys for k in _changed(old.get(key), new.get(key), f"{prefix}{key}.")]
+    return [] if old == new else [prefix[:-1]]
+
+
+def _get(tree: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+class AgreedVerifier:
+    """A verifier whose scores are process 0's on every process of a multi-host job.
+
+    Every host verifies the same responses, but a verification's time limit can run out on one host and not on
+    another. A host with other scores would find other cliffs and advantages, take another sequence of phases
+    and hang at the next collective; with process 0's scores everywhere the hosts stay in step.
+    """
+
+    def __init__(self, verifier: Any):
+        self.verifier = verifier
+
+    def score(self, responses: Sequence[str], golds: Sequence[str], **kwargs: Any) -> np.ndarray:
+        scores = np.asarray(self.verifier.score(responses, golds, **kwargs), np.float32)
+        if not len(scores):  # every host has the same count, so all skip the collective together
+            return scores
+        return np.asarray(multihost_utils.broadcast_one_to_all(scores))
+
+    def __getattr__(self, name: str) -> Any:  # stats, close, ... of the wrapped verifier
+        return getattr(self.verifier, name)
+
+
+class Run:
+    """The state and resources of one training run.
+
+    ``verifier`` replaces the math-verify pool: any object with ``score(responses, golds) -> array`` and
+    ``close()``; the run owns it from then on and closes it, also when the run fails to start. ``judge``
+    replaces the first-mistake judge built from ``first_mistake`` (a ``teacher.Judge``, e.g. over a scripted
+    ``generate``).
+    """
+
+    def __init__(
+        self, run: TrainConfig, out_dir: str, *, resume: bool = False, verifier: Any = None, judge: Any = None
+    ):
+        self.run, self.out_dir = run, out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        # Several hosts share out_dir: process 0 writes the files, all of them write checkpoint shards.
+        self.writer = jax.process_index() == 0
+        self.lock = take_run_lock(out_dir)  # a second run into out_dir stops here, on every process
+        try:
+            self._start(run, resume=resume, verifier=verifier, judge=judge)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.close()
+            raise
+
+    def _start(self, run: TrainConfig, *, resume: bool, verifier: Any, judge: Any) -> None:
+        out_dir = self.out_dir
+        # Refusals first, before anything is loaded or written: the run's own config.yaml stays as it was.
+        # Checked before the model loads: a W&B run asked for without wandb installed fails here.
+        self.wandb = wandb_options(run) if self.writer else None
+        self.checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=run.checkpoint.keep)
+        latest = self.checkpointer.latest_step()
+        if latest is not None and not resume:
+            self.checkpointer.close()
+            raise FileExistsError(
+                f"{out_dir} already holds a run (checkpoint at step {latest}): pass --resume to continue it, "
+                "or choose another --out"
+            )
+        if latest is None and resume:
+            self.checkpointer.close()
+            raise FileNotFoundError(f"nothing to resume in {out_dir}: it holds no checkpoint")
+        try:
+            if latest is not None:
+                check_resumable(run, out_dir)
+            self._load(run, resume=latest is not None, verifier=verifier, judge=judge)
+        except BaseException:
+            _close_after_failure(self.checkpointer, "checkpointer")
+            raise
+
+    def _load(self, run: TrainConfig, *, resume: bool, verifier: Any, judge: Any) -> None:
+        """Model, data, judge, verifier, the learner (its state restored when resuming; the engine last), then
+        config.yaml and the metrics log. What started is closed if a later part fails."""
+        out_dir = self.out_dir
+        self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
+        check_positions(run, self.policy.config, validate=bool(validation_specs(run)))
+        mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
+        engine = ENGINES.resolve(run.rollout.engine)
+        if run.rollout.engine == "jax":  # vLLM pages its cache and batches what does not fit
+            check_cache_fits(run, self.policy.config, mesh, validate=bool(validation_specs(run)))
+        engine.prepare(run, self.policy, out_dir, logs=bool(self.writer))  # before the data: the engine starts last
+        self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
+        if self.writer and (line := self.data_report.losses()):
+            print(f"lspo-train: data.train {run.data.train}: {line}", file=sys.stderr)  # also in summary.json
+        self.data_digest = example_store.source_digest(run.data.train)  # read with the store's key: no second pass
+        self.examples = self.examples[: run.data.limit]  # the first `limit` usable prompts (all when null)
+        self.held_out, self.held_out_data = self._held_out()
+        self.prompts = prompt_source(run, self.examples, self.policy)
+        self.history: list[dict[str, Any]] = []  # every record of the run, those before a resume included
+        # A policy judging itself reads the learner's base at each call.
+        token_advantages = make_token_advantages(run, self.policy, lambda: self.learner.base_params(), mesh, judge)
+        verifier = make_verifier(run) if verifier is None else verifier
+        try:
+            # Params and optimizer state are committed to the mesh like the arrays a restore returns: jit keys its
+            # cache on placement, so a run resumed in the same process (tests, notebooks) reuses its programs.
+            self.learner = Learner(
+                run, self.policy, base, mesh=mesh, token_advantages=token_advantages,
+                engine=engine.starter(run, self.policy, out_dir),
+                verifier=verifier if jax.process_count() == 1 else AgreedVerifier(verifier),
+                resume=self._restore if resume else None,
+            )  # fmt: skip
+        except BaseException:
+            _close_after_failure(verifier, "verifier")
+            raise
+        try:
+            if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
+                record_config(run, out_dir, self.state.step if resume else None)
+            self.log = self._open_log() if self.writer else NullLog()
+        except BaseException:
+            _close_after_failure(self.learner, "learner")
+            raise
+
+    @property
+    def state(self) -> TrainState:
+        return self.learner.state
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        self.learner.state = state
+
+    def _held_out(self) -> tuple[dict[str, list[data.Example]], dict[str, dict]]:
+        """Benchmark name -> examples, and name -> load report; the toy task validates on its held-out classes."""
+        loaded = load_benchmarks(self.run, self.policy, validation_specs(self.run))
+        for name, (examples, report) in loaded.items():
+            if not examples:
+                raise data.DataError(f"eval.benchmarks: {name} keeps no problem to validate on ({report['rows']} "
+                                     f"rows; {data.DataReport(**report).losses()})")  # fmt: skip
+            if self.writer and (line := data.DataReport(**report).losses()):
+                print(f"lspo-train: eval.benchmarks {name}: {len(examples)} problems validated; {line}",
+                      file=sys.stderr)  # fmt: skip
+        return {name: ex for name, (ex, _) in loaded.items()}, {name: report for name, (_, report) in loaded.items()}
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def save(self) -> None:
+        meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed, "data": self.data_digest}
+        self.checkpointer.save_state(self.state, meta, adapter=self.learner.adapter_lifetime.checkpointed)
+
+    def _restore(self, fresh: TrainState, adapter: bool) -> TrainState:
+        """The state of the newest readable checkpoint, in ``fresh``'s layout (``adapter``: whether it holds the
+        adapter); newer unreadable ones are set aside (and said so), so the run writes those steps again. The run's
+        records are taken up to that step: what followed it is redone."""
+        state, meta, failures = self.checkpointer.restore_state(fresh, adapter=adapter)
+        step = state.step
+        if step > self.run.steps:
+            raise ConfigError(
+                f"steps: {self.run.steps} is below the run's step {step} (its checkpoint); pass steps={step} or more"
+            )
+        if failures:
+            unreadable = [s for s in self.checkpointer.steps() if s > step]
+            if jax.process_count() > 1:  # every process has read before one moves the files
+                multihost_utils.sync_global_devices("lspo_jax: unreadable checkpoints found")
+            aside = self.checkpointer.set_aside(unreadable) if self.writer else self.checkpointer.directory
+            if self.writer:
+                for line in failures:
+                    print(f"lspo-train: {line}", file=sys.stderr)
+                print(f"lspo-train: resuming from step {step}, the newest readable checkpoint; the unreadable ones "
+                      f"are in {aside}", file=sys.stderr)  # fmt: skip
+        if self.writer and meta.get("data") not in (None, self.data_digest):
+            print(f"lspo-train: data.train {self.run.data.train} is not the data the run's checkpoint was trained on "
+                  f"(its files changed): the run goes on from its place in the old data's order, in the new data",
+                  file=sys.stderr)  # fmt: skip
+        records = os.path.join(self.out_dir, "metrics.jsonl")
+        if self.writer and not os.path.exists(records):
+            print(f"lspo-train: {records} is missing: the records of steps 1-{step} are lost, and the summary counts "
+                  f"the steps from {step + 1} on", file=sys.stderr)  # fmt: skip
+        say = (lambda line: print(f"lspo-train: {line}", file=sys.stderr)) if self.writer else None
+        self.history = records_until(records, step, say)
+        if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
+            self.prompts.load_state_dict(meta[self.prompts.meta_key])
+        return state
+
+    def _open_log(self) -> MetricsLog:
+        """The run's metrics log, cut back to the restored step: a resumed run's records read as if it had
+        never stopped (steps logged after its checkpoint are not repeated)."""
+        path = os.path.join(self.out_dir, "metrics.jsonl")
+        if os.path.exists(path):
+            rewrite(path, self.history)
+        return MetricsLog(self.out_dir, wandb=self.wandb, purge_step=self.state.step + 1 if self.state.step else None)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        self.log.write(record)
+
+    # ----------------------------------------------------------------------------------------- loop
+    def validate(self, stop: StopFlag | None = None) -> dict[str, dict[str, float]] | None:
+        """Score every held-out benchmark (pass@k, and the base's log-likelihood of the gold solutions where the
+        benchmark has them); one ``eval`` record per benchmark. Returns name -> metrics. With ``stop``, a stop
+        asked for ends the validation before its next batch (``evaluation.ValidationStopped``), writing nothing."""
+        if not any(self.held_out.values()):
+            return None
+        if self.writer:
+            problems = sum(len(examples) for examples in self.held_out.values())
+            print(f"lspo-train: validating at step {self.state.step}: {problems} problems x {self.run.eval.n} "
+                  "samples", file=sys.stderr, flush=True)  # fmt: skip
+        key = jax.random.fold_in(jax.random.key(self.run.seed + 1), self.state.step)
+        results = evaluation.evaluate_benchmarks(
+            self.run, self.learner.generator, self.state.params, self.held_out, self.learner.verifier, key,
+            logprobs=self._gold_logprobs, stop=None if stop is None else stop.agreed,
+        )  # fmt: skip
+        for name, result in results.items():
+            self._write({"kind": "eval", "step": self.state.step, "benchmark": name, **result})
+        return results
+
+    def _gold_logprobs(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+        """Per-token log-probs of ``rows`` under the base as it stands: adapter off and temperature 1 whatever the
+        rollout's, so the gold solutions are scored by the model's own likelihood, not by the sampling
+        distribution's (logits / T)."""
+        return self.learner.logprobs(rows, lora_scale=0.0, temperature=1.0)
+
+    def _validate_once(self, stop: StopFlag) -> None:
+        """Validate at this step unless its records exist (a resumed run validated it before it stopped)."""
+        if not any(r["kind"] == "eval" and r["step"] == self.state.step for r in self.history):
+            self.validate(stop)
+
+    def train(self) -> dict[str, Any]:
+        run, start = self.run, time.perf_counter()
+        if self.state.step == run.steps and self.writer:
+            print(f"lspo-train: {self.out_dir} is at step {run.steps} of steps={run.steps}: nothing to train "
+                  f"(pass steps=N above {run.steps} to go on)", file=sys.stderr)  # fmt: skip
+        progress = None
+        # The handlers stay until the end: a signal during the last save or validation is a stop, not a kill.
+        with StopFlag() as stop:
+            try:
+                if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
+                    self._validate_once(stop)  # stop or a kill cut short
+                progress = Progress(run.steps, self.state.step, enabled=self.writer)  # the first step's time its own
+                stopped = self._steps(stop, progress)
+            except evaluation.ValidationStopped:  # its records are not written, so a resume validates again
+                stopped = True
+            if progress is not None:
+                progress.close()
+            if self.checkpointer.latest_step() != self.state.step:
+                self.save()
+            if not stopped:
+                try:
+                    self._validate_once(stop)
+                except evaluation.ValidationStopped:
+                    stopped = True
+            return self._summary(time.perf_counter() - start, stopped)
+
+    def _due(self, step: int) -> bool:
+        """Whether validation is scheduled at ``step`` (before training, every ``eval.every``, at the end)."""
+        every = self.run.eval.every
+        return step in (0, self.run.steps) or bool(every and step % every == 0)
+
+    def _steps(self, stop: StopFlag, progress: Progress) -> bool:
+        """Steps until ``run.steps``, checkpointing and validating on schedule; returns whether a stop ended them."""
+        run = self.run
+        while self.state.step < run.steps:
+            if stop.agreed():
+                return True
+            try:
+                metrics = self.one_step(stop)
+            except StepAbandoned as err:
+                progress.write(f"lspo: {err}: step {self.state.step + 1} abandoned, its prompts not consumed")
+                return True
+            progress.step(self.state.step, metrics)
+            if self.state.nonfinite_in_row >= run.max_nonfinite_in_row:
+                self.save()
+                raise RunStopped(f"{self.state.nonfinite_in_row} non-finite updates in a row at step "
+                                 f"{self.state.step}; checkpoint written")  # fmt: skip
+            stopping = stop.agreed()  # once per step, so every process takes the same branches below
+            if self.state.step % run.checkpoint.every == 0 or stopping:
+                self.save()
+            if stopping:
+                return True  # no scheduled validation: a stopping job has a grace period to keep
+            if self._due(self.state.step) and self.state.step < run.steps:  # the last one follows the loop
+                self.validate(stop)
+        return False
+
+    def one_step(self, stop: StopFlag | None = None) -> dict[str, Any]:
+        """One training step, logged: the prompt source's draw, the step, the source's observation of it. A step
+        abandoned by ``stop`` leaves the source as it found it, so a resume from the next checkpoint draws the
+        same prompts."""
+        compiled = CompileCount()  # the step's programs compiled, in its record (compiles, time_compile)
+        key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step)
+        snapshot, phases = self.prompts.state_dict(), Phases(stop)
+        try:
+            draw = self.prompts.next_batch(self.learner, key, phases)
+            result = train_step(self.learner, draw, phases)
+        except StepAbandoned:
+            self.prompts.load_state_dict(snapshot)
+            raise
+        observed = self.prompts.observe(draw, result.observation)
+        metrics = {**result.metrics, **step_rates(result.metrics), **observed, **compiled.since()}
+        self._write({"kind": "train", **metrics})
+        return metrics
+
+    def _summary(self, seconds: float, stopped: bool) -> dict[str, Any]:
+        """The whole run's figures, from its records (those logged before a resume included)."""
+        train = [r for r in self.history if r["kind"] == "train"]
+        totals = {key: sum(int(r.get(key) or 0) for r in train) for key in SUMMED}
+        # Rollouts drawn, every L2RR draw round's included (the update batch holds ``rollouts`` of them).
+        totals["rollouts_spent"] = sum(int(r.get("sampler/rollouts_step", r["rollouts"])) for r in train)
+        attempted = totals["scaffold_attempted"]
+        summary = {
+            "steps": self.state.step,
+            "stopped_early": stopped,
+            "seconds": round(seconds, 1),
+            **totals,
+            # The paper's definition: surpassed over the cliff groups the scaffold attempted (those with a
+            # worked solution); cliff groups without one are counted in scaffold_no_solution.
+            "surpass_rate": totals["surpassed_groups"] / attempted if attempted else None,
+            "rescue_pass_rate": totals["rerolls_passed"] / totals["rerolls"] if totals["rerolls"] else None,
+            "surpass_rate_per_step": surpass_distribution(train),
+            "held_out_before": self._held_out_at(0),
+            "held_out_after": None if stopped else self._held_out_at(self.state.step),
+            "held_out_data": self.held_out_data,
+            "nonfinite_updates": self.state.nonfinite_total,
+            "data": dataclasses.asdict(self.data_report),
+        }
+        if self.writer:
+            with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+        return summary
+
+    def _held_out_at(self, step: int) -> dict[str, dict] | None:
+        """Benchmark -> its validation figures at ``step``, from the run's records (None: not validated)."""
+        found = {
+            r["benchmark"]: {k: v for k, v in r.items() if k not in ("kind", "step", "benchmark")}
+            for r in self.history
+            if r["kind"] == "eval" and r["step"] == step
+        }
+        return found or None
+
+    def close(self) -> None:
+        """Close the learner (engine and verifier), the log and the checkpointer: each even if one before fails."""
+        try:
+            self.learner.close()
+        finally:
+            try:
+                self.log.close()
+            finally:
+                try:
+                    self.checkpointer.close()
+                finally:
+                    if self.lock is not None:
+                        self.lock.close()
+
+
+def _close_after_failure(part: Any, what: str) -> None:
+    """Close ``part`` while a failure is on its way out: an error of the close is reported, not raised, so the
+    failure that stopped the start is the one the caller sees."""
+    try:
+        part.close()
+    except Exception as err:
+        print(f"lspo-train: closing the {what} after a failed start also failed: {err}", file=sys.stderr)
+
+
+def surpass_distribution(train: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How the per-step surpass rate spreads over the steps whose scaffold attempted a cliff: their number and
+    the shares at exactly 0 and 1 (the paper's figure: 31% of them at 0.0, 21% at 1.0); None without any."""
+    rates = [r["surpass_rate"] for r in train if r.get("scaffold_attempted") and r.get("surpass_rate") is not None]
+    if not rates:
+        return None
+    return {"steps": len(rates), "at_0": sum(x == 0 for x in rates) / len(rates),
+            "at_1": sum(x == 1 for x in rates) / len(rates)}  # fmt: skip
+
+
+# Train-record counts the summary adds up over the run.
+SUMMED = ("cliff_groups", "scaffold_attempted", "scaffold_no_solution", "surpassed_groups", "rerolls",
+          "rerolls_passed", "rollouts")  # fmt: skip
+
+
+def train_run(
+    run: TrainConfig, out_dir: str, *, resume: bool = False, on_finish: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Train, write everything under ``out_dir``, and return the summary. ``on_finish`` is called once training
+    has ended (or failed), before the run's resources close: ``lspo-train`` lets a SIGTERM from then on finish."""
+    job = Run(run, out_dir, resume=resume)
+    try:
+        return job.train()
+    finally:
+        if on_finish is not None:
+            on_finish()
+        job.close()

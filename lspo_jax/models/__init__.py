@@ -1,0 +1,16 @@
+"""The Qwen2 policy: its forward pass (``model``) with the LoRA adapter as its own subtree, attention kernels
+(``flash``, ``kernels``), logical axes and their mesh (``axes``, ``sharding``), Hugging Face conversion (``hf``)
+and the real Qwen2 vocabulary for tests and tools (``qwen_vocab``). Imports only the package's root."""
+
+from lspo_jax import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "forward": "model",
+        "init_params": "model",
+        "init_lora": "model",
+        "load_pretrained": "hf",
+        "save_pretrained": "hf",
+    },
+)

@@ -1,0 +1,15 @@
+"""The RL step: losses and advantages (``losses``), log-prob passes (``logprobs``), optimizers (``optim``), the
+scaffold's cliffs and splice (``scaffold``), spliced-row corrections (``corrections``), row packing
+(``packing``), the sharded programs (``distributed``), the learner and its train state (``learner``,
+``checkpoint``), the prompt sources' interface (``prompts``) and the step itself (``train``). Imports the root,
+``models``, ``tasks`` and ``rollout``; never a method by name."""
+
+from lspo_jax import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "group_advantages": "losses", "policy_loss": "losses", "sft_loss": "losses", "find_cliffs": "scaffold",
+        "Learner": "learner", "train_step": "train",
+    },
+)  # fmt: skip

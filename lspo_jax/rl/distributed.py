@@ -1,0 +1,203 @@
+"""The compiled programs of a run: the update steps and the log-prob pass, jitted for a device mesh.
+
+Every program runs on a mesh: a run on one device uses ``sharding.local_mesh()`` (1 x 1 x 1), so there is one
+program per pass whatever the device count. Each builder returns a function of arrays only (the config bound),
+built once per argument set (cached: a second run in the same process reuses the compiled programs):
+
+    rl  = sharded_rl_step(config, mesh, rl=..., spec=..., num_micro_batches=...)   # (params, opt_state, batch)
+          (``skip_nonfinite=True``: ``optim.keep_if_finite``, as the training loop runs it)
+    sft = sharded_sft_step(config, mesh, sft=...)                                   # (params, opt_state, batch)
+    lp  = sharded_logprobs(config, mesh, lora_scale=0.0, spec=...)                  # (params, rows)
+
+``spec`` is the run's ``losses.LossSpec`` (clip, temperature, LM-head chunk), one for all of them.
+
+Params and optimizer state are split as ``sharding.param_shardings`` / ``opt_state_shardings`` say (FSDP over
+``fsdp``, tensor parallel over ``tp``) and donated, so a step updates them in place; batch rows are split over
+``data`` and ``fsdp`` (the row count must divide by their product). Arrays already on the mesh in these
+layouts pass through untouched; host arrays are placed on the way in. On several devices the numbers equal
+one device's up to the order of floating-point sums. A method's own programs are built alike (``in_mesh``), on
+the mesh of the params they are given (``mesh_of``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from lspo_jax.config import ModelConfig
+from lspo_jax.models import sharding
+from lspo_jax.models.model import Params
+from lspo_jax.rl import logprobs, losses, optim
+from lspo_jax.rl.optim import RLOptimConfig, SFTOptimConfig
+
+_RL, _SFT, _LOSS = RLOptimConfig(), SFTOptimConfig(), losses.LossSpec()
+
+
+def step_shardings(
+    config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation
+) -> tuple[Params, optax.OptState, jax.sharding.NamedSharding]:
+    """``(params, optimizer state, batch)`` shardings of an update step of ``tx`` on ``mesh``."""
+    return (
+        sharding.param_shardings(config, mesh),
+        sharding.opt_state_shardings(config, mesh, tx),
+        sharding.batch_sharding(mesh),
+    )
+
+
+def mesh_of(tree: Any) -> Mesh:
+    """The mesh ``tree``'s arrays are laid out on (their ``NamedSharding``'s), or the 1 x 1 x 1 mesh of the one device
+    they are on: a program built for it takes them as they are. Host arrays give ``sharding.local_mesh()``."""
+    placed = getattr(jax.tree.leaves(tree)[0], "sharding", None)
+    if isinstance(placed, NamedSharding):
+        return placed.mesh
+    if placed is None:
+        return sharding.local_mesh()
+    if len(placed.device_set) != 1:
+        raise ValueError(f"arrays laid out by {placed} are on no mesh: lay them out with a NamedSharding")
+    return sharding.make_mesh(sharding.MeshConfig(1, 1, 1), list(placed.device_set))
+
+
+def in_mesh(mesh: Mesh, fn: Callable) -> Callable:
+    """``fn`` traced with ``mesh`` as the context mesh, so the model's ``axes.constrain`` calls apply."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
+def jit_step(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, step: Callable) -> Callable:
+    """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` jitted on ``mesh`` with donation."""
+    params_sh, state_sh, batch_sh = step_shardings(config, mesh, tx)
+    return jax.jit(
+        in_mesh(mesh, step),
+        in_shardings=(params_sh, state_sh, batch_sh),
+        out_shardings=(params_sh, state_sh, sharding.replicated(mesh)),
+        donate_argnums=(0, 1),
+    )
+
+
+@functools.cache
+def sharded_rl_step(
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    rl: RLOptimConfig = _RL,
+    sft: SFTOptimConfig = _SFT,
+    spec: losses.LossSpec = _LOSS,
+    num_micro_batches: int = 1,
+    skip_nonfinite: bool = False,
+) -> Callable:
+    """``optim.rl_step`` on ``mesh``: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    ``rl`` and ``sft`` must be the configs of the optimizer (``optim.make_optimizer(rl, sft)``) whose state
+    is passed in: they fix the state's structure, hence its layout. ``skip_nonfinite`` wraps the step in
+    ``optim.keep_if_finite``.
+    """
+    step = functools.partial(optim.rl_step, config, rl=rl, spec=spec, num_micro_batches=num_micro_batches)
+    if skip_nonfinite:
+        step = optim.keep_if_finite(step)
+    return jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
+
+
+@functools.cache
+def sharded_rl_grad_norm(
+    config: ModelConfig, mesh: Mesh, *, spec: losses.LossSpec = _LOSS, num_micro_batches: int = 1
+) -> Callable:
+    """The norm of ``optim.rl_gradients`` on ``mesh``: ``(params, batch) -> ||grad||``, nothing updated (a
+    diagnostic: the part of the update's gradient that some rows carry)."""
+    params_sh, batch_sh = sharding.param_shardings(config, mesh), sharding.batch_sharding(mesh)
+
+    def norm(base: Params, batch: dict[str, jax.Array]) -> jax.Array:
+        grads = optim.rl_gradients(config, base, batch, spec=spec, num_micro_batches=num_micro_batches)[1]
+        return optax.tree.norm(grads)
+
+    jitted = jax.jit(in_mesh(mesh, norm), in_shardings=(params_sh["base"], batch_sh))
+    return lambda params, batch: jitted(params["base"], batch)
+
+
+@functools.cache
+def sharded_sft_step(
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    rl: RLOptimConfig = _RL,
+    sft: SFTOptimConfig = _SFT,
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> Callable:
+    """``optim.sft_step`` on ``mesh``: ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+    step = functools.partial(
+        optim.sft_step, config, sft=sft, num_micro_batches=num_micro_batches, chunk_size=chunk_size
+    )
+    return jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
+
+
+@functools.cache
+def sharded_base_sft_step(
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    rl: RLOptimConfig = _RL,
+    sft: SFTOptimConfig = _SFT,
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> tuple[Callable, Callable]:
+    """``optim.base_sft_step`` on ``mesh`` and the program that makes its fresh state from the params:
+    ``(init(params), step(params, opt_state, batch) -> (params, opt_state, metrics))``."""
+    tx = optim.direct_optimizer(rl, sft)
+    params_sh, state_sh, _ = step_shardings(config, mesh, tx)
+    init = jax.jit(tx.init, in_shardings=(params_sh,), out_shardings=state_sh)
+    step = functools.partial(
+        optim.base_sft_step, config, rl=rl, num_micro_batches=num_micro_batches, chunk_size=chunk_size
+    )
+    # One non-finite SFT step would poison the base the run keeps: skipped whole, as a non-finite RL update is.
+    return init, jit_step(config, mesh, tx, optim.keep_if_finite(step, "sft_loss", "sft_grad_norm"))
+
+
+@functools.cache
+def sharded_logprobs(
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    lora_scale: float = 0.0,
+    spec: losses.LossSpec = _LOSS,
+    num_micro_batches: int = 1,
+) -> Callable:
+    """``logprobs.sequence_logprobs`` on ``mesh``: ``(params, rows) -> logp [B, T]``, at ``spec``'s temperature and
+    LM-head chunk.
+
+    ``rows``: ``tokens`` and a layout (``logprobs.layout``: ``attention_mask``, or packed rows' ``segment_ids``
+    and ``positions``), each ``[B, T]``. ``num_micro_batches`` runs the rows in that many groups, one after
+    another (as the RL step does), so a whole rollout batch of long rows does not hold every row's activations at
+    once. A Python ``lora_scale`` of 0 runs the base alone (the adapter subtree is not even passed in).
+    """
+    keys = ("base",) if lora_scale == 0 else ("base", "lora")
+    params_sh = sharding.param_shardings(config, mesh)
+    batch_sh = sharding.batch_sharding(mesh)
+
+    def logprob_pass(params: Params, rows: dict[str, jax.Array]) -> jax.Array:
+        return logprobs.grouped_logprobs(
+            config, params, rows, lora_scale=lora_scale, **spec.reading, num_micro_batches=num_micro_batches,
+        )  # fmt: skip
+
+    jitted = jax.jit(
+        in_mesh(mesh, logprob_pass), in_shardings=({k: params_sh[k] for k in keys}, batch_sh), out_shardings=batch_sh
+    )
+    select = lambda params, rows: ({k: params[k] for k in keys}, {"tokens": rows["tokens"], **logprobs.layout(rows)})
+
+    def run(params: Params, rows: dict[str, jax.Array]) -> jax.Array:
+        return jitted(*select(params, rows))
+
+    # Abstract inputs (ShapeDtypeStructs) give the program without running it: ``lower`` for memory plans, ``trace``
+    # for a lowering for another platform (``.lower(lowering_platforms=...)``, ``tools/lower_check.py``).
+    run.lower = lambda params, rows: jitted.lower(*select(params, rows))
+    run.trace = lambda params, rows: jitted.trace(*select(params, rows))
+    return run

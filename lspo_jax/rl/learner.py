@@ -1,0 +1,329 @@
+"""The learner: one object per run that owns what a training step acts on, with the step's verbs as methods.
+
+Built once per run: the policy (model config, tokenizer, EOS ids), the device mesh (one device is a 1 x 1 x 1
+mesh, so every pass has one program), the compiled programs (``distributed``) and the train state, from the
+config; and the verifier, the token-advantages strategy and the vLLM engine, which the run builds and gives it.
+``train.train_step`` is written in its verbs:
+
+    sample       rollouts of prompts from the base (``lora_scale`` 0) or with the adapter on, packed into rows
+    score        the verifier's accuracy and the shaped reward of packed rows
+    logprobs     teacher-forced log-probs of rows at the sampling temperature (the old-log-prob passes)
+    reset_adapter / sft_step   a fresh adapter and its optimizer state / one adapter-only SFT update
+    rl_step      one update of the base, skipped whole when non-finite
+
+With ``rollout.engine: vllm`` every rollout is sampled by the engine, which syncs the params it is given
+first: ``sample`` is also the weight sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from lspo_jax import options
+from lspo_jax.config import ModelConfig
+from lspo_jax.models import model, sharding
+from lspo_jax.models.model import Params
+from lspo_jax.rl import corrections, distributed, losses, optim, packing, scaffold
+from lspo_jax.rl.checkpoint import TrainState
+from lspo_jax.rl.packing import Arrays, Rows
+from lspo_jax.rollout.sampler import Decoding, SampleBatch, generate_arrays
+from lspo_jax.tasks import rewards
+from lspo_jax.train_config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What a model directory loads as besides its weights: the model config, tokenizer and EOS ids."""
+
+    config: ModelConfig
+    tokenizer: Any
+    eos_ids: tuple[int, ...]
+
+
+class Generator:
+    """Sampling from a policy: the run's vLLM engine when one is set and its context holds the call, else the JAX
+    sampler on ``mesh``'s devices (the first device when None), rows split over all of them
+    (``sharding.sampling_mesh``). Evaluation and the training step sample through it.
+    ``compact_every`` goes to the JAX sampler (``rollout.compact_every``; None: the sampler's default)."""
+
+    def __init__(self, policy: Policy, mesh: Mesh | None = None, vllm: Any = None, compact_every: int | None = None):
+        self.policy, self.mesh, self.vllm = policy, sharding.sampling_mesh(sharding.mesh_or_local(mesh)), vllm
+        self.jax_options = {} if compact_every is None else {"compact_every": compact_every}
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.policy.tokenizer
+
+    def decoding(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> Decoding:
+        return Decoding(max_new_tokens, temperature, top_p, top_k, self.policy.eos_ids)
+
+    def generate(
+        self, params: Params, prompts: Sequence[Sequence[int]], decoding: Decoding, *, key, n: int = 1,
+        lora_scale: float = 0.0, fallback: bool = True,
+    ) -> SampleBatch:  # fmt: skip
+        """``n`` samples per prompt. With ``fallback`` (validation) the JAX sampler takes a call longer than the
+        vLLM engine's context; without (rollouts), the engine takes every call and refuses one that is too long."""
+        options = dict(key=key, n=n, lora_scale=lora_scale, **decoding.kwargs())
+        if self.vllm is not None and not (fallback and self._too_long(prompts, decoding)):
+            return self.vllm.generate_arrays(params, prompts, **options)
+        return generate_arrays(self.policy.config, params, prompts, mesh=self.mesh, **options, **self.jax_options)
+
+    def _too_long(self, prompts: Sequence[Sequence[int]], decoding: Decoding) -> bool:
+        return max(map(len, prompts)) + decoding.max_new_tokens > self.vllm.max_model_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A pass's input on the mesh: ``arrays`` (``tokens``, a layout, the pass's keys), the ``micro_batches`` they
+    split into, and for packed rows the ``packing.Packed`` they came from."""
+
+    arrays: dict[str, jax.Array]
+    micro_batches: int
+    packed: packing.Packed | None = None
+
+    def unpack(self, result: np.ndarray) -> np.ndarray:
+        """A per-token result of the pass in the source rows' layout (padded rows: as it is)."""
+        return result if self.packed is None else self.packed.unpack(result)
+
+
+class Learner:
+    """A run's policy, mesh, programs, verifier, engine and train state (see the module docstring), given whole.
+
+    ``verifier``: anything with ``score(responses, golds) -> array`` and ``close()``. ``engine``: a function
+    starting the run's vLLM engine (``rollout.engine: vllm``; ``vllm`` is the engine it started).
+    ``token_advantages``: the step's strategy for per-token advantages (``train.TokenAdvantages``), None for
+    GRPO's per-row ones. Without a verifier the learner can sample and train but not ``score``.
+    """
+
+    def __init__(
+        self, run: TrainConfig, policy: Policy, base: Params, *, mesh: Mesh | None = None, verifier: Any = None,
+        token_advantages: Any = None, resume: Callable[[TrainState, bool], TrainState] | None = None,
+        engine: Callable[[], Any] | None = None,
+    ):  # fmt: skip
+        """Built complete: ``resume(fresh, adapter)`` maps the fresh train state, placed on the mesh, to the one the
+        run continues from (a checkpoint's; ``adapter``: whether the adapter lifetime checkpoints the adapter);
+        ``engine`` starts the vLLM engine, called last so that nothing in here can fail after it and leave it
+        running."""
+        self.run, self.policy, self.mesh = run, policy, sharding.mesh_or_local(mesh)
+        self.verifier, self.token_advantages = verifier, token_advantages
+        config = policy.config
+        # Each strategy option resolved once: the step hands these on, never the names.
+        self.estimator = losses.ESTIMATORS.resolve(run.loss.advantage)
+        self.splice_variant = scaffold.SPLICE_VARIANTS.resolve(run.scaffold.splice)
+        self.correction = corrections.CORRECTIONS.resolve(run.scaffold.correction)
+        self.adapter_lifetime = options.ADAPTER_LIFETIMES.resolve(run.scaffold.adapter)
+        self.loss_spec = losses.LossSpec.of(run)  # the update's and the log-prob passes'
+        self._tx = optim.make_optimizer(run.optim, run.scaffold.sft)
+        self._layouts = (
+            sharding.param_shardings(config, self.mesh),
+            sharding.opt_state_shardings(config, self.mesh, self._tx),
+        )
+        # The adapter's init key is the run's seed: the first step resets it anyway, but its shapes set the state's.
+        params = {"base": base["base"], "lora": model.init_lora(config, jax.random.key(run.seed))}
+        self.state = TrainState(step=0, params=params, opt_state=self._tx.init(params))
+        self.state.params, self.state.opt_state = self.place(self.state.params, self.state.opt_state)
+        if resume is not None:
+            self.state = resume(self.state, self.adapter_lifetime.checkpointed)
+        rollout = run.rollout
+        self.generator = Generator(policy, self.mesh, engine and engine(), compact_every=rollout.compact_every)
+        self.decoding = self.generator.decoding(
+            rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k
+        )
+
+    @property
+    def vllm(self) -> Any:
+        return self.generator.vllm
+
+    # ------------------------------------------------------------------------------------------ state
+    def place(self, params: Params, opt_state: Any) -> tuple[Params, Any]:
+        """Params and optimizer state in the run's layout on its mesh (``sharding``'s rules)."""
+        params_sh, state_sh = self._layouts
+        return sharding.shard_params(params, params_sh), jax.device_put(opt_state, state_sh)
+
+    def base_params(self) -> Params:
+        """The current base alone (``{"base": ...}``), as a sampler of the base takes it."""
+        return {"base": self.state.params["base"]}
+
+    def reset_adapter(self, key: jax.Array) -> None:
+        """A fresh adapter (A random, B zero) and a fresh SFT optimizer state; base and RL state untouched."""
+        state = self.state
+        params, opt_state = optim.reset_adapter(
+            self.policy.config, state.params, state.opt_state, key, sft=self.run.scaffold.sft
+        )
+        state.params, state.opt_state = self.place(params, opt_state)
+        state.adapter_reset_step = state.step
+
+    def adapter_due(self) -> bool:
+        """Whether this step's scaffold starts from a fresh adapter: every step (``scaffold.adapter: fresh``), or for
+        a persistent one at its first use and then every ``scaffold.reset_every`` steps."""
+        return self.adapter_lifetime.due(self.state.step, self.state.adapter_reset_step, self.run.scaffold.reset_every)
+
+    # -------------------------------------------------------------------------------------- rollouts
+    def sample(
+        self, prompts: Sequence[Sequence[int]], key, *, lora_scale: float, n: int | None = None,
+        temperature: float | None = None,
+    ) -> Rows:  # fmt: skip
+        """``n`` (default ``group_size``) rollouts per prompt at ``temperature`` (default the rollout's), packed into
+        fixed-shape rows, with ``sampler_logp`` (the engine's own log-prob of each sampled token, 0 on prompt
+        slots)."""
+        n = n or self.run.rollout.group_size
+        decoding = self.decoding
+        if temperature is not None and temperature != decoding.temperature:
+            decoding = dataclasses.replace(decoding, temperature=temperature)
+        sample = self.generator.generate(
+            self.state.params, prompts, decoding, key=key, n=n, lora_scale=lora_scale, fallback=False
+        )
+        prompt_slots = self.run.data.max_prompt_tokens
+        prompt_part = np.zeros((len(prompts) * sample.n, prompt_slots), np.float32)
+        rows = packing.pack_samples(prompts, sample, prompt_slots)
+        return rows.replace(sampler_logp=np.concatenate([prompt_part, sample.logprobs], axis=1))
+
+    def decode(self, rows: Arrays) -> list[str]:
+        """The response texts of packed rows (special tokens dropped), as the verifier reads them."""
+        return packing.decode_responses(self.policy.tokenizer, rows, self.run.data.max_prompt_tokens)
+
+    def score(self, rows: Rows, golds: Sequence[str], *, per_row: bool = False) -> Rows:
+        """``rows`` with ``accuracy`` (0/1, the verifier) and ``reward`` (accuracy + overlong penalty).
+
+        ``golds`` holds one answer per group of ``group_size`` rows, or one per row with ``per_row``.
+        """
+        run, texts = self.run, self.decode(rows)
+        row_golds = list(golds) if per_row else [golds[i // run.rollout.group_size] for i in range(len(texts))]
+        accuracy = np.asarray(self.verifier.score(texts, row_golds), np.float32)
+        shaped = rewards.shaped_rewards(
+            accuracy, rows["lengths"], max_len=run.rollout.max_new_tokens,
+            buffer=min(run.reward.overlong_buffer, run.rollout.max_new_tokens), factor=run.reward.overlong_factor,
+        )  # fmt: skip
+        return rows.replace(accuracy=accuracy, reward=np.asarray(shaped.reward, np.float32))
+
+    # -------------------------------------------------------------------------------------- passes
+    def rows_per_micro(self, length: int) -> int:
+        """Rows of ``length`` slots in one micro-batch of a pass sized by tokens: as many slots as one micro-batch of
+        the padded RL step holds (its rows times ``max_prompt_tokens + max_new_tokens``), rounded down to a multiple
+        of the data-parallel size (at least one row a device). A pass's memory then never grows with its rows."""
+        run, shards = self.run, sharding.batch_shards(self.mesh)
+        rl_rows = -(-run.rollout.prompts_per_step * run.rollout.group_size // run.loss.micro_batches)
+        slots = rl_rows * (run.data.max_prompt_tokens + run.rollout.max_new_tokens)
+        return max(1, slots // length // shards) * shards
+
+    def place_rows(
+        self, rows: Arrays, keys: Sequence[str], micro_batches: int | None = None, *, min_rows: int | None = None
+    ) -> Placed:
+        """``rows``' tokens, layout and ``keys`` on the mesh as a pass takes them (see ``Placed``): the one place a
+        pass's layout is decided.
+
+        With ``loss.packing`` their real tokens are packed into buffers of the rows' length (``packing.pack_rows``),
+        in micro-batches of ``rows_per_micro`` buffer rows. Padded, the rows go as they are (with ``min_rows``: padded
+        to a power-of-two count, at least ``min_rows``, so a varying count reuses a bounded set of programs), in
+        ``micro_batches`` micro-batches (None: as many as ``rows_per_micro`` needs, a power of two).
+        """
+        shards, length = sharding.batch_shards(self.mesh), rows["tokens"].shape[1]
+        if not self.run.loss.packing:
+            arrays = {k: rows[k] for k in ("tokens", "attention_mask", *keys)}
+            if min_rows is not None:
+                arrays = packing.pad_rows(arrays, packing.pow2_bucket(max(len(rows["tokens"]), min_rows)))
+            micro = micro_batches or packing.pow2_bucket(-(-len(arrays["tokens"]) // self.rows_per_micro(length)))
+            return Placed(packing.mesh_rows(self.mesh, arrays, multiple=micro), micro)
+        packed = packing.pack_rows(
+            rows, keys, length, row_multiple=shards, rows_per_micro=self.rows_per_micro(length),
+            one_per_row=not model.packs_segments(self.policy.config),
+        )  # fmt: skip
+        return Placed(packing.mesh_rows(self.mesh, packed.arrays), packed.micro_batches, packed)
+
+    def logprobs(
+        self, rows: Arrays, *, lora_scale: float, min_rows: int = 1, temperature: float | None = None
+    ) -> np.ndarray:
+        """``log pi(tokens[t] | tokens[<t])`` at ``temperature`` (default the rollout's), zero off the response mask.
+
+        Packed (``loss.packing``), the buffer rows and micro-batches are ``place_rows``'; padded, the rows are padded
+        to a power-of-two count (at least ``min_rows``) in ``loss.micro_batches`` micro-batches. Either way a varying
+        number of rows reuses a bounded set of compiled programs. The pass runs like the RL step: micro-batches one
+        after another and the LM head in ``loss.chunk_size`` sequence chunks (``logprobs.grouped_logprobs``).
+        """
+        count, spec = len(rows["tokens"]), self.loss_spec
+        placed = self.place_rows(rows, (), self.run.loss.micro_batches, min_rows=min_rows)
+        spec = dataclasses.replace(spec, temperature=temperature) if temperature else spec
+        program = distributed.sharded_logprobs(
+            self.policy.config, self.mesh, lora_scale=lora_scale, spec=spec, num_micro_batches=placed.micro_batches
+        )
+        logp = placed.unpack(sharding.fetch(program(self.state.params, placed.arrays)))[:count]
+        return np.where(rows["mask"] > 0, logp, 0.0).astype(np.float32)
+
+    def sft_step(self, batch: Arrays) -> dict[str, Any]:
+        """One adapter-only SFT update on ``batch`` (``packing.pack_sft`` rows), in micro-batches of at most
+        ``rows_per_micro`` rows: the scaffold's activation memory does not grow with the number of cliffs."""
+        state = self.state
+        placed = self.place_rows(batch, ("mask",))
+        program = distributed.sharded_sft_step(
+            self.policy.config, self.mesh, rl=self.run.optim, sft=self.run.scaffold.sft,
+            num_micro_batches=placed.micro_batches, chunk_size=self.run.loss.chunk_size,
+        )  # fmt: skip
+        state.params, state.opt_state, metrics = program(state.params, state.opt_state, placed.arrays)
+        return {**metrics, "sft_micro_batches": placed.micro_batches}
+
+    def base_sft_steps(self, batch: Arrays, steps: int) -> dict[str, Any]:
+        """``steps`` SFT updates of the base on ``batch`` from a fresh AdamW state (the direct-supervision control,
+        ``scaffold.supervise: base``); the adapter and the RL optimizer's state are left as they are."""
+        state = self.state
+        placed = self.place_rows(batch, ("mask",))
+        init, program = distributed.sharded_base_sft_step(
+            self.policy.config, self.mesh, rl=self.run.optim, sft=self.run.scaffold.sft,
+            num_micro_batches=placed.micro_batches, chunk_size=self.run.loss.chunk_size,
+        )  # fmt: skip
+        opt_state = init(state.params)
+        for _ in range(steps):  # each step donates the params it is given: the state holds the live ones
+            state.params, opt_state, metrics = program(state.params, opt_state, placed.arrays)
+        return {**metrics, "sft_micro_batches": placed.micro_batches}
+
+    def _rl_program(self, micro_batches: int):
+        run = self.run
+        return distributed.sharded_rl_step(
+            self.policy.config, self.mesh, rl=run.optim, sft=run.scaffold.sft, spec=self.loss_spec,
+            num_micro_batches=micro_batches, skip_nonfinite=True,
+        )  # fmt: skip
+
+    def rl_grad_norm(self, batch: Arrays) -> float:
+        """The norm of the RL gradient ``rl_step`` would take on ``batch``, with nothing updated."""
+        placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
+        program = distributed.sharded_rl_grad_norm(
+            self.policy.config, self.mesh, spec=self.loss_spec, num_micro_batches=placed.micro_batches
+        )
+        return float(jax.device_get(program(self.state.params, placed.arrays)))
+
+    def rl_step(self, batch: Arrays, *, ends_step: bool = True) -> dict[str, Any]:
+        """One RL update of the base on ``batch``; a non-finite loss or gradient skips it whole (and is counted).
+        ``ends_step=False``: an update that is not the step's last (``optim.mini_batches``, ``optim.epochs``).
+
+        Returns the update's metrics with ``lr``, the rate it was taken at (the schedule's count is the updates
+        applied so far, a skipped one not included), and ``pad_fraction``: the share of the update's token slots
+        that hold no real token.
+        """
+        state = self.state
+        lr = optim.learning_rate(self.run.optim, state.updates)
+        placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
+        pad_fraction = 1.0 - float(np.sum(batch["attention_mask"])) / placed.arrays["tokens"].size
+        program = self._rl_program(placed.micro_batches)
+        state.params, state.opt_state, metrics = program(state.params, state.opt_state, placed.arrays)
+        metrics = jax.device_get(metrics)
+        finite = bool(metrics.pop("finite"))
+        state.nonfinite_in_row = 0 if finite else state.nonfinite_in_row + 1
+        state.nonfinite_total += int(not finite)
+        state.updates += int(finite)
+        state.step += int(ends_step)
+        return {**metrics, "lr": lr, "finite": finite, "pad_fraction": pad_fraction}
+
+    def close(self) -> None:
+        """Close the engine, then the verifier (even if the engine's close fails)."""
+        try:
+            if self.vllm is not None:
+                self.vllm.close()
+                self.generator.vllm = None
+        finally:
+            if self.verifier is not None:
+                self.verifier.close()

@@ -1,0 +1,273 @@
+"""Optimizers and update steps with strictly disjoint gradient routing.
+
+Params are ``{"base": ..., "lora": ...}``. One ``optax.multi_transform`` holds an AdamW for each subtree:
+the RL optimizer (lr 1e-6) for the base and the SFT optimizer (lr 2.5e-5) for the adapter. A step never
+runs the combined update: handing the other subtree zero gradients would still move it (AdamW's weight
+decay and its running moments produce non-zero updates from a zero gradient) and would advance the other
+optimizer's step count, hence its bias correction and warm-up. Instead ``update_subtree`` runs only one
+label's inner transform, the same computation ``multi_transform`` does for that label, so the other
+subtree and its optimizer state stay bit-identical.
+
+    rl_step:  loss = policy_loss(logp_theta) with lora_scale = 0   grad w.r.t. params["base"] only
+    sft_step: loss = sft_loss(logp_theta+phi) with the adapter on  grad w.r.t. params["lora"] only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lspo_jax.config import ModelConfig
+from lspo_jax.models import model
+from lspo_jax.options import AdamWConfig, RLOptimConfig, SFTOptimConfig  # noqa: F401 (optim's own config names)
+from lspo_jax.rl import logprobs, losses
+
+Params = dict[str, Any]
+BASE, LORA = "base", "lora"
+_LOSS = losses.LossSpec()  # the paper's clip, temperature 1, the LM head unchunked
+
+
+# -------------------------------------------------------------------------------------- transforms
+def adamw_transform(config: AdamWConfig) -> optax.GradientTransformation:
+    """``clip_by_global_norm(max_grad_norm)`` then AdamW with the warm-up schedule of ``config``."""
+    schedule = _warmup_schedule(config.lr, config.warmup_steps)
+    adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay)
+    if config.max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+
+
+def learning_rate(config: AdamWConfig, count: int) -> float:
+    """The rate of ``config``'s schedule at the update that follows ``count`` applied ones."""
+    return float(_warmup_schedule(config.lr, config.warmup_steps)(count))
+
+
+def _warmup_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
+    if warmup_steps == 0:
+        return optax.constant_schedule(lr)
+
+    def schedule(count: jax.Array) -> jax.Array:
+        return lr * jnp.minimum(1.0, (count + 1) / warmup_steps)
+
+    return schedule
+
+
+def param_labels(params: Params) -> Params:
+    """Label every leaf with its top-level key, ``"base"`` or ``"lora"`` (the ``multi_transform`` labels)."""
+    unknown = set(params) - {BASE, LORA}
+    if unknown:
+        raise ValueError(f"params may only hold 'base' and 'lora' subtrees, got extra {sorted(unknown)}")
+    return {label: _fill(subtree, label) for label, subtree in params.items()}
+
+
+def _fill(tree: Any, value: str) -> Any:
+    return jax.tree.map(lambda _: value, tree)
+
+
+def make_optimizer(
+    rl: RLOptimConfig = RLOptimConfig(), sft: SFTOptimConfig = SFTOptimConfig()
+) -> optax.GradientTransformation:
+    """``multi_transform({"base": AdamW(rl), "lora": AdamW(sft)}, param_labels)``.
+
+    Initialise it on the full ``{"base", "lora"}`` params; step it with ``rl_step``/``sft_step`` (or
+    ``update_subtree``), never with its own ``update`` (see the module docstring).
+    """
+    return optax.multi_transform({BASE: adamw_transform(rl), LORA: adamw_transform(sft)}, param_labels)
+
+
+def direct_optimizer(rl: RLOptimConfig, sft: SFTOptimConfig) -> optax.GradientTransformation:
+    """The direct-supervision control's optimizer (``scaffold.supervise: base``): ``make_optimizer``'s with the
+    base's AdamW at its peak rate (``rl`` without warm-up), initialised fresh every step as the adapter's is."""
+    return make_optimizer(dataclasses.replace(rl, warmup_steps=0), sft)
+
+
+def update_subtree(
+    tx: optax.GradientTransformation,
+    label: str,
+    grads: Any,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+) -> tuple[Params, optax.MultiTransformState]:
+    """Apply ``tx`` (the inner transform of ``label``) to ``params[label]`` with ``grads`` for that subtree.
+
+    Runs ``optax.masked(tx, label mask)`` on the label's state exactly as ``multi_transform`` would; the other
+    subtree's parameters and optimizer state are returned as they came in (bit-identical).
+    """
+    mask = jax.tree.map(lambda leaf_label: leaf_label == label, param_labels(params))
+    # masked() passes the other subtree's "updates" through untouched; they are discarded below.
+    full_grads = {key: grads if key == label else jax.tree.map(jnp.zeros_like, sub) for key, sub in params.items()}
+    updates, label_state = optax.masked(tx, mask).update(full_grads, opt_state.inner_states[label], params)
+    new_params = dict(params)
+    new_params[label] = optax.apply_updates(params[label], updates[label])
+    inner_states = dict(opt_state.inner_states)
+    inner_states[label] = label_state
+    return new_params, opt_state._replace(inner_states=inner_states)
+
+
+# ------------------------------------------------------------------------------------------- steps
+def rl_step(
+    config: ModelConfig,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+    batch: Mapping[str, jax.Array],
+    *,
+    rl: RLOptimConfig = RLOptimConfig(),
+    spec: losses.LossSpec = _LOSS,
+    num_micro_batches: int = 1,
+) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
+    """One RL update of the base: ``policy_loss`` token-mean over the whole batch, adapter off.
+
+    ``spec``: the clip, temperature and LM-head chunk (``losses.LossSpec``); ``num_micro_batches`` accumulates the
+    gradient over that many groups of rows (``losses.accumulate_gradients``).
+
+    ``batch``: ``tokens``, ``mask`` (response tokens) and ``old_logp``, all ``[B, T]`` and aligned as in
+    ``logprobs.sequence_logprobs``, ``advantages`` ``[B]`` or ``[B, T]``, and the rows' layout: ``attention_mask``
+    (left-padded rows) or ``segment_ids`` and ``positions`` (packed rows, ``packing.pack_rows``). The forward pass
+    gets only ``params["base"]`` with ``lora_scale = 0``, so the adapter is neither computed nor differentiated.
+    ``spec.chunk_size`` runs the LM head in sequence chunks (see ``logprobs.sequence_logprobs``).
+    Jittable with ``config`` and the keyword arguments static.
+    """
+    with jax.named_scope("rl_grad"):
+        loss, grads, metrics = rl_gradients(config, params[BASE], batch, spec=spec, num_micro_batches=num_micro_batches)
+    with jax.named_scope("rl_update"):
+        params, opt_state = update_subtree(adamw_transform(rl), BASE, grads, params, opt_state)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
+
+
+def rl_gradients(
+    config: ModelConfig,
+    base: Params,
+    batch: Mapping[str, jax.Array],
+    *,
+    spec: losses.LossSpec = _LOSS,
+    num_micro_batches: int = 1,
+) -> tuple[jax.Array, Params, losses.Metrics]:
+    """``rl_step``'s ``(loss, gradient w.r.t. the base, metrics)`` before the optimizer: ``batch`` as there."""
+
+    def loss_fn(base: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
+        logp, entropy = logprobs.logprobs_and_entropy(
+            config, {BASE: base}, micro["tokens"], **logprobs.layout(micro), **spec.reading
+        )
+        loss, metrics = losses.policy_loss(
+            logp, micro["old_logp"], micro["advantages"], micro["mask"], num_tokens=num_tokens, **spec.clip
+        )
+        metrics["entropy"] = losses.masked_mean(entropy, micro["mask"])
+        return loss, metrics
+
+    return losses.accumulate_gradients(loss_fn, base, batch, num_micro_batches)
+
+
+def keep_if_finite(step: Callable, loss: str = "loss", norm: str = "grad_norm") -> Callable:
+    """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` that returns params and optimizer state
+    as they came in when the loss or the gradient norm is non-finite, and says which in ``metrics["finite"]``:
+    one bad batch skips its update whole (the optimizer's count included) instead of poisoning the weights."""
+
+    @functools.wraps(step)
+    def guarded(params: Params, opt_state: Any, batch: Mapping[str, jax.Array]):
+        new_params, new_state, metrics = step(params, opt_state, batch)
+        finite = jnp.isfinite(metrics[loss]) & jnp.isfinite(metrics[norm])
+        keep = lambda new, old: jnp.where(finite, new, old)
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_state, opt_state)
+        return params, opt_state, {**metrics, "finite": finite}
+
+    return guarded
+
+
+def sft_step(
+    config: ModelConfig,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+    batch: Mapping[str, jax.Array],
+    *,
+    sft: SFTOptimConfig = SFTOptimConfig(),
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
+    """One SFT update of the adapter: token-mean cross-entropy with the adapter on (``lora_scale = 1``).
+
+    ``batch``: ``tokens`` and ``mask`` (solution tokens; prompt and padding False), ``[B, T]``, aligned as in
+    ``logprobs.sequence_logprobs``, and a layout as in ``rl_step``. Only ``params["lora"]`` is differentiated and
+    updated; the base enters the forward as a constant. Temperature 1: the adapter fits the data distribution.
+    ``chunk_size`` as in ``rl_step``.
+    """
+    return _sft_update(config, params, opt_state, batch, adamw_transform(sft), LORA, num_micro_batches, chunk_size)
+
+
+def _sft_update(config, params, opt_state, batch, tx, subtree, num_micro_batches, chunk_size):
+    """The SFT loss's gradient w.r.t. ``subtree`` (``sft_gradients``) applied by ``tx`` to that subtree alone."""
+    with jax.named_scope("sft_grad"):
+        loss, grads, metrics = sft_gradients(
+            config, params, batch, num_micro_batches=num_micro_batches, chunk_size=chunk_size, subtree=subtree
+        )
+    with jax.named_scope("sft_update"):
+        params, opt_state = update_subtree(tx, subtree, grads, params, opt_state)
+    return params, opt_state, {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads), **metrics}
+
+
+def sft_gradients(
+    config: ModelConfig,
+    params: Params,
+    batch: Mapping[str, jax.Array],
+    *,
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+    subtree: str = LORA,
+) -> tuple[jax.Array, Params, losses.Metrics]:
+    """``sft_step``'s ``(loss, gradient w.r.t. the adapter, metrics)`` before the optimizer: ``batch`` as there.
+    ``subtree=BASE``: the gradient w.r.t. the base with the adapter off (the direct-supervision control's)."""
+
+    def loss_fn(trained: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
+        full, scale = ({BASE: trained}, 0.0) if subtree == BASE else ({BASE: params[BASE], LORA: trained}, 1.0)
+        logp, _ = logprobs.sequence_logprobs(
+            config, full, micro["tokens"], **logprobs.layout(micro), lora_scale=scale, chunk_size=chunk_size
+        )
+        loss = losses.sft_loss(logp, micro["mask"], num_tokens=num_tokens)
+        return loss, {"num_tokens": jnp.sum(micro["mask"].astype(jnp.float32))}
+
+    return losses.accumulate_gradients(loss_fn, params[subtree], batch, num_micro_batches)
+
+
+def base_sft_step(
+    config: ModelConfig,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+    batch: Mapping[str, jax.Array],
+    *,
+    rl: RLOptimConfig = RLOptimConfig(),
+    num_micro_batches: int = 1,
+    chunk_size: int | None = None,
+) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
+    """One SFT update of the base, adapter off: ``sft_step``'s loss and batch, ``direct_optimizer``'s state."""
+    tx = adamw_transform(dataclasses.replace(rl, warmup_steps=0))
+    return _sft_update(config, params, opt_state, batch, tx, BASE, num_micro_batches, chunk_size)
+
+
+# ------------------------------------------------------------------------------------------- reset
+def reset_adapter(
+    config: ModelConfig,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+    key: jax.Array,
+    *,
+    sft: SFTOptimConfig = SFTOptimConfig(),
+) -> tuple[Params, optax.MultiTransformState]:
+    """A fresh adapter (``model.init_lora``: A random, B = 0) and a fresh SFT optimizer state.
+
+    The base params and the RL optimizer state are returned untouched. ``sft`` must be the config the
+    optimizer was made with; a state of a different structure is an error rather than a silent mismatch.
+    """
+    new_params = {**params, LORA: model.init_lora(config, key)}
+    mask = jax.tree.map(lambda leaf_label: leaf_label == LORA, param_labels(new_params))
+    fresh = optax.masked(adamw_transform(sft), mask).init(new_params)
+    old = opt_state.inner_states[LORA]
+    if jax.tree.structure(fresh) != jax.tree.structure(old):
+        raise ValueError("the SFT optimizer state does not match SFTOptimConfig; pass the config used at init")
+    inner_states = {**opt_state.inner_states, LORA: fresh}
+    return new_params, opt_state._replace(inner_states=inner_states)

@@ -1,0 +1,445 @@
+"""The LSPO training step: sample, score, scaffold the cliffs, update the base, discard the adapter.
+
+Per step (the method's steps 1-6), each stage a verb of the run's ``learner.Learner`` and a phase of the step's
+timer, named as in its record (``time_<stage>``, ``Phases.NAMES``), in the order they first run:
+
+    sample   B prompts x K rollouts from pi_theta                 (adapter off)
+    reward   math-verify accuracy 0/1, plus the overlong penalty for the shaped reward (the re-rolls' too)
+    sft      on the cliffs (groups of zero total accuracy, found just before): a fresh adapter, ``sft_steps``
+             AdamW steps on their worked solutions (adapter only)
+    reroll   K samples per cliff prompt from pi_theta+phi; verified (reward), their adapter-on log-probs
+             (logprob), passing ones spliced into failed rows
+    logprob  old_logp = log pi_theta on base rows, the re-rolls' log pi_theta+phi (carried by the splice) on
+             spliced rows
+             (``scaffold.correction`` and ``loss.tis_cap`` may change these and add weights:
+             ``corrections.importance_weights``)
+    judge    with a token-advantages strategy only (``Learner.token_advantages``, e.g. a teacher judging the
+             failed rows): ``[rows, length]`` advantages from GRPO's advantages of the spliced batch (taken
+             untimed just before; without a strategy, those are the update's)
+    update   the clipped surrogate on the base only (lora_scale = 0);
+             ``optim.mini_batches`` x ``optim.epochs`` updates (rl_updates), inside the draw's hook if it has one
+             (``prompts.UpdateHook``: what a prompt source learns from the update)
+
+With ``scaffold.enabled: false`` the same step is the DAPO baseline. The loop (``run``) derives the step's key
+as ``fold_in(seed, step)``, so a resumed run draws exactly what an uninterrupted one would. The step returns
+counts; the rates built from them are derived where they are reported (``step_rates``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import time
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from lspo_jax import options
+from lspo_jax.rl import corrections, losses, packing, scaffold
+from lspo_jax.rl.learner import Learner
+from lspo_jax.rl.packing import Rows
+from lspo_jax.rl.prompts import Draw, UpdateHook
+from lspo_jax.train_config import TrainConfig
+
+
+class StepAbandoned(Exception):
+    """A stop was requested before the step's update: nothing of the step reached the base or its optimizer."""
+
+
+class Phases:
+    """Wall-clock seconds per phase of a step (``time_sample``, ``time_reward``, ...).
+
+    With ``stop`` (a ``StopFlag``, or anything with its ``agreed()``), entering a phase after a stop was
+    requested raises ``StepAbandoned``: a preempted job checkpoints within one phase, not one whole step.
+    """
+
+    NAMES = ("sample", "reward", "sft", "reroll", "logprob", "judge", "update")
+
+    def __init__(self, stop=None):
+        # Every phase is reported, 0 when it did not run (a step without cliffs has no sft or reroll).
+        self.seconds: dict[str, float] = {f"time_{name}": 0.0 for name in self.NAMES}
+        self.stop = stop
+
+    def check(self, name: str) -> None:
+        """``StepAbandoned`` if a stop was asked for (agreed by every process) before the ``name`` phase."""
+        if self.stop is not None and self.stop.agreed():
+            raise StepAbandoned(f"stop requested before the step's {name} phase")
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, *, check_stop: bool = True):
+        """Time the ``name`` phase; ``check_stop=False`` only times it (a phase entered right after a checked one:
+        on several processes each check is a collective)."""
+        if check_stop:
+            self.check(name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[f"time_{name}"] += time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step's record (counts and means; see ``step_rates`` for the rates) and, when the draw put a hook around
+    the update, what the hook returned for the prompt source's ``observe``."""
+
+    metrics: dict[str, Any]
+    observation: Any = None
+
+
+class TokenAdvantages(Protocol):
+    """A strategy for per-token advantages (``Learner.token_advantages``): from GRPO's per-row advantages of the
+    (spliced) batch, ``outcome`` ``[rows]``, the update's ``[rows, length]`` advantages and the strategy's metrics
+    for the step's record. It runs in the step's ``phase`` (one of ``Phases.NAMES``)."""
+
+    phase: str
+
+    def __call__(
+        self, learner: Learner, rows: Rows, examples: list[Any], outcome: np.ndarray, valid: np.ndarray | None
+    ) -> tuple[np.ndarray, dict[str, Any]]: ...
+
+
+# ----------------------------------------------------------------------------------------------- step
+def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> StepResult:
+    """One RL step on ``draw`` (B prompts); updates ``learner.state`` and returns the step's record.
+
+    ``phases``: the step's timer and stop (see ``Phases``); a step abandoned by it raises ``StepAbandoned``
+    with the base, its optimizer state and the counters as they came in (the adapter, reset every step, may
+    have moved).
+    """
+    phases = phases or Phases()
+    sync_before = _sync_seconds(learner)
+    sample_key, scaffold_key = jax.random.split(draw.key)
+    rows, valid = sample_and_score(learner, draw, sample_key, phases)  # sample, reward
+    record = rollout_metrics(learner.run, rows, valid)
+    rows, spliced_mask, scaffold_record, before_update = scaffold_cliffs(
+        learner, rows, draw.examples, scaffold_key, phases, valid
+    )
+    with phases("logprob"):
+        base_logp = learner.logprobs(rows, lora_scale=0.0)
+    # The log-probs of the policy that sampled each row: the adapter-on one's on spliced rows, the base's elsewhere.
+    behaviour_logp = np.where(spliced_mask[:, None], rows.get("adapter_logp", base_logp), base_logp)
+    record.update(spliced_diagnostics(base_logp, behaviour_logp, rows["mask"], spliced_mask))
+    if learner.vllm is not None:
+        record.update(_engine_metrics(learner, sync_before, base_logp, rows, spliced_mask))
+    old_logp, weights = corrections.importance_weights(
+        learner.run, rows, base_logp, behaviour_logp, spliced_mask, correction=learner.correction
+    )
+    rows = rows.replace(old_logp=old_logp)
+    advantages, advantages_record = step_advantages(learner, rows, draw.examples, valid, phases)
+    record.update(advantages_record)
+    phases.check("update")  # the step's last stop check: the base changes only after it
+    if before_update is not None:
+        with phases("sft", check_stop=False):
+            scaffold_record.update(before_update())
+    with phases("update", check_stop=False):
+        update, observation = update_base(learner, rows, advantages, weights, spliced_mask, draw.update_hook, record)
+    record["spliced_accuracy_mean"] = float(rows["accuracy"].mean())
+    record.update(scaffold_record)
+    record.update(update_metrics(learner, update))
+    return StepResult({"step": learner.state.step, **record, **phases.seconds}, observation)
+
+
+def update_base(learner: Learner, rows: Rows, advantages, weights, spliced_rows, hook: UpdateHook | None, record: dict):
+    """The update of the base on the step's rows (``rl_updates``), the advantages times the detached loss weights;
+    with ``scaffold.grad_share`` the share of its gradient's norm the spliced rows carry (``spliced_grad_share``);
+    and with the draw's ``hook`` its ``before`` and ``after`` around the update (whose record joins the step's).
+    Returns ``(update metrics, the hook's observation or None)``."""
+    if weights is not None:
+        advantages = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
+        record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
+    batch = {**{k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}, "advantages": advantages}
+    if learner.run.scaffold.grad_share and spliced_rows.any():  # one more gradient pass
+        record["spliced_grad_norm"] = spliced_grad_norm(learner, batch, spliced_rows)
+        if learner.run.optim.mini_batches * learner.run.optim.epochs > 1:  # the update reports mini-batch norms
+            record["batch_grad_norm"] = learner.rl_grad_norm(batch)
+    observation = None
+    if hook is not None:
+        hook.before(learner, batch)
+    update = rl_updates(learner, batch)
+    if hook is not None:
+        observation, hook_record = hook.after(learner, batch)
+        record.update(hook_record)
+    total = record.get("batch_grad_norm", update.get("grad_norm"))
+    if "spliced_grad_norm" in record and total:
+        record["spliced_grad_share"] = record["spliced_grad_norm"] / float(total)
+    return update, observation
+
+
+def spliced_grad_norm(learner: Learner, batch: dict, spliced_rows: np.ndarray) -> float:
+    """The norm of the update's gradient from the spliced rows alone: their advantages, every other row's set to 0
+    (the token-mean still over the whole batch's tokens, as in the update). Its ratio to the update's ``grad_norm``
+    is ``spliced_grad_share``: the share of the gradient they carry, above 1 where the other rows' gradients cancel
+    theirs. It costs a gradient pass (``scaffold.grad_share``), counted in ``time_update``."""
+    advantages = np.asarray(batch["advantages"])
+    keep = spliced_rows.reshape((-1,) + (1,) * (advantages.ndim - 1))
+    return learner.rl_grad_norm({**batch, "advantages": np.where(keep, advantages, 0.0).astype(np.float32)})
+
+
+def sample_and_score(learner: Learner, draw: Draw, key, phases: Phases) -> tuple[Rows, np.ndarray | None]:
+    """The step's rollouts and their rewards: sampled here (K per prompt) unless the draw holds them."""
+    if draw.rows is not None:
+        return Rows(draw.rows), draw.valid
+    with phases("sample"):
+        rows = learner.sample([ex.prompt_ids for ex in draw.examples], key, lora_scale=0.0)
+    with phases("reward"):
+        return learner.score(rows, [ex.answer for ex in draw.examples]), None
+
+
+def step_advantages(learner: Learner, rows: Rows, examples, valid, phases: Phases) -> tuple[np.ndarray, dict]:
+    """GRPO's advantages of the (spliced) batch, ``[rows]``, or with the learner's token-advantages strategy the
+    ``[rows, length]`` advantages it makes of them and its metrics."""
+    k, estimator = learner.run.rollout.group_size, learner.estimator
+    advantages = np.asarray(losses.group_advantages(jnp.asarray(rows["reward"]), k, valid=valid, estimator=estimator))
+    strategy = learner.token_advantages
+    if strategy is None:
+        return advantages, {}
+    with phases(strategy.phase):
+        return strategy(learner, rows, examples, advantages, valid)
+
+
+def rl_updates(learner: Learner, batch: dict) -> dict[str, Any]:
+    """The step's update of the base: one on the whole batch, or ``optim.epochs`` passes over it in
+    ``optim.mini_batches`` mini-batches of rows, shuffled each epoch by a function of the seed and the step (a
+    resumed run shuffles alike). Several updates report their metrics' mean, the last ``lr``, ``finite`` only if
+    every update was, and ``updates_skipped``."""
+    run = learner.run
+    if run.optim.mini_batches == 1 and run.optim.epochs == 1:
+        return learner.rl_step(batch)
+    rng = np.random.default_rng([run.seed, learner.state.step])
+    rows, results = len(batch["tokens"]), []
+    for epoch in range(run.optim.epochs):
+        parts = np.array_split(rng.permutation(rows), run.optim.mini_batches)
+        for i, part in enumerate(parts):
+            last = epoch == run.optim.epochs - 1 and i == len(parts) - 1
+            results.append(learner.rl_step({k: v[part] for k, v in batch.items()}, ends_step=last))
+    merged = {k: float(np.mean([r[k] for r in results])) for k in results[0] if k not in ("lr", "finite")}
+    finite = [r["finite"] for r in results]
+    return {**merged, "lr": results[-1]["lr"], "finite": all(finite), "updates_skipped": finite.count(False)}
+
+
+def update_metrics(learner: Learner, update: dict[str, Any]) -> dict[str, Any]:
+    """The update's part of the step's record."""
+    names = ("clip_frac_low", "clip_frac_high", "entropy", "loss", "grad_norm", "pad_fraction")
+    return {
+        "lr": update["lr"],
+        **{name: update.get(name) for name in names},
+        "update_skipped": not update["finite"],
+        "nonfinite_total": learner.state.nonfinite_total,
+        **{k: v for k, v in update.items() if k.startswith(("ratio", "approx_kl"))},
+    }
+
+
+def step_rates(record: dict[str, Any]) -> dict[str, float | None]:
+    """The step's rates from its counts: ``surpass_rate`` (surpassed over attempted cliff groups, the paper's
+    definition; only for a step whose scaffold ran) and ``rescue_pass_rate`` (verified re-rollouts over all)."""
+    rerolls = record["rerolls"]
+    rates = {"rescue_pass_rate": record["rerolls_passed"] / rerolls if rerolls else None}
+    if "sft_loss" in record:  # the scaffold ran
+        attempted = record["scaffold_attempted"]
+        rates["surpass_rate"] = record["surpassed_groups"] / attempted if attempted else None
+    return rates
+
+
+# ------------------------------------------------------------------------------------------- scaffold
+def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases, valid=None):
+    """Fit a fresh adapter on the cliffs' solutions, re-roll them, splice verified successes into ``rows``.
+
+    Returns ``(rows, spliced_rows, counts, before_update)``, the rows with ``adapter_logp`` (the re-rollouts'
+    adapter-on log-probs on spliced rows, 0 elsewhere) when the scaffold ran, and what the step runs just before
+    its update (None, or a function returning its metrics: the direct-supervision control's base SFT); cliff
+    groups whose prompt has no worked solution are skipped by the scaffold and counted in ``scaffold_no_solution``.
+    ``valid`` marks the rows of groups smaller than ``group_size`` (the rest is padding, never a cliff's failed row
+    nor spliced into).
+    """
+    run, k = learner.run, learner.run.rollout.group_size
+    cliffs = scaffold.find_cliffs(rows["accuracy"], k, valid, max_successes=run.scaffold.cliff_max_successes)
+    usable = np.array([cliff and ex.solution_ids is not None for cliff, ex in zip(cliffs, examples, strict=True)])
+    counts = {"cliff_groups": int(cliffs.sum()), "scaffold_no_solution": int((cliffs & ~usable).sum()),
+              "scaffold_attempted": int(usable.sum()) if run.scaffold.enabled else 0, "surpassed_groups": 0,
+              "spliced_rows": 0, "rerolls": 0, "rerolls_passed": 0}  # fmt: skip
+    if not run.scaffold.enabled or not usable.any():
+        return rows, np.zeros(len(rows["accuracy"]), bool), counts, None
+    cliff_examples = [examples[g] for g in np.flatnonzero(usable)]
+    supervise = SUPERVISORS.resolve(run.scaffold.supervise)
+    return supervise(learner, rows, cliff_examples, usable, key, phases, valid, counts)
+
+
+# What the cliffs' worked solutions train (``scaffold.supervise``): ``(learner, rows, cliff_examples, usable, key,
+# phases, valid, counts) -> (rows, spliced_rows, counts, before_update)`` (see ``scaffold_cliffs``).
+SUPERVISORS = options.Registry(options.Supervise, "scaffold supervision")
+
+
+@SUPERVISORS.register("adapter")
+def rescue_with_adapter(learner: Learner, rows: Rows, cliff_examples, usable, key, phases: Phases, valid, counts):
+    """LSPO: fit the adapter on the solutions, re-roll the cliffs with it on, splice the verified re-rolls."""
+    run, k = learner.run, learner.run.rollout.group_size
+    adapter_key, reroll_key = jax.random.split(key)
+    n, scale, temperature = _reroll_settings(run)
+    with phases("sft"):
+        # At scale 0 the re-rolls are the base's own (the compute-matched control): no adapter to fit.
+        counts["sft_loss"] = fit_adapter(learner, cliff_examples, adapter_key) if scale else None
+    with phases("reroll"):
+        rerolls, slots = reroll(learner, cliff_examples, reroll_key)
+    with phases("reward"):
+        rerolls = learner.score(rerolls, [ex.answer for ex in cliff_examples for _ in range(n)], per_row=True)
+    with phases("logprob"):
+        # The spliced rows' importance-ratio denominator: the adapter-on policy that sampled them.
+        logp = learner.logprobs(rerolls, lora_scale=scale, min_rows=slots * n, temperature=temperature)
+    spliced, spliced_rows, stats = scaffold.splice(
+        rows, rerolls.replace(adapter_logp=logp), usable, k, valid, variant=learner.splice_variant, reroll_n=n,
+        carry=("adapter_logp",),
+    )  # fmt: skip
+    counts.update(surpassed_groups=stats.num_surpassed, spliced_rows=stats.num_spliced, rerolls=stats.num_rerolls,
+                  rerolls_passed=stats.num_passing_rerolls)  # fmt: skip
+    return Rows(spliced), spliced_rows, counts, None
+
+
+@SUPERVISORS.register("base")
+def supervise_base(learner: Learner, rows: Rows, cliff_examples, usable, key, phases: Phases, valid, counts):
+    """The direct-supervision control: ``scaffold.sft_steps`` SFT steps of the base itself on the rows the adapter
+    would have been fitted on, nothing re-rolled or spliced. The SFT runs just before the RL update (timed as
+    ``sft``): after the rows' log-probs, so their importance ratios keep the base that sampled them as the
+    denominator, and after the step's last stop check, so an abandoned step leaves the base as it came. No surpass
+    rate: the groups are counted as ``supervised_groups``, not as attempted."""
+    batch = sft_batch(learner, cliff_examples)
+    counts.update(scaffold_attempted=0, supervised_groups=len(cliff_examples))
+
+    def before_update() -> dict:
+        return {"sft_loss": float(learner.base_sft_steps(batch, learner.run.scaffold.sft_steps)["sft_loss"])}
+
+    return rows, np.zeros(len(rows["accuracy"]), bool), counts, before_update
+
+
+def _cliff_slots(learner: Learner, cliffs: int) -> int:
+    """Cliff prompts per scaffold batch, at least ``scaffold.min_cliff_bucket`` (the passes bucket it further)."""
+    return max(cliffs, learner.run.scaffold.min_cliff_bucket)
+
+
+def fit_adapter(learner: Learner, cliff_examples, key) -> float:
+    """A fresh adapter (or a persistent one where ``learner.adapter_due`` says so), then ``scaffold.sft_steps`` SFT
+    steps on the cliffs' worked solutions; the last loss."""
+    if learner.adapter_due():
+        learner.reset_adapter(key)
+    batch = sft_batch(learner, cliff_examples)
+    for _ in range(learner.run.scaffold.sft_steps):
+        metrics = learner.sft_step(batch)
+    return float(metrics["sft_loss"])
+
+
+def sft_batch(learner: Learner, cliff_examples) -> dict[str, np.ndarray]:
+    """The cliffs' prompts and worked solutions as SFT rows (``packing.pack_sft``), in a bucket of cliff slots."""
+    run = learner.run
+    prompts, solutions = [ex.prompt_ids for ex in cliff_examples], [ex.solution_ids for ex in cliff_examples]
+    # Rows as long as these cliffs need (a power of two), not the configured maxima: short worked solutions
+    # would otherwise pay for max_prompt_tokens + max_solution_tokens of attention and MLP per row.
+    lengths = packing.sft_slots(prompts, solutions, run.data.max_prompt_tokens, run.data.max_solution_tokens)
+    row_count = packing.pow2_bucket(_cliff_slots(learner, len(prompts)))
+    return packing.pad_rows(packing.pack_sft(prompts, solutions, *lengths), row_count)
+
+
+def _reroll_settings(run: TrainConfig) -> tuple[int, float, float]:
+    """Re-rolls per cliff, the adapter's scale and the temperature they are sampled (and scored) at."""
+    scaffold_ = run.scaffold
+    temperature = scaffold_.reroll_temperature or run.rollout.temperature
+    return scaffold_.reroll_n or run.rollout.group_size, scaffold_.reroll_scale, temperature
+
+
+def reroll(learner: Learner, cliff_examples, key) -> tuple[Rows, int]:
+    """``scaffold.reroll_n`` samples per cliff prompt with the adapter on, and the prompt count they were sampled
+    in."""
+    n, scale, temperature = _reroll_settings(learner.run)
+    prompts, slots = [ex.prompt_ids for ex in cliff_examples], _cliff_slots(learner, len(cliff_examples))
+    padding = [prompts[0]] * (slots - len(prompts))  # sampled, then dropped: only fixes the shape
+    rerolls = learner.sample(prompts + padding, key, lora_scale=scale, n=n, temperature=temperature)
+    return rerolls.take(slice(len(prompts) * n)), slots
+
+
+# ----------------------------------------------------------------------------------------- metrics
+def rollout_metrics(run: TrainConfig, rows: Rows, valid: np.ndarray | None = None) -> dict[str, Any]:
+    """Means over the sampled rollouts (the valid rows) before the scaffold, and the share of the groups with
+    a learning signal (rewards not all equal), which a prompt sampler tries to raise."""
+    valid = np.ones(len(rows["accuracy"]), bool) if valid is None else valid
+    overlong = (~rows["eos"]) & (rows["lengths"] >= run.rollout.max_new_tokens)
+    reward_GK = np.where(valid, rows["reward"], np.nan).reshape(-1, run.rollout.group_size)
+    informative = np.nanmax(reward_GK, axis=1) > np.nanmin(reward_GK, axis=1)
+    return {
+        "accuracy_mean": float(rows["accuracy"][valid].mean()),
+        "reward_mean": float(rows["reward"][valid].mean()),
+        "response_len_mean": float(rows["lengths"][valid].mean()),
+        "overlong_frac": float(overlong[valid].mean()),
+        "rollouts": int(valid.sum()),
+        "effective_prompt_ratio": float(informative.mean()),
+    }
+
+
+def _sync_seconds(learner: Learner) -> float:
+    return learner.vllm.stats["sync_s_total"] if learner.vllm is not None else 0.0
+
+
+def _engine_metrics(learner: Learner, sync_before: float, base_logp: np.ndarray, rows: Rows, spliced_rows: np.ndarray):
+    """``vllm_sync_seconds`` (weight pushes in this step) and how far the engine's log-probs of its sampled
+    tokens are from the trainer's teacher-forced base log-probs, on the rows the base policy sampled."""
+    from lspo_jax.rollout.vllm_sampler import logprob_mismatch
+
+    mask = (rows["mask"] > 0) & ~spliced_rows[:, None]
+    return {
+        "vllm_sync_seconds": _sync_seconds(learner) - sync_before,
+        **logprob_mismatch(base_logp, rows["sampler_logp"], mask),
+    }
+
+
+SPLICED_DIAGNOSTICS = ("spliced_ratio_mean", "spliced_log_ratio_q10", "spliced_log_ratio_q50",
+                       "spliced_log_ratio_q90", "spliced_token_share")  # fmt: skip
+
+
+def spliced_diagnostics(base_logp, behaviour_logp, token_mask, spliced_rows: np.ndarray) -> dict[str, float]:
+    """What the rescued rows carry into the update, before any correction: the token-mean of ``pi_theta /
+    pi_theta+phi`` over spliced tokens (``spliced_ratio_mean``), the 10/50/90% quantiles of its log
+    (``spliced_log_ratio_q10`` ...; a token with log ratio far below 0 gets almost no gradient under ``token``),
+    and the spliced rows' share of the update's tokens (``spliced_token_share``). None on a step without them."""
+    mask = token_mask[spliced_rows] > 0
+    if not mask.any():
+        return dict.fromkeys(SPLICED_DIAGNOSTICS)
+    log_ratio = (base_logp[spliced_rows] - behaviour_logp[spliced_rows])[mask]
+    quantiles = np.quantile(log_ratio, [0.1, 0.5, 0.9])
+    return {
+        "spliced_ratio_mean": float(np.exp(log_ratio).mean()),
+        **{f"spliced_log_ratio_q{q}": float(v) for q, v in zip((10, 50, 90), quantiles, strict=True)},
+        "spliced_token_share": float(mask.sum() / max(1, np.sum(token_mask > 0))),
+    }
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: the loop abandons its step at the next phase (or finishes it once its update has
+    begun), writes a checkpoint and exits cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether any process of the job was asked to stop. Every process gets the same answer, so they all
+        leave the loop at the same point: a scheduler's signals reach the hosts at slightly different times,
+        and one host leaving a collective the others entered would hang them. Each call is a collective when
+        there are several processes: call it at the same points on all of them."""
+        if jax.process_count() == 1:
+            return self.requested
+        flags = multihost_utils.process_allgather(np.asarray(self.requested, np.int32))
+        return bool(np.any(flags))
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,6 @@
+"""Sampling rollouts: the KV cache (``kv_cache``), the JAX sampler (``sampler``) and the vLLM engine behind the
+same call (``vllm_sampler``). Imports the root and ``models``."""
+
+from lspo_jax import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {"generate": "sampler", "generate_arrays": "sampler"})

@@ -1,0 +1,9 @@
+"""What the policy is trained and judged on: prompts, gold answers and worked solutions (``data``, cached by
+``example_store``), the math verifier and its worker pool (``rewards``, ``verify_pool``), and the demo's
+generated column sums (``toy``). Imports only the package's root."""
+
+from lspo_jax import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(
+    __name__, {"math_reward": "rewards", "overlong_penalty": "rewards", "VerifierPool": "verify_pool"}
+)

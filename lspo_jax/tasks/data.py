@@ -1,0 +1,456 @@
+"""Training data: rows read into one schema, tokenised into prompts and SFT targets, drawn in a resumable order.
+
+A row is ``{"id", "problem", "answer", "solution", "source", "meta"}`` (the schema of ``../shared/data``).
+Files in that schema and DeepMath-103K files (``question, final_answer, difficulty, topic,
+r1_solution_1..3``, JSONL or parquet) are read into it; ``toy:addition`` is the demo's generated task.
+
+Bad rows never crash a run: a row lacking a required field is skipped and listed, a prompt over the token
+limit is skipped or truncated per config, a solution over its limit likewise, and a row without a solution
+stays a training prompt but is never a scaffold target. Every such case is counted in ``DataReport``. Gold
+answers are parsed once here, and rows whose gold does not parse are left out (they would be permanent
+cliffs that no rollout can pass).
+
+Prompts are rendered with the tokenizer's chat template when it has one. For DeepSeek-R1-Distill-Qwen that
+gives ``<｜begin▁of▁sentence｜><｜User｜>{problem}<｜Assistant｜><think>\n``: the prompt already opens the
+thought, which is why a DeepMath ``r1_solution_*`` trace (no opening ``<think>``, one ``</think>``, then the
+written solution) is the SFT target as it is, followed by EOS. A trace cut to ``max_solution_tokens`` gets no EOS
+(unless ``data.eos_after_truncated``): the cut is mid-thought, and an EOS there would teach the adapter to stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from lspo_jax.tasks import rewards, toy
+from lspo_jax.text import error_cause
+from lspo_jax.train_config import DataConfig
+
+REQUIRED = {"shared": ("id", "problem", "answer"), "deepmath": ("question", "final_answer")}
+MAX_LISTED = 100  # rows named in ``DataReport.row_errors``; the count is always complete
+
+
+class Example:
+    """One training prompt: token ids of the prompt and of its worked solution (EOS appended unless it was
+    truncated), if any; the problem and solution texts for a judge that reads them (``first_mistake``).
+
+    ``solution_ids`` is given, or made on first use by ``encode(example)`` (``example_store``: a run's prompts
+    are tokenised up front, its solutions only when the scaffold needs one).
+    """
+
+    __slots__ = ("id", "answer", "prompt_ids", "problem", "solution", "_solution_ids", "_encode")
+
+    def __init__(
+        self,
+        id: str,
+        answer: str,
+        prompt_ids: tuple[int, ...],
+        solution_ids: np.ndarray | None = None,
+        problem: str = "",
+        solution: str | None = None,
+        *,
+        encode: Callable[[Example], np.ndarray | None] | None = None,
+    ):
+        self.id, self.answer, self.prompt_ids, self.problem, self.solution = id, answer, prompt_ids, problem, solution
+        self._solution_ids, self._encode = solution_ids, encode if solution else None
+
+    @property
+    def solution_ids(self) -> np.ndarray | None:  # int32
+        if self._encode is not None:
+            encode, self._encode = self._encode, None
+            self._solution_ids = encode(self)
+        return self._solution_ids
+
+    def __repr__(self) -> str:
+        return f"Example(id={self.id!r}, answer={self.answer!r}, {len(self.prompt_ids)} prompt tokens)"
+
+
+class DataError(ValueError):
+    """A data file that cannot be used as a whole (no usable row, an unknown format, unreadable): the commands
+    print it alone."""
+
+
+@dataclasses.dataclass
+class DataReport:
+    """What loading did to the rows, for the run's log.
+
+    ``rows`` counts every record of the source; ``rows_invalid`` those skipped for a missing field or a
+    line that is not JSON, the first ``MAX_LISTED`` of them described in ``row_errors``. Solutions are counted
+    as they are tokenised (``solutions_encoded``): a file's at start, a cached source's when first used, so
+    ``solution_skipped``, ``solution_truncated`` and ``solution_errors`` (a solution that failed to tokenise:
+    never a scaffold target, listed in ``row_errors``) count those so far.
+    """
+
+    rows: int = 0
+    kept: int = 0
+    rows_invalid: int = 0
+    row_errors: list[str] = dataclasses.field(default_factory=list)
+    prompt_skipped: int = 0
+    prompt_truncated: int = 0
+    solution_missing: int = 0
+    solutions_encoded: int = 0
+    solution_skipped: int = 0
+    solution_truncated: int = 0
+    solution_errors: int = 0
+    gold_unparseable: list[str] = dataclasses.field(default_factory=list)
+
+    def losses(self) -> str | None:
+        """One line on the rows that loading dropped or cut, for the console; None when it kept them all whole."""
+        lost = {k: getattr(self, k) for k in ("rows_invalid", "prompt_skipped", "prompt_truncated") if getattr(self, k)}
+        if self.gold_unparseable:
+            lost["gold_unparseable"] = len(self.gold_unparseable)
+        if not lost:
+            return None
+        example = f"; e.g. {self.row_errors[0]}" if self.row_errors else ""
+        return f"{self.kept} of {self.rows} rows kept; {lost}{example}"
+
+    def invalid(self, where: str, problem: str) -> None:
+        self.rows_invalid += 1
+        if len(self.row_errors) < MAX_LISTED:
+            self.row_errors.append(f"{where}: {problem}")
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def is_generated(spec: str) -> bool:
+    """True for the demo's generated tasks (``toy:...``), which carry their own prompt format."""
+    return spec.startswith("toy:")
+
+
+def read_rows(
+    spec: str,
+    config: DataConfig | None = None,
+    *,
+    seed: int = 0,
+    report: DataReport | None = None,
+    max_rows: int | None = None,
+) -> list[dict[str, Any]]:
+    """Rows in the shared schema from a JSONL or parquet file, a directory of them, or a generated task;
+    with ``max_rows``, of its first that many records only (those skipped among them included).
+
+    Records lacking a required field (or lines that are not JSON) are counted in ``report`` and skipped;
+    a source with records but none usable is an error, since that is a wrong file rather than bad rows, and
+    so is a file that cannot be opened or a parquet file that cannot be read (``DataError`` naming the file).
+    """
+    return list(iter_rows(spec, config, seed=seed, report=report, max_rows=max_rows))
+
+
+def iter_rows(
+    spec: str,
+    config: DataConfig | None = None,
+    *,
+    seed: int = 0,
+    report: DataReport | None = None,
+    max_rows: int | None = None,
+) -> Iterator[dict[str, Any]]:
+    """``read_rows`` one row at a time: a parquet file is read a batch of rows at a time, so that a source of
+    gigabytes of solutions is never held whole."""
+    config = config or DataConfig()
+    report = report if report is not None else DataReport()
+    generated = {
+        "toy:addition": lambda: toy.training_rows(seed=seed),
+        "toy:heldout": lambda: toy.heldout_rows(seed=seed),
+        "toy:target": lambda: toy.target_rows(seed=seed),
+        **{f"toy:heldout_{name}": lambda name=name: toy.class_heldout_rows(name) for name in toy.CLASSES},
+    }
+    if spec in generated:
+        yield from generated[spec]()[:max_rows]
+        return
+    path, files = source_files(spec)
+    index, usable = 0, 0  # index: a DeepMath row's id when it has none, its position in the whole source
+    for file in files:
+        fmt = config.format if config.format != "auto" else _detect_format(file)
+        name = file.name if path.is_dir() else ""
+        for where, record in _records(file, fmt, config):
+            if index == max_rows:
+                break
+            where = f"{name} {where}".strip()
+            if record is None:
+                report.invalid(where, "not a JSON object")
+            elif (row := _to_shared(record, fmt, config, index, where, report)) is not None:
+                usable += 1
+                yield row
+            index += 1
+    if index and not usable:
+        raise DataError(f"{spec}: none of its {index} rows is usable, e.g. {report.row_errors[:3]}")
+
+
+def source_files(spec: str) -> tuple[Path, list[Path]]:
+    """The path of a file or directory source and the data files it holds, in the order they are read."""
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"no such data file or directory: {spec}")
+    try:
+        files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet")) if path.is_dir() else [path]
+    except OSError as err:
+        raise DataError(f"{spec}: cannot list the directory ({error_cause(err)})") from err
+    if not files:
+        raise FileNotFoundError(f"no .jsonl or .parquet files in {spec}")
+    return path, files
+
+
+def _parquet(file: Path, read: Callable[..., Any], **kwargs: Any) -> Any:
+    """``read(file, **kwargs)``; a file pyarrow cannot open or read (cut short, not parquet) is a ``DataError``."""
+    import pyarrow as pa
+
+    try:
+        return read(file, **kwargs)
+    except (pa.ArrowException, OSError) as err:  # ArrowInvalid for a missing footer, OSError for bad metadata
+        raise DataError(f"{file}: not a readable parquet file ({error_cause(err)})") from err
+
+
+def _open(file: Path) -> BinaryIO:
+    """The file in binary mode: ``json.loads`` decodes each line, so bytes that are not UTF-8 make a bad row."""
+    try:
+        return file.open("rb")
+    except OSError as err:
+        raise DataError(f"{file}: cannot be opened ({error_cause(err)})") from err
+
+
+def _detect_format(file: Path) -> str:
+    """``shared`` or ``deepmath``, from the fields of the file's first record (parquet: its schema)."""
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        fields = set(_parquet(file, pq.read_schema).names)
+    else:
+        fields = set()
+        with _open(file) as f:
+            for line in f:
+                try:
+                    record = json.loads(line) if line.strip() else None
+                except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError)
+                    continue
+                if isinstance(record, dict):
+                    fields = set(record)
+                    break
+    if "problem" in fields or not fields:  # no record at all: nothing to read either way
+        return "shared"
+    if "question" in fields:
+        return "deepmath"
+    raise DataError(f"{file}: cannot tell the format from its fields {sorted(fields)}; set data.format")
+
+
+def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """``(where, record)`` per record of a file; ``record`` is None for a JSONL line that is not an object."""
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        # Only the columns that are used: the three R1 traces of DeepMath-103K run to gigabytes in memory.
+        wanted = ("id", "question", "final_answer", "difficulty", "topic", config.solution_field)
+        names = _parquet(file, pq.read_schema).names
+        columns = [n for n in names if fmt == "shared" or n in wanted]
+        batches = _parquet(file, lambda f: pq.ParquetFile(f).iter_batches(PARQUET_BATCH, columns=columns))
+        i = 0
+        while (batch := _parquet(file, lambda _: next(batches, None))) is not None:
+            for record in batch.to_pylist():
+                yield f"row {i}", record
+                i += 1
+        return
+    with _open(file) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError): a bad row, counted
+                record = None
+            yield f"line {line_no}", record if isinstance(record, dict) else None
+
+
+PARQUET_BATCH = 1024  # rows of a parquet file in memory at once while it is read
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+def _to_shared(
+    record: dict[str, Any], fmt: str, config: DataConfig, index: int, where: str, report: DataReport
+) -> dict[str, Any] | None:
+    """The record in the shared schema, or None (counted and listed) when it lacks a required field."""
+    missing = [k for k in REQUIRED[fmt] if _missing(record.get(k))]
+    ident = record.get("id") if not _missing(record.get("id")) or fmt == "shared" else index
+    if missing:
+        report.invalid(where + (f" (id {ident})" if ident is not None else ""), f"missing {', '.join(missing)}")
+        return None
+    if fmt == "shared":
+        return {**record, "id": str(record["id"]), "problem": str(record["problem"]), "answer": str(record["answer"])}
+    solution = record.get(config.solution_field)
+    return {
+        "id": str(ident),
+        "problem": str(record["question"]),
+        "answer": str(record["final_answer"]),
+        "solution": None if _missing(solution) else str(solution),
+        "source": "deepmath",
+        "meta": {"difficulty": record.get("difficulty"), "topic": record.get("topic")},
+    }
+
+
+# ---------------------------------------------------------------------------------------------- encoding
+def prompt_text(problem: str, config: DataConfig) -> str:
+    """The user turn: the problem with the instruction after or before it (one newline between), or alone."""
+    if config.instruction_position == "none" or not config.instruction:
+        return problem
+    if config.instruction_position == "before":
+        return f"{config.instruction}\n{problem}"
+    return f"{problem}\n{config.instruction}"
+
+
+def render_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Prompt token ids: the tokenizer's chat template (one user turn, generation prompt) when it has one,
+    else BOS + the text.
+
+    The template is rendered to text and then encoded without special tokens, since the template writes
+    its own BOS (the way transformers tokenizes a rendered chat).
+    """
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text}]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(ids)
+
+
+def encode_rows(
+    rows: Sequence[dict[str, Any]],
+    tokenizer: Any,
+    config: DataConfig,
+    report: DataReport | None = None,
+    *,
+    instruction: bool = True,
+) -> tuple[list[Example], DataReport]:
+    """Tokenise rows into ``Example``s, applying the length policies and counting what they did.
+
+    ``instruction=False`` sends the problem text alone (the generated tasks' own format). Rows are encoded
+    ``ENCODE_CHUNK`` at a time through the fast tokenizer's batch call (its Rust threads share the work), and a
+    solution's ids are kept as an int32 array: at DeepMath-103K's scale, with R1 traces of thousands of tokens,
+    tuples of Python ints would hold some 36 bytes a token.
+    """
+    report = report or DataReport()
+    examples = []
+    for first in range(0, len(rows), ENCODE_CHUNK):
+        chunk = rows[first : first + ENCODE_CHUNK]
+        texts = [prompt_text(row["problem"], config) if instruction else row["problem"] for row in chunk]
+        prompts = render_prompts(tokenizer, texts)
+        solutions = encode_texts(tokenizer, [row.get("solution") or "" for row in chunk])
+        for row, prompt, solution in zip(chunk, prompts, solutions, strict=True):
+            report.rows += 1
+            if (prompt := checked_prompt(prompt, config, report)) is None:
+                continue
+            solution_ids = _solution(row, solution, tokenizer, config, report)
+            text = row.get("solution") or None
+            examples.append(
+                Example(str(row["id"]), str(row["answer"]), tuple(prompt), solution_ids, str(row["problem"]), text)
+            )
+    report.kept = len(examples)
+    return examples, report
+
+
+ENCODE_CHUNK = 512
+
+
+def checked_prompt(prompt: list[int], config: DataConfig, report: DataReport) -> list[int] | None:
+    """The prompt under ``max_prompt_tokens`` per ``prompt_policy`` (None: skipped), counted in ``report``."""
+    if len(prompt) <= config.max_prompt_tokens:
+        return prompt
+    if config.prompt_policy == "skip":
+        report.prompt_skipped += 1
+        return None
+    report.prompt_truncated += 1
+    return prompt[-config.max_prompt_tokens :]  # keep the end: the template's assistant turn
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens added: one batch call where the tokenizer is a fast one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # transformers clears a backend's own padding and truncation on each call; a batch call here would apply them.
+    if backend is not None and backend.padding is None and backend.truncation is None:
+        return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=False)]
+    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+
+
+def render_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """``render_prompt`` of each text, encoded in one batch."""
+    if not getattr(tokenizer, "chat_template", None):
+        return [render_prompt(tokenizer, text) for text in texts]
+    messages = [[{"role": "user", "content": text}] for text in texts]
+    rendered = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+    return encode_texts(tokenizer, rendered)
+
+
+def _solution(
+    row: dict[str, Any], ids: list[int], tokenizer: Any, config: DataConfig, report: DataReport
+) -> np.ndarray | None:
+    if not row.get("solution"):
+        report.solution_missing += 1
+        return None
+    return fit_solution(ids, tokenizer.eos_token_id, config, report)
+
+
+def fit_solution(ids: list[int], eos: int, config: DataConfig, report: DataReport) -> np.ndarray | None:
+    """A solution's ids with EOS, under ``max_solution_tokens`` per ``solution_policy`` (None: skipped); counted."""
+    report.solutions_encoded += 1
+    if len(ids) + 1 <= config.max_solution_tokens:  # the whole solution and its EOS fit
+        return np.asarray(ids + [eos], np.int32)
+    if config.solution_policy == "skip":
+        report.solution_skipped += 1
+        return None
+    report.solution_truncated += 1
+    if config.eos_after_truncated:
+        return np.asarray(ids[: config.max_solution_tokens - 1] + [eos], np.int32)
+    return np.asarray(ids[: config.max_solution_tokens], np.int32)
+
+
+def load_examples(
+    spec: str, tokenizer: Any, config: DataConfig, *, seed: int = 0, max_rows: int | None = None
+) -> tuple[list[Example], DataReport]:
+    """Read, check and tokenise ``spec`` (its first ``max_rows`` records when given): gold answers are parsed once
+    and rows whose gold does not parse are left out and listed, then the length policies apply. ``report.rows``
+    counts every record read."""
+    report = DataReport()
+    rows = read_rows(spec, config, seed=seed, report=report, max_rows=max_rows)
+    bad = rewards.parse_golds((i, str(r["answer"])) for i, r in enumerate(rows)).bad  # per row: ids may repeat
+    examples, report = encode_rows(
+        [r for i, r in enumerate(rows) if i not in bad], tokenizer, config, report, instruction=not is_generated(spec)
+    )
+    report.gold_unparseable = [str(rows[i]["id"]) for i in bad]
+    report.rows = len(rows) + report.rows_invalid
+    return examples, report
+
+
+class PromptOrder:
+    """The order in which prompts are drawn: a seeded permutation per epoch, resumable from its state."""
+
+    def __init__(self, size: int, *, seed: int, shuffle: bool = True):
+        if size == 0:
+            raise DataError("no training prompts left after loading; see the data report")
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch, self.position = 0, 0
+
+    def _permutation(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.size)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.size)
+
+    def take(self, count: int) -> list[int]:
+        """The next ``count`` prompt indices, moving into the next epoch when one runs out."""
+        out: list[int] = []
+        while len(out) < count:
+            perm = self._permutation()
+            take = min(count - len(out), self.size - self.position)
+            out.extend(int(i) for i in perm[self.position : self.position + take])
+            self.position += take
+            if self.position == self.size:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
