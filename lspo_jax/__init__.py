@@ -18,43 +18,37 @@ commands start fast.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
+import importlib.machinery
 import sys
 from typing import Any
 
-# Old top-level module -> its module now.
-MOVED = {
-    **{name: f"models.{name}" for name in ("axes", "flash", "hf", "kernels", "model", "qwen_vocab", "sharding")},
-    **{name: f"tasks.{name}" for name in ("data", "example_store", "rewards", "toy", "verify_pool")},
-    **{name: f"rollout.{name}" for name in ("kv_cache", "sampler", "vllm_sampler")},
-    **{
-        name: f"rl.{name}"
-        for name in ("checkpoint", "corrections", "distributed", "learner", "logprobs", "losses", "optim", "packing")
-    },
-    **{name: f"rl.{name}" for name in ("prompts", "scaffold", "train")},
-    **{
-        name: f"job.{name}"
-        for name in ("cli", "compiles", "evaluation", "export", "metrics_log", "plots", "progress", "run", "run_lock")
-    },
-    **{name: f"job.{name}" for name in ("tables", "toy_model")},
+# Old top-level module -> its module now: the moves by folder, then the ones renamed or split on the way.
+_MOVED_AS_IS = {
+    "models": "axes flash hf kernels model qwen_vocab sharding",
+    "tasks": "data example_store rewards toy verify_pool",
+    "rollout": "kv_cache sampler vllm_sampler",
+    "rl": "checkpoint corrections distributed learner logprobs losses optim packing prompts scaffold train",
+    "job": "cli compiles evaluation export metrics_log plots progress run run_lock tables toy_model",
+}
+MOVED = {name: f"{folder}.{name}" for folder, names in _MOVED_AS_IS.items() for name in names.split()} | {
     "first_mistake": "methods.first_mistake.advantages",
     "sentences": "methods.first_mistake.sentences",
     "teacher": "methods.first_mistake.teacher",
-    # Split since: the method's folder exports the names both held (dynamic sampling moved to ``rl.rounds``).
+    # Both split: the method's folder exports the names they held (dynamic sampling's are in ``rl.rounds``).
     "l2rr": "methods.l2rr",
     "reweight": "methods.l2rr",
 }
 
 
-class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports ``lspo_jax.<old>`` as the module at its new path: the same module object under both names."""
+class _OldPaths:
+    """Imports ``lspo_jax.<old>`` as the module at its new path: the same module object under both names. A meta-path
+    finder and its loader (``importlib.abc``'s protocols, not its classes: importing that costs the commands' start)."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         package, _, old = fullname.rpartition(".")
         if package != __name__ or old not in MOVED:
             return None
-        return importlib.util.spec_from_loader(fullname, self)
+        return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec: Any) -> Any:
         module = importlib.import_module(f"{__name__}.{MOVED[spec.name.rpartition('.')[2]]}")
