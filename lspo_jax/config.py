@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lspo_jax.options import Attention, DecodeAttention, Remat, choices
+from lspo_jax.options import Attention, DecodeAttention, FieldError, Remat, choices
 
 # Projections of a Qwen2 decoder layer that can carry a LoRA adapter (peft's q_proj ... down_proj).
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -31,9 +31,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lspo_jax"
 
 
-def _check(ok: bool, cls: str, field: str, message: str) -> None:
+def _check(ok: bool, cls: str, field: str, allowed: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"{cls}.{field}: {message}")
+        raise FieldError(cls, field, allowed, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +54,21 @@ class LoraConfig:
             isinstance(self.rank, int) and self.rank > 0,
             "LoraConfig",
             "rank",
-            f"must be a positive int, got {self.rank!r}",
+            "must be a positive int",
+            self.rank,
         )
-        _check(self.alpha > 0, "LoraConfig", "alpha", f"must be positive, got {self.alpha!r}")
+        _check(self.alpha > 0, "LoraConfig", "alpha", "must be positive", self.alpha)
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        _check(not unknown, "LoraConfig", "targets", f"unknown target(s) {unknown}; known: {list(LORA_TARGETS)}")
-        _check(len(set(self.targets)) == len(self.targets), "LoraConfig", "targets", f"duplicates in {self.targets}")
+        _check(
+            not unknown,
+            "LoraConfig",
+            "targets",
+            f"unknown target(s) {unknown}; known: {list(LORA_TARGETS)}",
+            self.targets,
+        )
+        _check(
+            len(set(self.targets)) == len(self.targets), "LoraConfig", "targets", "must not repeat one", self.targets
+        )
 
     @property
     def scale(self) -> float:
@@ -110,49 +119,64 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value > 0, "ModelConfig", name, f"must be a positive int, got {value!r}")
-        _check(self.head_dim > 0, "ModelConfig", "head_dim", f"must be positive, got {self.head_dim}")
+            _check(isinstance(value, int) and value > 0, "ModelConfig", name, "must be a positive int", value)
+        _check(self.head_dim > 0, "ModelConfig", "head_dim", "must be positive", self.head_dim)
         _check(
             self.head_dim % 2 == 0,
             "ModelConfig",
             "head_dim",
-            f"must be even for rotary embeddings, got {self.head_dim}",
+            "must be even for rotary embeddings",
+            self.head_dim,
         )
         _check(
             self.num_heads % self.num_kv_heads == 0,
             "ModelConfig",
             "num_kv_heads",
-            f"{self.num_kv_heads} must divide num_heads={self.num_heads} (grouped-query attention)",
+            f"must divide num_heads={self.num_heads} (grouped-query attention)",
+            self.num_kv_heads,
         )
-        _check(self.rope_theta > 0, "ModelConfig", "rope_theta", f"must be positive, got {self.rope_theta}")
-        _check(self.rms_norm_eps > 0, "ModelConfig", "rms_norm_eps", f"must be positive, got {self.rms_norm_eps}")
-        _check(self.max_position_embeddings > 0, "ModelConfig", "max_position_embeddings", "must be positive")
+        _check(self.rope_theta > 0, "ModelConfig", "rope_theta", "must be positive", self.rope_theta)
+        _check(self.rms_norm_eps > 0, "ModelConfig", "rms_norm_eps", "must be positive", self.rms_norm_eps)
+        _check(
+            self.max_position_embeddings > 0,
+            "ModelConfig",
+            "max_position_embeddings",
+            "must be positive",
+            self.max_position_embeddings,
+        )
         for name in ("param_dtype", "compute_dtype"):
             value = getattr(self, name)
-            _check(value in _DTYPES, "ModelConfig", name, f"must be one of {_DTYPES}, got {value!r}")
-        _check(isinstance(self.lora, LoraConfig), "ModelConfig", "lora", f"must be a LoraConfig, got {self.lora!r}")
-        _check(
-            self.remat in REMAT_POLICIES, "ModelConfig", "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}"
-        )
+            _check(value in _DTYPES, "ModelConfig", name, f"must be one of {_DTYPES}", value)
+        _check(isinstance(self.lora, LoraConfig), "ModelConfig", "lora", "must be a LoraConfig", self.lora)
+        _check(self.remat in REMAT_POLICIES, "ModelConfig", "remat", f"must be one of {REMAT_POLICIES}", self.remat)
         _check(
             self.attention in ATTENTION_IMPLS,
             "ModelConfig",
             "attention",
-            f"must be one of {ATTENTION_IMPLS}, got {self.attention!r}",
+            f"must be one of {ATTENTION_IMPLS}",
+            self.attention,
         )
         _check(
             self.decode_attention in DECODE_ATTENTION,
             "ModelConfig",
             "decode_attention",
-            f"must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}",
+            f"must be one of {DECODE_ATTENTION}",
+            self.decode_attention,
         )
         if self.attention == "cudnn":  # the fused kernel's own limits, named here rather than deep in a trace
-            _check(self.compute_dtype == "bfloat16", "ModelConfig", "attention", "cudnn needs compute_dtype bfloat16")
+            _check(
+                self.compute_dtype == "bfloat16",
+                "ModelConfig",
+                "attention",
+                "cudnn needs compute_dtype bfloat16",
+                self.compute_dtype,
+            )
             _check(
                 self.head_dim % 8 == 0,
                 "ModelConfig",
                 "attention",
-                f"cudnn needs head_dim % 8 == 0, got {self.head_dim}",
+                "cudnn needs head_dim % 8 == 0",
+                self.head_dim,
             )
 
     # ----------------------------------------------------------------------------------------- presets

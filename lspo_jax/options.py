@@ -20,6 +20,18 @@ class ConfigError(ValueError):
     """A config value that does not fit its field; the message names the dotted key."""
 
 
+class FieldError(ValueError):
+    """A dataclass field's bad value in the config's one dialect, ``Owner.name: what is allowed, got value``; the
+    config reader says it at the dotted key the user typed instead (``at``)."""
+
+    def __init__(self, owner: str, name: str, allowed: str, value: Any):
+        self.owner, self.name, self.allowed, self.value = owner, name, allowed, value
+        super().__init__(self.at(f"{owner}.{name}"))
+
+    def at(self, key: str) -> str:
+        return f"{key}: {self.allowed}, got {self.value!r}"
+
+
 # ------------------------------------------------------------------------------------- the vocabularies
 # The group baseline of ``losses.group_advantages``: (r - mean) / std (GRPO), r - mean (Dr. GRPO), or r minus the
 # mean of the other n - 1 rewards (RLOO).
@@ -138,19 +150,18 @@ class AdamWConfig:
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        name = type(self).__name__
         checks = {
-            "lr": self.lr > 0,
-            "warmup_steps": isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
-            "weight_decay": self.weight_decay >= 0,
-            "max_grad_norm": self.max_grad_norm is None or self.max_grad_norm > 0,
-            "b1": 0 <= self.b1 < 1,
-            "b2": 0 <= self.b2 < 1,
-            "eps": self.eps > 0,
+            "lr": (self.lr > 0, "must be positive"),
+            "warmup_steps": (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "must be an int >= 0"),
+            "weight_decay": (self.weight_decay >= 0, "must be >= 0"),
+            "max_grad_norm": (self.max_grad_norm is None or self.max_grad_norm > 0, "must be positive or null"),
+            "b1": (0 <= self.b1 < 1, "must be in [0, 1)"),
+            "b2": (0 <= self.b2 < 1, "must be in [0, 1)"),
+            "eps": (self.eps > 0, "must be positive"),
         }
-        for field, ok in checks.items():
+        for field, (ok, allowed) in checks.items():
             if not ok:
-                raise ValueError(f"{name}.{field}: invalid value {getattr(self, field)!r}")
+                raise FieldError(type(self).__name__, field, allowed, getattr(self, field))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +180,9 @@ class RLOptimConfig(AdamWConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mini_batches < 1 or self.epochs < 1:
-            raise ValueError(f"mini_batches and epochs must be positive, got {self.mini_batches} and {self.epochs}")
+        for field in ("mini_batches", "epochs"):
+            if getattr(self, field) < 1:
+                raise FieldError(type(self).__name__, field, "must be positive", getattr(self, field))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from lspo_jax.options import (
     DataFormat,
     DecodeAttention,
     Estimator,
+    FieldError,
     InstructionPosition,
     LengthPolicy,
     Normalisation,
@@ -44,9 +45,11 @@ from lspo_jax.options import (
 )
 
 
-def _require(ok: bool, key: str, message: str) -> None:
+def _require(ok: bool, key: str, message: str, *value: Any) -> None:
+    """A ``ConfigError`` in the config's one dialect unless ``ok``: ``key: what is allowed, got value`` (the value
+    left out where the message says it, or where no one value is at fault)."""
     if not ok:
-        raise ConfigError(f"{key}: {message}")
+        raise ConfigError(f"{key}: {message}" + (f", got {value[0]!r}" if value else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ class ModelSource:
 
     def __post_init__(self) -> None:
         options.check(self, "model")
-        _require(bool(self.path), "model.path", "must name a Hugging Face directory or 'toy'")
+        _require(bool(self.path), "model.path", "must name a Hugging Face directory or 'toy'", self.path)
         if self.attention == "cudnn":
             _require(self.compute_dtype == "bfloat16", "model.attention", "cudnn needs model.compute_dtype: bfloat16")
 
@@ -118,11 +121,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "data")
-        _require(self.limit is None or self.limit > 0, "data.limit", "must be positive or null")
+        _require(self.limit is None or self.limit > 0, "data.limit", "must be positive or null", self.limit)
         _require(self.cache_dir is None or bool(self.cache_dir.strip()), "data.cache_dir",
-                 "must be a directory, default or null")  # fmt: skip
-        _require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be positive")
-        _require(self.max_solution_tokens > 0, "data.max_solution_tokens", "must be positive")
+                 "must be a directory, default or null", self.cache_dir)  # fmt: skip
+        _require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be positive", self.max_prompt_tokens)
+        _require(self.max_solution_tokens > 0, "data.max_solution_tokens", "must be positive", self.max_solution_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,15 +158,32 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "rollout")
-        _require(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be positive")
-        _require(self.group_size > 1, "rollout.group_size", "must be > 1: advantages are normalised per group")
-        _require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
-        _require(self.temperature > 0, "rollout.temperature", "must be positive")
-        _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-        _require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 disables it)")
-        _require(self.vllm_kv_cache_gib > 0, "rollout.vllm_kv_cache_gib", "must be a positive number of GiB")
-        _require(self.compact_every >= 0, "rollout.compact_every", "must be >= 0 (0 never compacts)")
-        _require(self.max_draw_rounds >= 1, "rollout.max_draw_rounds", "must be >= 1 (the first round included)")
+        _require(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be positive", self.prompts_per_step)
+        _require(
+            self.group_size > 1,
+            "rollout.group_size",
+            "must be > 1: advantages are normalised per group",
+            self.group_size,
+        )
+        _require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive", self.max_new_tokens)
+        _require(self.temperature > 0, "rollout.temperature", "must be positive", self.temperature)
+        _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
+        _require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 disables it)", self.top_k)
+        _require(
+            self.vllm_kv_cache_gib > 0,
+            "rollout.vllm_kv_cache_gib",
+            "must be a positive number of GiB",
+            self.vllm_kv_cache_gib,
+        )
+        _require(
+            self.compact_every >= 0, "rollout.compact_every", "must be >= 0 (0 never compacts)", self.compact_every
+        )
+        _require(
+            self.max_draw_rounds >= 1,
+            "rollout.max_draw_rounds",
+            "must be >= 1 (the first round included)",
+            self.max_draw_rounds,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +197,9 @@ class RewardConfig:
     timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        _require(self.overlong_buffer > 0, "reward.overlong_buffer", "must be positive")
-        _require(self.workers >= 0, "reward.workers", "must be >= 0 (0 scores in-process)")
-        _require(self.timeout_s > 0, "reward.timeout_s", "must be positive")
+        _require(self.overlong_buffer > 0, "reward.overlong_buffer", "must be positive", self.overlong_buffer)
+        _require(self.workers >= 0, "reward.workers", "must be >= 0 (0 scores in-process)", self.workers)
+        _require(self.timeout_s > 0, "reward.timeout_s", "must be positive", self.timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,15 +223,20 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "loss")
-        _require(self.chunk_size is None or self.chunk_size > 0, "loss.chunk_size", "must be positive or null")
-        _require(0 <= self.eps_low < 1, "loss.eps_low", "must be in [0, 1)")
-        _require(self.eps_high >= 0, "loss.eps_high", "must be >= 0")
+        _require(
+            self.chunk_size is None or self.chunk_size > 0,
+            "loss.chunk_size",
+            "must be positive or null",
+            self.chunk_size,
+        )
+        _require(0 <= self.eps_low < 1, "loss.eps_low", "must be in [0, 1)", self.eps_low)
+        _require(self.eps_high >= 0, "loss.eps_high", "must be >= 0", self.eps_high)
         # Clip-higher widens the upper side (DAPO: 0.2 / 0.28); a narrower one is a swapped pair.
         pair = f"eps_high {self.eps_high} < eps_low {self.eps_low}"
         _require(self.eps_high >= self.eps_low, "loss.eps_high", f"must be >= loss.eps_low (clip-higher), got {pair}")
-        _require(self.clip_c is None or self.clip_c > 1, "loss.clip_c", "must be > 1 or null")
-        _require(self.micro_batches > 0, "loss.micro_batches", "must be positive")
-        _require(self.tis_cap is None or self.tis_cap > 0, "loss.tis_cap", "must be positive or null")
+        _require(self.clip_c is None or self.clip_c > 1, "loss.clip_c", "must be > 1 or null", self.clip_c)
+        _require(self.micro_batches > 0, "loss.micro_batches", "must be positive", self.micro_batches)
+        _require(self.tis_cap is None or self.tis_cap > 0, "loss.tis_cap", "must be positive or null", self.tis_cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,18 +287,32 @@ class ScaffoldConfig:
         options.check(self, "scaffold")
         _require(self.supervise == "adapter" or self.adapter == "fresh", "scaffold.supervise",
                  "base fits no adapter, so there is none to keep (scaffold.adapter: persistent)")  # fmt: skip
-        _require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive")
-        _require(self.min_cliff_bucket > 0, "scaffold.min_cliff_bucket", "must be positive")
-        _require(self.is_cap > 0, "scaffold.is_cap", "must be positive")
+        _require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive", self.sft_steps)
+        _require(self.min_cliff_bucket > 0, "scaffold.min_cliff_bucket", "must be positive", self.min_cliff_bucket)
+        _require(self.is_cap > 0, "scaffold.is_cap", "must be positive", self.is_cap)
         # Above 1 the floor would lift the ratio of tokens the adapter made less likely, past the clip at 1 + eps_high.
-        _require(0 < self.ratio_floor <= 1, "scaffold.ratio_floor", "must be in (0, 1]")
-        _require(self.shaping_gamma > 0, "scaffold.shaping_gamma", "must be positive")
-        _require(self.reroll_n is None or self.reroll_n > 0, "scaffold.reroll_n", "must be positive or null")
+        _require(0 < self.ratio_floor <= 1, "scaffold.ratio_floor", "must be in (0, 1]", self.ratio_floor)
+        _require(self.shaping_gamma > 0, "scaffold.shaping_gamma", "must be positive", self.shaping_gamma)
+        _require(
+            self.reroll_n is None or self.reroll_n > 0, "scaffold.reroll_n", "must be positive or null", self.reroll_n
+        )
         temperature = self.reroll_temperature
-        _require(temperature is None or temperature > 0, "scaffold.reroll_temperature", "must be positive or null")
-        _require(self.reroll_scale >= 0, "scaffold.reroll_scale", "must be >= 0")
-        _require(self.cliff_max_successes >= 0, "scaffold.cliff_max_successes", "must be >= 0")
-        _require(self.reset_every is None or self.reset_every > 0, "scaffold.reset_every", "must be positive or null")
+        _require(
+            temperature is None or temperature > 0,
+            "scaffold.reroll_temperature",
+            "must be positive or null",
+            temperature,
+        )
+        _require(self.reroll_scale >= 0, "scaffold.reroll_scale", "must be >= 0", self.reroll_scale)
+        _require(
+            self.cliff_max_successes >= 0, "scaffold.cliff_max_successes", "must be >= 0", self.cliff_max_successes
+        )
+        _require(
+            self.reset_every is None or self.reset_every > 0,
+            "scaffold.reset_every",
+            "must be positive or null",
+            self.reset_every,
+        )
         _require(
             self.reset_every is None or options.ADAPTER_LIFETIMES.resolve(self.adapter).scheduled,
             "scaffold.reset_every",
@@ -302,12 +341,12 @@ class EvalConfig:
     data_dir: str | None = None
 
     def __post_init__(self) -> None:
-        _require(self.every >= 0, "eval.every", "must be >= 0")
-        _require(self.n > 0, "eval.n", "must be positive")
-        _require(all(0 < k <= self.n for k in self.ks), "eval.ks", f"each k must be in 1..n={self.n}")
-        _require(self.max_new_tokens > 0, "eval.max_new_tokens", "must be positive")
-        _require(self.temperature > 0, "eval.temperature", "must be positive")
-        _require(self.limit is None or self.limit > 0, "eval.limit", "must be positive or null")
+        _require(self.every >= 0, "eval.every", "must be >= 0", self.every)
+        _require(self.n > 0, "eval.n", "must be positive", self.n)
+        _require(all(0 < k <= self.n for k in self.ks), "eval.ks", f"each k must be in 1..n={self.n}", list(self.ks))
+        _require(self.max_new_tokens > 0, "eval.max_new_tokens", "must be positive", self.max_new_tokens)
+        _require(self.temperature > 0, "eval.temperature", "must be positive", self.temperature)
+        _require(self.limit is None or self.limit > 0, "eval.limit", "must be positive or null", self.limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,8 +357,8 @@ class CheckpointConfig:
     keep: int = 3
 
     def __post_init__(self) -> None:
-        _require(self.every > 0, "checkpoint.every", "must be positive")
-        _require(self.keep > 0, "checkpoint.keep", "must be positive")
+        _require(self.every > 0, "checkpoint.every", "must be positive", self.every)
+        _require(self.keep > 0, "checkpoint.keep", "must be positive", self.keep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +392,7 @@ class MeshSection:
     def __post_init__(self) -> None:
         for name in ("data", "fsdp", "tp"):
             size = getattr(self, name)
-            _require(size >= 1 or size == -1, f"mesh.{name}", "must be a positive size or -1 (the rest)")
+            _require(size >= 1 or size == -1, f"mesh.{name}", "must be a positive size or -1 (the rest)", size)
         _require([self.data, self.fsdp, self.tp].count(-1) <= 1, "mesh", "at most one axis may be -1")
         fraction = self.memory_fraction
         _require(fraction is None or 0.05 <= fraction <= 0.98, "mesh.memory_fraction",
@@ -377,7 +416,7 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "log")
-        _require(bool(self.wandb_project), "log.wandb_project", "must not be empty")
+        _require(bool(self.wandb_project), "log.wandb_project", "must not be empty", self.wandb_project)
 
 
 # ----------------------------------------------------------------------------- the options' configs
@@ -412,18 +451,40 @@ class FirstMistakeConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "first_mistake")
-        _require_field(self.judge_path is None or bool(self.judge_path.strip()), "judge_path", "must be a path or null")
-        _require_field(math.isfinite(self.lam) and self.lam >= 0, "lam", "must be a finite number >= 0")
-        _require_field(self.max_new_tokens > 0, "max_new_tokens", "must be positive")
+        _require_field(
+            self.judge_path is None or bool(self.judge_path.strip()),
+            "FirstMistakeConfig",
+            "judge_path",
+            "must be a path or null",
+            self.judge_path,
+        )
+        _require_field(
+            math.isfinite(self.lam) and self.lam >= 0,
+            "FirstMistakeConfig",
+            "lam",
+            "must be a finite number >= 0",
+            self.lam,
+        )
+        _require_field(
+            self.max_new_tokens > 0, "FirstMistakeConfig", "max_new_tokens", "must be positive", self.max_new_tokens
+        )
         temperature = self.teacher_temperature
-        _require_field(math.isfinite(temperature) and temperature >= 0, "teacher_temperature", "must be >= 0")
-        _require_field(self.max_sentences > 0, "max_sentences", "must be positive")
-        _require_field(self.max_batch > 0, "max_batch", "must be positive")
+        _require_field(
+            math.isfinite(temperature) and temperature >= 0,
+            "FirstMistakeConfig",
+            "teacher_temperature",
+            "must be >= 0",
+            temperature,
+        )
+        _require_field(
+            self.max_sentences > 0, "FirstMistakeConfig", "max_sentences", "must be positive", self.max_sentences
+        )
+        _require_field(self.max_batch > 0, "FirstMistakeConfig", "max_batch", "must be positive", self.max_batch)
 
 
-def _require_field(ok: bool, field: str, message: str) -> None:
+def _require_field(ok: bool, owner: str, field: str, allowed: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"{field}: {message}")
+        raise FieldError(owner, field, allowed, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,7 +546,7 @@ class L2RRConfig:
         }
         for field, (ok, why) in checks.items():
             if not ok:
-                raise ValueError(f"L2RRConfig.{field} {why}, got {getattr(self, field)!r}")
+                raise FieldError("L2RRConfig", field, why, getattr(self, field))
 
     def step_size(self, updates_done: int) -> float:
         """``eta = a / sqrt(T)``: T the horizon, or the number of this update (1, 2, ...) without one."""
@@ -530,18 +591,19 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.compile_cache is None or bool(self.compile_cache.strip()), "compile_cache",
-                 "must be a directory, default or null")  # fmt: skip
-        _require(self.steps > 0, "steps", "must be positive")
-        _require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive")
+                 "must be a directory, default or null", self.compile_cache)  # fmt: skip
+        _require(self.steps > 0, "steps", "must be positive", self.steps)
+        _require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive", self.max_nonfinite_in_row)
         # The penalty starts at max_new_tokens - buffer tokens: a larger buffer penalises every response.
         buffer, limit = self.reward.overlong_buffer, self.rollout.max_new_tokens
         _require(buffer <= limit or self.reward.overlong_factor == 0, "reward.overlong_buffer",
                  f"{buffer} is more than rollout.max_new_tokens {limit}: every response would be penalised; "
                  "set it <= max_new_tokens (or reward.overlong_factor: 0)")  # fmt: skip
-        _require(self.l2rr.g_min <= self.rollout.group_size, "l2rr.g_min", "must not exceed rollout.group_size")
+        _require(self.l2rr.g_min <= self.rollout.group_size, "l2rr.g_min",
+                 f"must not exceed rollout.group_size {self.rollout.group_size}", self.l2rr.g_min)  # fmt: skip
         rows = self.rollout.prompts_per_step * self.rollout.group_size
         _require(self.optim.mini_batches <= rows, "optim.mini_batches",
-                 f"{self.optim.mini_batches} is more than the step's {rows} rows")  # fmt: skip
+                 f"must be at most the step's {rows} rows", self.optim.mini_batches)  # fmt: skip
         m, k = self.scaffold.cliff_max_successes, self.rollout.group_size
         _require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
         _require(not self.l2rr.enabled or bool(self.l2rr.target), "l2rr.target", "must name the target set")
@@ -598,6 +660,8 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
         return cls(**values)
     except ConfigError:
         raise
+    except FieldError as err:  # said at the dotted key the user typed
+        raise ConfigError(err.at(f"{where}{err.name}")) from err
     except (ValueError, TypeError) as err:
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: {err}") from err
 

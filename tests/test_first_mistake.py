@@ -43,7 +43,8 @@ def test_config_defaults_and_errors_name_the_field():
         ("max_batch", 0),
         ("judge_path", " "),
     ]:
-        key = f"first_mistake.{field}" if field == "reference" else field  # an option: checked with its section's key
+        # An option is checked with its section's key; a field by the dataclass's own check, which names its class.
+        key = f"first_mistake.{field}" if field == "reference" else f"FirstMistakeConfig.{field}"
         with pytest.raises(ValueError, match=f"^{key}:"):
             FirstMistakeConfig(**{field: value})
 
@@ -389,7 +390,7 @@ def test_tiny_random_judge_falls_back_to_grpo(hf_untied_dir):
 def test_config_reads_as_a_run_config_section():
     config = from_dict(FirstMistakeConfig, {"lam": 1, "judge_path": None, "reference": "ground_truth"})
     assert config == FirstMistakeConfig(lam=1.0, reference="ground_truth")
-    with pytest.raises(ValueError, match="first_mistake: lam"):
+    with pytest.raises(ValueError, match=r"^first_mistake\.lam: must be a finite number >= 0, got -1"):
         from_dict(FirstMistakeConfig, {"lam": -1}, "first_mistake.")
 
 

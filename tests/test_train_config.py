@@ -63,13 +63,13 @@ def test_demo_config_loads():
         ("scaffold.reroll_temperature=0", "scaffold.reroll_temperature"),
         ("scaffold.reroll_scale=-1", "scaffold.reroll_scale"),
         ("scaffold.cliff_max_successes=8", "scaffold.cliff_max_successes"),  # the demo's K: every group a cliff
-        ("first_mistake.teacher_temperature=-1", "first_mistake"),
+        ("first_mistake.teacher_temperature=-1", "first_mistake.teacher_temperature"),
         ("scaffold.adapter=kept", "scaffold.adapter"),
         ("scaffold.supervise=lora", "scaffold.supervise"),
         ("scaffold.reset_every=3", "scaffold.reset_every"),  # a fresh adapter is reset every step already
         ("scaffold.reset_every=0", "scaffold.reset_every"),
         ("optim.mini_batches=129", "optim.mini_batches"),  # the demo's step has 16 x 8 = 128 rows
-        ("optim.epochs=0", "optim"),
+        ("optim.epochs=0", "optim.epochs"),
     ],
 )
 def test_bad_keys_and_values_name_the_dotted_key(override, key):
@@ -107,8 +107,26 @@ def test_the_options_default_to_the_papers_method():
 
 
 def test_check_of_a_nested_optimizer_config_names_its_section():
-    with pytest.raises(ConfigError, match=r"^optim: .*lr"):
+    with pytest.raises(ConfigError, match=r"^optim\.lr: must be positive, got -1\.0$"):
         load_config(None, ["optim.lr=-1"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("l2rr.a=0.0", "l2rr.a: must be positive, got 0.0"),
+        ("scaffold.sft_steps=0", "scaffold.sft_steps: must be positive, got 0"),
+        ("first_mistake.lam=-1.0", "first_mistake.lam: must be a finite number >= 0, got -1.0"),
+        ("optim.mini_batches=0", "optim.mini_batches: must be positive, got 0"),
+        ("model.lora.rank=0", "model.lora.rank: must be a positive int, got 0"),
+    ],
+)
+def test_a_config_mistake_is_said_one_way(override, message):
+    """Whichever check refuses it (a section's, a nested dataclass's, a method's config), a mistake reads the same:
+    the dotted key as typed, what is allowed, the value given, on one line."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value) == message
 
 
 def test_dotted_overrides_apply_over_the_file():
