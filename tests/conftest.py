@@ -14,6 +14,11 @@ import pytest
 
 # The Rust tokenizer would otherwise warn about forking after use when a test spawns worker processes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Two workers share two cores. OpenMP's threads (torch's, and vLLM's CPU engine's) spin after each parallel region
+# by default, taking the core the other worker needs: the vLLM checks' process used 98 s of CPU in 102 s beside a
+# loaded machine, 77 s in 84 s with the threads sleeping instead (150 s in 126 s when they always spin). libgomp
+# reads this when it loads, after this file and before any test imports torch; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Example stores and compiled programs go to a directory of the test run's own, not the user's cache: one for both
 # xdist workers (they share the run's id) and every subprocess test, which inherit it. A program that one worker or
 # subprocess compiled, another with the same program reads back instead of compiling it again.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,37 +124,54 @@ TARGET_OPTIONS = {
 }
 
 
+# Both targets in one process (the chips' plugins load when JAX starts, so not this one): a second start of JAX and
+# the plugins costs 4-5 s. Each target's output ends with its exit status on a line of its own.
+_COMPILE_EACH = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("lower_check", sys.argv[1])
+tool = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = tool
+spec.loader.exec_module(tool)
+for argv in json.loads(sys.argv[2]):
+    print(f"exit status {tool.main(argv)}", flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """The tool's compile mode in its own process (the chips' plugins load when JAX starts), per target."""
-    out, fits = tmp_path_factory.mktemp("compiled"), {}
-    for target, options in TARGET_OPTIONS.items():
+    """The tool's compile mode in a process of its own, per target: its exit status, output and cells."""
+    out = tmp_path_factory.mktemp("compiled")
+    argvs = [["--small", "--compile", target, "--meshes", "fsdp8", *options, "--json", str(out / f"{target}.json")]
+             for target, options in TARGET_OPTIONS.items()]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE_EACH, str(TOOL), json.dumps(argvs)], capture_output=True,
+                          text=True)  # fmt: skip
+    outputs = re.split(r"^exit status (\d+)\n", done.stdout, flags=re.MULTILINE)
+    fits = {}
+    for i, target in enumerate(TARGET_OPTIONS):
         cells = out / f"{target}.json"
-        args = ["--small", "--compile", target, "--meshes", "fsdp8", *options, "--json", str(cells)]
-        done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True)
-        assert cells.exists(), done.stdout + done.stderr[-2000:]
-        fits[target] = (done, json.loads(cells.read_text()))
+        assert cells.exists() and len(outputs) > 2 * i + 1, done.stdout + done.stderr[-2000:]
+        fits[target] = (int(outputs[2 * i + 1]), outputs[2 * i], json.loads(cells.read_text()))
     return fits
 
 
 def test_the_small_shape_compiles_for_an_h100_and_a_tpu_within_its_bounds(compiled):
-    for target, (done, cells) in compiled.items():
-        assert done.returncode == 0, done.stdout
+    for target, (code, printed, cells) in compiled.items():
+        assert code == 0, printed
         assert {(target, c["program"]) for c in cells} == {key for key in SMALL_PEAK_MIB if key[0] == target}
         for cell in cells:
             where = (target, cell["program"], cell["attention"], cell["mesh"])
             assert cell["fits"] and "error" not in cell and cell["mesh"] == "fsdp8", (where, cell.get("error"))
             assert 0 < cell["peak_gib"] * 1024 <= SMALL_PEAK_MIB[target, cell["program"]], (where, cell["peak_gib"])
-        assert f"{len(cells)} cells: {len(cells)} fit, 0 do not fit or failed" in done.stdout
+        assert f"{len(cells)} cells: {len(cells)} fit, 0 do not fit or failed" in printed
 
 
 def test_an_h100_budget_is_its_memory_times_the_runs_allocator_share(tool, compiled):
     # The shipped target config's 84,942,979,072 bytes are 79.11 GiB; the jax engine's default share 0.9.
     assert tool.h100_memory_gib() == pytest.approx(79.11, abs=0.01)
-    assert [c["budget_gib"] for c in compiled["h100x8"][1]] == pytest.approx([79.11 * 0.9] * 2, abs=0.01)
+    assert [c["budget_gib"] for c in compiled["h100x8"][2]] == pytest.approx([79.11 * 0.9] * 2, abs=0.01)
     run = tool.load_config(tool.RECIPE, ["rollout.engine=vllm"])
     assert tool.TARGETS["h100x8"].budget_gib(run) == pytest.approx(79.11 * 0.6, abs=0.01)
-    assert [c["budget_gib"] for c in compiled["v5e-8"][1]] == [15.75]  # what libtpu 0.0.42 enforces on a v5e chip
+    assert [c["budget_gib"] for c in compiled["v5e-8"][2]] == [15.75]  # what libtpu 0.0.42 enforces on a v5e chip
 
 
 def test_a_tpu_refusal_is_read_as_what_the_program_needs_and_what_the_chip_has(tool):
