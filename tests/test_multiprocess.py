@@ -44,14 +44,16 @@ def launch(out: str, port: int, process_id: int, *, resume: bool = False) -> sub
     # The compile cache is the suite's (conftest's LSPO_JAX_CACHE): the resumed processes read back what the stopped
     # ones compiled, as a restarted job would.
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-c", "from lspo_jax.cli import train_main; raise SystemExit(train_main())", "--out", out]
+    # No plots and no verifier processes: each would cost every start seconds that test nothing of the job's own.
+    cmd = [sys.executable, "-c", "from lspo_jax.cli import train_main; raise SystemExit(train_main())", "--out", out,
+           "--no-plots"]  # fmt: skip
     if resume:  # the run's own config.yaml, as a restarted job would
         cmd += ["--resume", *join]
     else:
         # Validation before and after, one problem a class: sampled and scored across both processes too.
         overrides = [f"steps={STEPS}", "eval.every=0", "eval.limit=1", "eval.n=2", "eval.ks=[1,2]",
                      "checkpoint.every=10", "rollout.prompts_per_step=4", "rollout.group_size=4",
-                     "scaffold.sft_steps=4", "scaffold.min_cliff_bucket=4"]  # fmt: skip
+                     "scaffold.sft_steps=4", "scaffold.min_cliff_bucket=4", "reward.workers=0"]  # fmt: skip
         cmd += ["--config", os.path.join(ROOT, "configs", "demo.yaml"), *overrides, *join]
     log = open(f"{out}.{'resume' if resume else 'run'}.{process_id}.log", "w")  # closed by finish()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -123,6 +125,7 @@ def test_both_processes_resume_the_stopped_run_to_its_end(stopped_job):
     # The resumed steps follow the stopped ones in the same log, none repeated or skipped.
     assert [r["step"] for r in train_records(stopped_job["out"])] == list(range(1, STEPS + 1))
     assert checkpoint_steps(stopped_job["out"])[-1] == STEPS
+    assert not [name for name in os.listdir(stopped_job["out"]) if name.endswith(".png")]  # --no-plots, both runs
     # Validated across both processes before training (in the stopped run) and after it, each of the demo's classes.
     evals = [r for r in read_metrics(os.path.join(stopped_job["out"], "metrics.jsonl")) if r["kind"] == "eval"]
     assert sorted({r["step"] for r in evals}) == [0, STEPS] and len(evals) == 2 * 4

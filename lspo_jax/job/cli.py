@@ -152,6 +152,11 @@ def _train_parser() -> argparse.ArgumentParser:
         help="continue from the latest checkpoint in --out (with its config.yaml when --config is not given)",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="write no PNG curves at the end (seconds); tools/plot_metrics.py draws them from metrics.jsonl later",
+    )
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. rollout.group_size=8")
     return p
 
@@ -221,7 +226,7 @@ def _train(args) -> int:
     print(format_summary(summary))
     import jax
 
-    if jax.process_index() == 0:  # one writer of the run directory, as for its logs and config
+    if jax.process_index() == 0 and not args.no_plots:  # one writer of the run directory, as for its logs
         _plot(args.out)
     if summary.get("stopped_early"):
         print(f"lspo-train: stopped at step {summary['steps']} with a checkpoint; --resume continues it "
