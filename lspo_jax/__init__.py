@@ -11,8 +11,11 @@
 
 Modules that lived at the package's top before the folders still import by their old dotted names
 (``lspo_jax.losses``, ``lspo_jax.hf``, ...): ``_OldPaths`` resolves each to the moved module itself, so a name
-patched through either path is patched for both. Importing the package imports nothing else (no JAX): the
-commands start fast.
+patched through either path is patched for both. The two modules that were split, ``l2rr`` and ``reweight``,
+resolve to the ``methods.l2rr`` package, which exports the names they held: patch those in the module that defines
+them. Names that moved between modules (e.g. the per-token log-probs from ``losses`` to ``logprobs``) are found at
+their new module only; the public API of DESIGN.md keeps every old path. Importing the package imports nothing else
+(no JAX): the commands start fast.
 """
 
 from __future__ import annotations

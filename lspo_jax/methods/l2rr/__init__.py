@@ -12,7 +12,13 @@ __getattr__, __dir__ = lazy_exports(
             ("waste_penalty", "target_signal", "allocation_budget", "split_budget", "PromptSampler", "L2RRSampler"),
             "draws",
         ),
-        **dict.fromkeys(("DrawResult", "RoundFn", "collect_batch"), "lspo_jax.rl.rounds"),
+        # The draw rounds L2RR shares with dynamic sampling; and, for the old path ``lspo_jax.reweight`` (which
+        # held both samplers as prompt sources), dynamic sampling's names too.
+        **dict.fromkeys(
+            ("DrawResult", "RoundFn", "collect_batch", "DynamicSamplingPrompts", "sample_round", "assemble_batch",
+             "in_slots"),
+            "lspo_jax.rl.rounds",
+        ),
         **dict.fromkeys(
             (
                 "directional_derivatives", "PolicyLosses", "target_row_weights", "target_gradient",
@@ -21,6 +27,6 @@ __getattr__, __dir__ = lazy_exports(
             ),
             "target",
         ),
-        **dict.fromkeys(("L2RRPrompts", "TargetScores", "make_prompt_source"), "prompts"),
+        **dict.fromkeys(("L2RRPrompts", "TargetScores", "DrawRecord", "make_prompt_source"), "prompts"),
     },
 )  # fmt: skip

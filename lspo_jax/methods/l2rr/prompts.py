@@ -66,6 +66,7 @@ class TargetScores:
         if self.lookahead:
             start = time.perf_counter()
             self.scores = self.scorer.scores(self._sampled_base, batch, learner.state.params)
+            self._sampled_base = None  # a copy of the whole base: not kept past the update that needed it
             self._seconds += time.perf_counter() - start
         return self.scores, {"time_target": self._seconds}
 
