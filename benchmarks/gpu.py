@@ -58,27 +58,28 @@ Profiles: once their figures are recorded, ``sampler_b256`` (at the section's en
 more under ``jax.profiler``; the ops that took the device's time (self time on the busiest device timeline, top
 15) are recorded as ``profile_<part>`` and printed. A profile that does not fit the budget is skipped, and one
 that hangs ends its section after ``PROFILE_WATCHDOG_S`` (the later sections still run). ``--profile DIR``
-keeps the traces (``benchmarks/trace_summary.py DIR/PART`` prints the same table); ``--no-profile`` skips the
+keeps the traces (``python -m benchmarks.trace_summary DIR/PART`` prints the same table); ``--no-profile`` skips the
 extra runs.
 
 ``--smoke`` shrinks every shape (tiny model preset, short prompts, few tokens, tiny batches) and runs the same
 code, transformers on the CPU included; its numbers measure nothing. The ``_b256``/``_b64`` keys name the GPU
 batches; ``shapes`` in the JSON holds the sizes used.
 
-    PYTHONPATH=. python3 benchmarks/gpu.py --time-budget 450     # the H200; writes benchmarks/results/gpu.json
-    JAX_PLATFORMS=cpu python benchmarks/gpu.py --smoke --out /tmp/gpu_smoke.json
+    python3 -m benchmarks.gpu --time-budget 450     # the H200; writes benchmarks/results/gpu.json
+    JAX_PLATFORMS=cpu python -m benchmarks.gpu --smoke --out /tmp/gpu_smoke.json
 
 Every part fits no single call of a few minutes: the estimates (``ESTIMATE_S``) add up to about 15 minutes with
 the profiles. Split over calls, each later call merges the sections it does not run from the earlier JSON:
 
-    PYTHONPATH=. python3 benchmarks/gpu.py --only sampler,train --time-budget 450 --out $OUT/gpu.json
+    python3 -m benchmarks.gpu --only sampler,train --time-budget 450 --out $OUT/gpu.json
     # copy that gpu.json to benchmarks/results/gpu.json, then
-    PYTHONPATH=. python3 benchmarks/gpu.py --only lspo --time-budget 220 --merge benchmarks/results/gpu.json \
+    python3 -m benchmarks.gpu --only lspo --time-budget 220 --merge benchmarks/results/gpu.json \
         --out $OUT/gpu.json
 
-The script runs from a checkout, without installing the package, on a Python that has jax, flax, optax,
-orbax-checkpoint, transformers and torch but not math-verify, tensorboardX or vLLM (as on the GPU machine);
-``tests/test_gpu_bench.py`` runs the smoke shapes with those three hidden.
+It runs from the root of a checkout (``-m``: the packages ``benchmarks`` and ``lspo_jax`` import from there), without
+installing the package, on a Python that has jax, flax, optax, orbax-checkpoint, transformers and torch but not
+math-verify, tensorboardX or vLLM (as on the GPU machine); ``tests/test_gpu_bench.py`` runs the smoke shapes with
+those three hidden.
 """
 
 from __future__ import annotations
@@ -107,15 +108,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import trace_summary  # benchmarks/trace_summary.py, beside this script
 
-from lspo_jax import distributed, logprobs, losses, optim, packing, sampler, sharding, train
+from benchmarks import hf_baseline, trace_summary
 from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
-from lspo_jax.data import Example
-from lspo_jax.kv_cache import cache_nbytes
-from lspo_jax.learner import Learner, Policy
-from lspo_jax.model import count_params, decode_attend, init_params
-from lspo_jax.prompts import Draw
+from lspo_jax.models import sharding
+from lspo_jax.models.model import count_params, decode_attend, init_params
+from lspo_jax.rl import distributed, logprobs, losses, optim, packing, train
+from lspo_jax.rl.learner import Learner, Policy
+from lspo_jax.rl.prompts import Draw
+from lspo_jax.rollout import sampler
+from lspo_jax.rollout.kv_cache import cache_nbytes
+from lspo_jax.tasks.data import Example
 from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig, TrainConfig
 
 SECTIONS = ("sampler", "train", "lspo")
@@ -400,44 +403,10 @@ def train_flops_per_token(config: ModelConfig, seq: int) -> float:
 
 
 def hf_device(ctx: Context) -> tuple[str | None, str]:
-    """('cuda' | 'cpu', '') where transformers can run, else (None, why not); records torch's device name."""
-    try:
-        import torch
-        import transformers
-    except ImportError as err:
-        return None, f"transformers + torch not importable: {err}"
-    ctx.rec.set(torch_version=torch.__version__, transformers_version=transformers.__version__)
-    if torch.cuda.is_available():
-        ctx.rec.set(torch_device=torch.cuda.get_device_name(0), torch_cuda=torch.version.cuda)
-        ctx.rec.set(torch_cudnn=torch.backends.cudnn.version())
-        return "cuda", ""
-    return ("cpu", "") if ctx.args.smoke else (None, "torch has no CUDA device (CPU runs only with --smoke)")
-
-
-def hf_model(config: ModelConfig, device: str, dtype: str):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**config.to_hf_config(), attn_implementation="sdpa"))
-    return model.to(getattr(torch, dtype))
-
-
-def torch_sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def release_torch(device: str) -> None:
-    """Give torch's cached blocks back to the device, so the JAX part after it has the memory."""
-    import torch
-
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    """('cuda' | 'cpu', '') where transformers can run, else (None, why not); records torch's versions."""
+    device, why_not, versions = hf_baseline.device(allow_cpu=ctx.args.smoke)
+    ctx.rec.set(**versions)
+    return device, why_not
 
 
 def jax_peak_gb() -> float | None:
@@ -491,34 +460,6 @@ def time_our_sampler(ctx: Context, config: ModelConfig, params, prompts: np.ndar
     return {"first_call_s": first_s, "time_s": min(times), "times_s": times, "prefill_s": min(prefill_times)}
 
 
-def time_hf_generate(model, device: str, prompts: np.ndarray, new_tokens: int) -> dict:
-    import torch
-
-    ids = torch.from_numpy(prompts).long().to(device)
-    gen = dict(
-        attention_mask=torch.ones_like(ids),
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # forbids EOS: exactly new_tokens tokens per row
-        pad_token_id=0,
-    )
-    with torch.inference_mode():
-        start = time.perf_counter()
-        model.generate(ids, **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})  # kernels and allocator warm
-        torch_sync(device)
-        warm_s = time.perf_counter() - start
-        start = time.perf_counter()
-        out = model.generate(ids, **gen)
-        torch_sync(device)
-        time_s = time.perf_counter() - start
-    if out.shape[1] != prompts.shape[1] + new_tokens:
-        raise RuntimeError(f"generate returned {out.shape[1] - prompts.shape[1]} new tokens, not {new_tokens}")
-    return {"warmup_s": warm_s, "time_s": time_s}
-
-
 def section_sampler(ctx: Context) -> None:
     shapes, args, rec = ctx.shapes, ctx.args, ctx.rec
     config = model_config(shapes, "bfloat16")
@@ -559,8 +500,8 @@ def section_sampler(ctx: Context) -> None:
             continue
         with rec.part(part):
             if "model" not in hf:
-                hf["model"] = hf_model(config, device, "bfloat16").eval()
-            theirs = time_hf_generate(hf["model"], device, prompts, shapes.sampler_new_tokens)
+                hf["model"] = hf_baseline.model(config, device, "bfloat16").eval()
+            theirs = hf_baseline.time_generate(hf["model"], device, prompts, shapes.sampler_new_tokens)
             theirs.update(new_tokens_per_s=new_tokens / theirs["time_s"], floor_fraction=floor_s / theirs["time_s"])
             rec.set(**{part: theirs})
             rec.headline(**{f"hf_generate_tokens_per_s_{label}": theirs["new_tokens_per_s"]})
@@ -568,7 +509,7 @@ def section_sampler(ctx: Context) -> None:
                 rec.headline(**{f"sampler_ratio_vs_hf_{label}": ours["new_tokens_per_s"] / theirs["new_tokens_per_s"]})
     if hf:
         hf.clear()
-        release_torch(device)
+        hf_baseline.release(device)
     if profile_rows is not None:
         sampler_variants(ctx, config, params, np.asarray(profile_rows))
     rec.set(jax_peak_gb=jax_peak_gb())
@@ -680,40 +621,6 @@ def time_rl_update(ctx: Context, config: ModelConfig, loss: LossConfig, batch: d
     return record, lambda: step(params, opt_state, batch)
 
 
-def time_hf_train(config: ModelConfig, device: str, shapes: Shapes, seed: int) -> dict:
-    import torch
-
-    model = hf_model(config, device, "float32").train()
-    # fused: one kernel for the whole update on CUDA, as recipes use it; the CPU build takes the default path.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=device == "cuda")
-    ids = torch.from_numpy(random_ids(config, np.random.default_rng(seed), shapes.train_rows, shapes.train_seq))
-    ids = ids.long().to(device)
-
-    def step() -> torch.Tensor:
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    start = time.perf_counter()
-    for _ in range(2):
-        step()
-    torch_sync(device)
-    warm_s = time.perf_counter() - start
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(shapes.train_steps):
-        loss = step()
-    torch_sync(device)
-    step_s = (time.perf_counter() - start) / shapes.train_steps
-    peak = round(torch.cuda.max_memory_allocated() / 1e9, 2) if device == "cuda" else None
-    return {"warmup_s": warm_s, "step_s": step_s, "loss": float(loss.detach()), "peak_gb": peak}
-
-
 def section_train(ctx: Context) -> None:
     shapes, args, rec = ctx.shapes, ctx.args, ctx.rec
     tokens = shapes.train_rows * shapes.train_seq
@@ -726,7 +633,9 @@ def section_train(ctx: Context) -> None:
         rec.skip("hf_train", why_not)
     else:
         with rec.part("hf_train"):
-            hf = time_hf_train(model_config(shapes, "float32"), device, shapes, args.seed)
+            config = model_config(shapes, "float32")
+            ids = random_ids(config, np.random.default_rng(args.seed), shapes.train_rows, shapes.train_seq)
+            hf = hf_baseline.time_train(config, device, ids, shapes.train_steps)
             hf.update(tokens_per_s=tokens / hf["step_s"])
             rec.set(hf_train=hf)
             rec.headline(
@@ -734,7 +643,7 @@ def section_train(ctx: Context) -> None:
                 hf_train_mfu=hf["tokens_per_s"] * flops_per_token / peak,
                 hf_train_step_seconds=hf["step_s"],
             )
-        release_torch(device)  # also after a failure (out of memory): JAX's steps need the memory next
+        hf_baseline.release(device)  # also after a failure (out of memory): JAX's steps need the memory next
     loss = LossConfig(chunk_size=args.chunk_size or None)
     variants: dict[str, dict] = {}
     for attention in train_kernels(args):
@@ -1090,11 +999,13 @@ def run_child(args: argparse.Namespace, section: str, soft_deadline: float | Non
     """Run ``section`` in a subprocess; its record, with ``status`` and the process's failure if any."""
     fd, path = tempfile.mkstemp(prefix=f"gpu_bench_{section}_", suffix=".json")
     os.close(fd)
-    cmd = [sys.executable, os.path.abspath(__file__), *args.argv, "--section", section, "--section-file", path]
+    cmd = [sys.executable, "-m", "benchmarks.gpu", *args.argv, "--section", section, "--section-file", path]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the package ``benchmarks`` is
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     cmd += ["--t0", repr(args.t0)] + ([] if soft_deadline is None else ["--soft-deadline", repr(soft_deadline)])
     start, failure = time.time(), None
     try:
-        code = subprocess.run(cmd, timeout=timeout).returncode
+        code = subprocess.run(cmd, timeout=timeout, env=env).returncode
         failure = None if code == 0 else f"section process exited with code {code}"
     except subprocess.TimeoutExpired:
         failure = f"section process killed after {timeout:.0f} s (time budget)"

@@ -6,7 +6,7 @@ one: the thread with the most complete events, i.e. the finest grain (ops or ker
 an event nested in another (a loop's body ops inside the loop) is subtracted from its parent. A trace
 without device processes (the CPU backend) falls back to the busiest host thread, Python frames left out.
 
-    python benchmarks/trace_summary.py TRACE_DIR [--top 20]
+    python -m benchmarks.trace_summary TRACE_DIR [--top 20]
 """
 
 from __future__ import annotations

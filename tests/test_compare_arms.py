@@ -4,7 +4,6 @@ of the run directories. Training is replaced by a stand-in that writes a run's f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,9 +11,9 @@ import pytest
 import yaml
 
 from lspo_jax.train_config import ConfigError, load_config, to_dict
+from tools import compare_arms
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "compare_arms.py"
-DEMO = str(TOOL.parents[1] / "configs" / "demo.yaml")
+DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 
 # arm -> seed -> [(step, pass@1, gold_logprob)] of one benchmark, the cliff class; steps 0, 10, 20 (demo: 40 steps).
 TRACES = {
@@ -29,10 +28,7 @@ TRACES = {
 
 @pytest.fixture
 def tool():
-    spec = importlib.util.spec_from_file_location("compare_arms", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return compare_arms
 
 
 @pytest.fixture

@@ -206,13 +206,8 @@ def test_r1_prompt_in_the_real_qwen2_vocabulary(qwen_r1):
 def test_token_lengths_tool_by_hand(qwen_r1):
     """``tools/token_lengths.py`` on two rows: problems of 1 and 4 tokens ("What"; "2024", one digit a token),
     so median 2.5, p90 = 1 + 0.9 * (4 - 1) = 3.7 (linear), max 4; one solution of 3 tokens ("1", "+", "1")."""
-    import importlib.util
-    from pathlib import Path
+    from tools import token_lengths as tool
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "token_lengths.py"
-    spec = importlib.util.spec_from_file_location("token_lengths", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     rows = [{"problem": "What", "solution": None}, {"problem": "2024", "solution": "1+1"}]
     got = tool.file_lengths(qwen_r1, rows)
     assert got["problem"] == {"n": 2, "median": 2.5, "p90": pytest.approx(3.7), "max": 4}

@@ -14,8 +14,9 @@ import time
 
 import pytest
 
+from benchmarks import trace_summary
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "gpu.py")
 HAS_HF = all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
 PHASES = {f"time_{name}" for name in ("sample", "reward", "sft", "reroll", "logprob", "update")}
 RATES = ("sampler_tokens_per_s_b256", "sampler_tokens_per_s_b64", "train_tokens_per_s")
@@ -60,7 +61,7 @@ def run_bench(out_dir, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     hidden = subprocess.run([sys.executable, "-c", "import math_verify"], env=env, capture_output=True, text=True)
     assert "ModuleNotFoundError" in hidden.stderr  # the hiding works, or the run would not show what it should
-    cmd = [sys.executable, SCRIPT, "--smoke", "--out", out, *flags]
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--smoke", "--out", out, *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert os.path.exists(out), proc.stdout + proc.stderr
     with open(out) as f:
@@ -160,21 +161,9 @@ def test_profile_summaries_in_the_smoke_run(smoke):
         assert summary["top"] and summary["total_ms"] > 0, (part, summary)
 
 
-def _bench_module(name: str):
-    """``benchmarks/NAME.py`` as a module (``gpu.py`` imports ``trace_summary`` from its own folder)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.pop(0)
-    return module
-
-
 def test_only_out_of_memory_moves_to_the_next_remat_policy():
-    oom = _bench_module("gpu").out_of_memory
+    from benchmarks.gpu import out_of_memory as oom
+
     assert oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12.50GiB."))
     assert oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))  # torch's wording
     assert not oom(RuntimeError("non-finite loss or gradient: {...}"))
@@ -183,8 +172,7 @@ def test_only_out_of_memory_moves_to_the_next_remat_policy():
 
 HANGING_PROFILE = """
 import argparse, sys, time
-sys.path.insert(0, {bench!r})
-import gpu
+from benchmarks import gpu
 gpu.PROFILE_WATCHDOG_S = 1.0
 args = argparse.Namespace(no_profile=False, profile=None, soft_deadline=None, smoke=False)
 rec = gpu.Recorder({path!r}, "sampler", time.time())
@@ -195,7 +183,7 @@ gpu.Context(args=args, shapes=gpu.Shapes(), rec=rec).profile_call("sampler_b256"
 
 def test_a_hanging_profile_ends_its_section_and_keeps_its_figures(tmp_path):
     path = str(tmp_path / "section.json")
-    code = HANGING_PROFILE.format(bench=os.path.join(ROOT, "benchmarks"), path=path)
+    code = HANGING_PROFILE.format(path=path)
     path_var = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path_var}
     start = time.monotonic()
@@ -219,7 +207,7 @@ def test_trace_summary_reads_the_busiest_device_timeline():
         op(1, 11, "jit_step", 0, 60),  # the module span over the same ops: a coarser timeline, not summed
         op(2, 5, "host_work", 0, 500),  # host events are ignored when the trace has a device
     ]
-    summary = _bench_module("trace_summary").summarize_events(events)
+    summary = trace_summary.summarize_events(events)
     assert summary["timeline"] == "/device:GPU:0 / XLA Ops" and summary["source"] == "device"
     # fusion.1: 30 + 20 = 50 us of 60 us -> 0.05 ms, share 5/6; fusion.2: 10 us -> share 1/6.
     assert summary["total_ms"] == pytest.approx(0.06)
@@ -236,7 +224,7 @@ def test_trace_summary_of_a_host_trace_counts_self_time():
         op("fusion.2", 50, 20),  # nested in while.3
         op("fusion.2", 200, 40),
     ]
-    summary = _bench_module("trace_summary").summarize_events(events)
+    summary = trace_summary.summarize_events(events)
     # while.3's self time is 100 - 30 - 20 = 50 us; fusion.2 20 + 40 = 60 us; dot.1 30 us; total 140 us.
     assert summary["source"] == "host" and summary["total_ms"] == pytest.approx(0.14)
     want = {"fusion.2": 0.06, "while.3": 0.05, "dot.1": 0.03}

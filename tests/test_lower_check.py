@@ -5,7 +5,6 @@ that only Triton refuses fails exactly the cells that use it."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import re
 import subprocess
@@ -16,8 +15,9 @@ import jax
 import pytest
 
 from lspo_jax import kernels
+from tools import lower_check
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "lower_check.py"
+ROOT = Path(__file__).resolve().parents[1]
 # fsdp 4 x tp 2 splits rows, params and heads as both 8-device meshes do, and a program that lowers sharded also
 # lowers on one device (its shardings are trivial there): the suite lowers the grid on that mesh alone (47 cells,
 # half the time of adding the one-device grid); the full check covers all three, the invalid-block test below one.
@@ -26,14 +26,7 @@ MESHES = ("fsdp4_tp2",)
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("lower_check", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return lower_check
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +120,9 @@ TARGET_OPTIONS = {
 # Both targets in one process (the chips' plugins load when JAX starts, so not this one): a second start of JAX and
 # the plugins costs 4-5 s. Each target's output ends with its exit status on a line of its own.
 _COMPILE_EACH = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("lower_check", sys.argv[1])
-tool = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = tool
-spec.loader.exec_module(tool)
-for argv in json.loads(sys.argv[2]):
+import json, sys
+from tools import lower_check as tool
+for argv in json.loads(sys.argv[1]):
     print(f"exit status {tool.main(argv)}", flush=True)
 """
 
@@ -143,8 +133,8 @@ def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("compiled")
     argvs = [["--small", "--compile", target, "--meshes", "fsdp8", *options, "--json", str(out / f"{target}.json")]
              for target, options in TARGET_OPTIONS.items()]  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", _COMPILE_EACH, str(TOOL), json.dumps(argvs)], capture_output=True,
-                          text=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE_EACH, json.dumps(argvs)], capture_output=True, text=True,
+                          cwd=ROOT)  # fmt: skip
     outputs = re.split(r"^exit status (\d+)\n", done.stdout, flags=re.MULTILINE)
     fits = {}
     for i, target in enumerate(TARGET_OPTIONS):

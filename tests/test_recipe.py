@@ -10,7 +10,6 @@ validates step 0 again, trains a step and validates after it; ``lspo-eval`` scor
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -22,11 +21,9 @@ import pytest
 
 from lspo_jax import evaluation
 from lspo_jax.metrics_log import read_metrics
+from tools import recipe_toy  # the tool builds the same model and rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("recipe_toy", os.path.join(ROOT, "tools", "recipe_toy.py"))
-recipe_toy = importlib.util.module_from_spec(_spec)  # the tool builds the same model and rows
-_spec.loader.exec_module(recipe_toy)
 PAPER_CONFIG = recipe_toy.PAPER_CONFIG
 
 BIN = os.path.dirname(sys.executable)  # the console commands installed beside this interpreter

@@ -41,21 +41,25 @@ def import_graph(package: Path) -> dict[str, set[str]]:
     dependency: it only hides a cycle until the call). ``from pkg.a import b`` is module ``a.b`` when that is a
     module, else ``a``; an import of a name that is no module of the package (an old path) is kept as it is, so
     ``unresolved`` finds it."""
-    name = package.name
     modules = {module_name(path, package) for path in package.rglob("*.py")}
     graph = {}
     for path in package.rglob("*.py"):
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == name:
-                parent = ".".join(node.module.split(".")[1:])
-                for alias in node.names:
-                    child = f"{parent}.{alias.name}".lstrip(".")
-                    deps.add(child if child in modules else parent)
-            elif isinstance(node, ast.Import):
-                deps |= {a.name.partition(".")[2] for a in node.names if a.name.startswith(f"{name}.")}
-        graph[module_name(path, package)] = deps - {module_name(path, package), ""}
+        graph[module_name(path, package)] = package_imports(path, package.name, modules) - {module_name(path, package)}
     return graph
+
+
+def package_imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The modules of package ``name`` (``modules``, relative names) that the file ``path`` imports."""
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == name:
+            parent = ".".join(node.module.split(".")[1:])
+            for alias in node.names:
+                child = f"{parent}.{alias.name}".lstrip(".")
+                deps.add(child if child in modules else parent)
+        elif isinstance(node, ast.Import):
+            deps |= {a.name.partition(".")[2] for a in node.names if a.name.startswith(f"{name}.")}
+    return deps - {""}
 
 
 def layer(module: str) -> str:
@@ -118,6 +122,24 @@ def test_every_import_inside_the_package_names_a_module_where_it_is():
     graph = import_graph(PACKAGE)
     unresolved = {m: sorted(d for d in deps if d not in graph) for m, deps in graph.items()}
     assert {m: deps for m, deps in unresolved.items() if deps} == {}
+
+
+def test_the_tools_use_the_package_where_it_lives_and_the_tests_import_the_tools():
+    """``tools`` and ``benchmarks`` are packages of the repository: they import each module of ``lspo_jax`` where it
+    lives (the old paths are for users' code), and the tests import them as modules, never by a file's path."""
+    repo = PACKAGE.parent
+    modules = {module_name(path, PACKAGE) for path in PACKAGE.rglob("*.py")}
+    scripts = sorted([*repo.glob("tools/*.py"), *repo.glob("benchmarks/*.py")])
+    assert (
+        len(scripts) > 15
+        and (repo / "tools" / "__init__.py").exists()
+        and (repo / "benchmarks" / "__init__.py").exists()
+    )
+    stale = {str(p.relative_to(repo)): sorted(package_imports(p, PACKAGE.name, modules) - modules) for p in scripts}
+    assert {path: old for path, old in stale.items() if old} == {}
+    by_path = re.compile(r"spec_from_file_location|syspath_prepend|sys\.path\.(insert|append)")
+    tests = [p for p in sorted(repo.glob("tests/*.py")) if p.name != Path(__file__).name]
+    assert len(tests) > 30 and [p.name for p in tests if by_path.search(p.read_text())] == []
 
 
 def test_imports_run_down_the_layers():

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -13,7 +12,7 @@ import yaml
 
 from lspo_jax import tables
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "compare_runs.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 # (arm, seed) -> benchmark -> [(step, pass@1, pass@4)]. Step 30 lies past the horizon of 20 used below.
 TRACES = {
@@ -58,10 +57,9 @@ def run_args(tmp_path) -> list[str]:
 
 
 def compare_runs():
-    spec = importlib.util.spec_from_file_location("compare_runs", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tools import compare_runs
+
+    return compare_runs
 
 
 def test_compare_runs_table_by_hand(run_args, tmp_path, capsys):
@@ -166,18 +164,16 @@ def test_start_peak_last_and_curves_by_hand(run_args, tmp_path):
 
 
 def _ablate(monkeypatch):
-    monkeypatch.syspath_prepend(str(TOOL.parent))  # ablate imports compare_arms, its neighbour
-    spec = importlib.util.spec_from_file_location("ablate", TOOL.with_name("ablate.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tools import ablate
+
+    return ablate
 
 
 def test_ablate_grid_cells_and_refusals(monkeypatch, capsys):
     ablate = _ablate(monkeypatch)
     from lspo_jax.train_config import ConfigError, load_config
 
-    base = load_config(str(TOOL.parents[1] / "configs" / "demo.yaml"))
+    base = load_config(str(ROOT / "configs" / "demo.yaml"))
     grid = ablate.parse_grid(["scaffold.splice=partial,group", "scaffold.correction=token,sequence,none"])
     cells = ablate.cells(base, grid)
     assert len(cells) == 6 and cells[0] == ("splice=partial,correction=token",

@@ -1,7 +1,7 @@
 """An ablation grid: every combination of the ``--grid`` options, each trained with every seed, in the layout of
 the paper's Table 1.
 
-    .venv/bin/python tools/ablate.py --config configs/demo.yaml --grid 'scaffold.splice=partial,group' \\
+    .venv/bin/python -m tools.ablate --config configs/demo.yaml --grid 'scaffold.splice=partial,group' \\
         --grid 'scaffold.adapter=fresh,persistent' --seeds 42 43 44 --out runs/ablate \\
         [--json runs/ablate/ablate.json] [--results benchmarks/RESULTS.md] [dotted.key=value ...]
 
@@ -28,11 +28,14 @@ import time
 from datetime import date
 
 import yaml
-from compare_arms import append_results, check_reusable, provenance, run_cell, traces
 
-from lspo_jax import tables
-from lspo_jax.compiles import use_cache
+from lspo_jax.job import tables
+from lspo_jax.job.compiles import use_cache
 from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
+
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/ablate.py: run it from the repository root as python -m tools.ablate ...")
+from tools.compare_arms import append_results, check_reusable, provenance, run_cell, traces  # noqa: E402
 
 FIGURES = ("surpass_rate", "rescue_pass_rate", "spliced_ratio_mean")
 

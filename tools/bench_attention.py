@@ -1,7 +1,7 @@
 """Blocked attention against the einsum path on this machine: one jitted log-prob pass of the ``tiny`` preset and its
 gradient, best of 3 calls after a compiling one, and the compiled program's temporary memory (XLA's estimate).
 
-    .venv/bin/python tools/bench_attention.py
+    .venv/bin/python -m tools.bench_attention
 """
 
 import dataclasses
@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lspo_jax import logprobs, model
 from lspo_jax.config import ModelConfig
+from lspo_jax.models import model
+from lspo_jax.rl import logprobs
 
 SHAPES = ((64, 128), (4, 1024), (2, 4096))  # (rows, tokens per row): the same 8k tokens spread ever longer
 

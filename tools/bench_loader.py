@@ -16,7 +16,7 @@ the first batch of 32 prompts with their solutions tokenised, as the scaffold do
 
 Prints each load's seconds to the first batch, rows/s and the process's peak resident memory.
 
-    .venv/bin/python tools/bench_loader.py [--rows 103022] [--data-dir ../shared/data] [--json OUT]
+    .venv/bin/python -m tools.bench_loader [--rows 103022] [--data-dir ../shared/data] [--json OUT]
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 (pa.compute)
 
-from lspo_jax import data, evaluation, example_store, packing, prompts, qwen_vocab
+from lspo_jax.job import evaluation
+from lspo_jax.models import qwen_vocab
+from lspo_jax.rl import packing, prompts
+from lspo_jax.tasks import data, example_store
 from lspo_jax.train_config import DataConfig
 
 SOURCES = ("math500", "aime_1983_2023", "gsm8k_train", "gsm8k_test")

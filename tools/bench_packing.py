@@ -12,7 +12,7 @@ Part 2, the same relative distribution at a reduced shape on this machine: ``--s
 length; the RL step (gradient and AdamW update) and the log-prob pass, padded and packed, timed in one run (best of
 ``--repeats``, after one compiling call), on a Qwen2 of ``--model`` sizes.
 
-    .venv/bin/python tools/bench_packing.py [--responses lognormal:4400:10000] [--prompts math500] [--json OUT]
+    .venv/bin/python -m tools.bench_packing [--responses lognormal:4400:10000] [--prompts math500] [--json OUT]
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import time
 
 import numpy as np
 
-from lspo_jax import evaluation, flash, packing
+from lspo_jax.job import evaluation
+from lspo_jax.models import flash
+from lspo_jax.rl import packing
 
 PAPER = dict(rows=32 * 16, prompt_slots=1024, new_tokens=8192, devices=8, rows_per_micro=16)
 SMALL_MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
@@ -66,7 +68,8 @@ def response_lengths(spec: str, n: int, cap: int, rng: np.random.Generator) -> n
 
 def r1_prompt_lengths(data_dir: str, name: str) -> np.ndarray:
     """The R1 prompts' token counts of one benchmark file (the chat template and instruction included)."""
-    from lspo_jax import data, qwen_vocab
+    from lspo_jax.models import qwen_vocab
+    from lspo_jax.tasks import data
     from lspo_jax.train_config import DataConfig
 
     path = os.path.join(data_dir, f"{name}.jsonl")
@@ -142,8 +145,8 @@ def cpu_shape(args, prompt_pool: np.ndarray, rng: np.random.Generator) -> dict:
 
     import jax
 
-    from lspo_jax import model
     from lspo_jax.config import ModelConfig
+    from lspo_jax.models import model
 
     sizes = dict(SMALL_MODEL)
     for item in args.model:
@@ -190,7 +193,8 @@ def passes_of(config, params, batch) -> dict:
     """``{"rl_step": fn, "logprob": fn}``, each running its compiled program once on fresh inputs."""
     import jax
 
-    from lspo_jax import distributed, losses, optim, sharding
+    from lspo_jax.models import sharding
+    from lspo_jax.rl import distributed, losses, optim
 
     mesh, tx, spec = sharding.local_mesh(), optim.make_optimizer(), losses.LossSpec(chunk_size=256)
     step = distributed.sharded_rl_step(config, mesh, spec=spec)

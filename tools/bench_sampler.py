@@ -10,12 +10,12 @@ stop rows at different lengths). All engines run in the same process; the JAX an
 The decode floor is the time to read the weights plus the KV cache at the mean context once per step at
 the H200's measured 4.23 TB/s; on CPU that number is only a reference.
 
-    python tools/bench_sampler.py                      # CPU default: tiny model
-    python tools/bench_sampler.py --hf --json out.json # on a GPU: the 1.5B shape, batch 64 and 256
+    python -m tools.bench_sampler                      # CPU default: tiny model
+    python -m tools.bench_sampler --hf --json out.json # on a GPU: the 1.5B shape, batch 64 and 256
 
 JAX against vLLM on CPU (a 56.4M-parameter Qwen2; vLLM's CPU attention needs head_dim 64 or 32)::
 
-    python tools/bench_sampler.py --vllm --lengths uniform,mixed --batch 32 --prompt-len 128 --new-tokens 128 \\
+    python -m tools.bench_sampler --vllm --lengths uniform,mixed --batch 32 --prompt-len 128 --new-tokens 128 \\
         --model vocab_size=32000 --model hidden_size=512 --model intermediate_size=1408 --model num_layers=8 \\
         --model num_heads=8 --model num_kv_heads=4 --model head_dim=64 --model max_position_embeddings=2048
 """
@@ -41,10 +41,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lspo_jax import hf, sampler  # noqa: E402
+if not __package__:  # run by its path: the repository root, where the package ``benchmarks`` is, is not on sys.path
+    raise SystemExit("tools/bench_sampler.py: run it from the repository root as python -m tools.bench_sampler ...")
+from benchmarks import hf_baseline  # noqa: E402
 from lspo_jax.config import DECODE_ATTENTION, ModelConfig  # noqa: E402
-from lspo_jax.kv_cache import cache_nbytes  # noqa: E402
-from lspo_jax.model import count_params, init_params  # noqa: E402
+from lspo_jax.models import hf  # noqa: E402
+from lspo_jax.models.model import count_params, init_params  # noqa: E402
+from lspo_jax.rollout import sampler  # noqa: E402
+from lspo_jax.rollout.kv_cache import cache_nbytes  # noqa: E402
 
 HBM_BYTES_PER_S = 4.23e12  # H200 device memory read+write, measured (DESIGN.md section 3)
 GPU_DEFAULTS = dict(preset="deepseek-r1-distill-qwen-1.5b", batch="64,256", prompt_len=256, new_tokens=512)
@@ -183,45 +187,20 @@ def time_prefill(config, params, prompts, args) -> float:
 
 
 def time_hf(config: ModelConfig, tokens: np.ndarray, args) -> dict:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**config.to_hf_config(), attn_implementation="sdpa"))
-    model = model.to(dtype).eval()
-    ids = torch.from_numpy(tokens).long().to(device)
-    gen = dict(
-        attention_mask=torch.ones_like(ids),
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=args.new_tokens,
-        min_new_tokens=args.new_tokens,  # suppresses EOS: a fixed number of new tokens
-        pad_token_id=0,
-    )
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        model.generate(ids[:, :8], **{**gen, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-        sync()
-        first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(ids, **gen)
-        sync()
-    assert out.shape[1] == tokens.shape[1] + args.new_tokens
+    """transformers ``generate()`` at the same shape (``benchmarks.hf_baseline``, as the GPU benchmark times it)."""
+    device, why_not, _ = hf_baseline.device(allow_cpu=True)
+    if why_not:
+        raise SystemExit(f"--hf: {why_not}")
+    model = hf_baseline.model(config, device, args.dtype).eval()
+    timed = hf_baseline.time_generate(model, device, tokens, args.new_tokens)
     del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return dict(engine="hf", first_call_s=first, time_s=time.perf_counter() - t0)
+    hf_baseline.release(device)
+    return dict(engine="hf", first_call_s=timed["warmup_s"], time_s=timed["time_s"])
 
 
 def start_vllm(config: ModelConfig, params, args, model_dir: str):
     """A vLLM engine on the same weights as ``params``, saved to ``model_dir``; started and warmed up."""
-    from lspo_jax.vllm_sampler import VLLMSampler
+    from lspo_jax.rollout.vllm_sampler import VLLMSampler
 
     hf.save_pretrained(model_dir, config, params)
     engine = VLLMSampler(
@@ -242,7 +221,7 @@ def start_vllm(config: ModelConfig, params, args, model_dir: str):
 
 def check_vllm(config: ModelConfig) -> None:
     """Refuse a shape vLLM cannot run before anything is timed, in one line."""
-    from lspo_jax.vllm_sampler import check_model
+    from lspo_jax.rollout.vllm_sampler import check_model
 
     try:
         check_model(config)

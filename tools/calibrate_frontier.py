@@ -6,7 +6,7 @@ the per-sample accuracy; the cliff share at K (the share of problems whose K sam
 ``samples // K`` disjoint slices of K samples); pass@``samples``; and the base's teacher-forced log-prob of the gold
 worked solutions (per sequence, and the per-token quantiles, the share of tokens with p < 0.01 and p > 0.95).
 
-    .venv/bin/python tools/calibrate_frontier.py [--model DIR] [--samples 64] [--k 8] [--classes a,b] \\
+    .venv/bin/python -m tools.calibrate_frontier [--model DIR] [--samples 64] [--k 8] [--classes a,b] \\
         [--json OUT] [dotted.key=value ...]
 
 ``--model`` is a Hugging Face directory (default: the shipped warm start); the settings are ``configs/demo.yaml``'s
@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def gold_token_logprobs(policy, params, examples) -> list[np.ndarray]:
     """Each example's per-token log-probs of its gold solution under the base (temperature 1: the model's own
     likelihood, not a sampling distribution's)."""
-    from lspo_jax import logprobs, packing
+    from lspo_jax.rl import logprobs, packing
 
     prompts = [ex.prompt_ids for ex in examples]
     solutions = [ex.solution_ids for ex in examples]
@@ -70,11 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
 
-    from lspo_jax import evaluation, toy, toy_model
-    from lspo_jax.compiles import use_cache
     from lspo_jax.config import cache_root
+    from lspo_jax.job import evaluation, toy_model
     from lspo_jax.job.build import load_benchmarks, load_policy, make_verifier
-    from lspo_jax.learner import Generator
+    from lspo_jax.job.compiles import use_cache
+    from lspo_jax.rl.learner import Generator
+    from lspo_jax.tasks import toy
     from lspo_jax.train_config import load_config
 
     names = args.classes.split(",") if args.classes else list(toy.CLASSES)

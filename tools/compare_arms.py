@@ -11,7 +11,7 @@ and each arm minus DAPO (the first arm, without a ``dapo`` arm) paired by seed: 
 differences (``lspo_jax.tables``). The scaffold's own figures (cliff groups, surpass rate, per-rollout pass rate
 of the re-rollouts) are reported per arm.
 
-    .venv/bin/python tools/compare_arms.py --config configs/demo.yaml --seeds 42 43 44 --out runs/arms \\
+    .venv/bin/python -m tools.compare_arms --config configs/demo.yaml --seeds 42 43 44 --out runs/arms \\
         [--arm dapo --arm lspo --arm none:scaffold.correction=none] [--results benchmarks/RESULTS.md] \\
         [--json runs/arms/arms.json] [--plot runs/arms/arms.png] [dotted.key=value ...]
 
@@ -40,11 +40,11 @@ from datetime import date
 import jax
 import yaml
 
-from lspo_jax import tables
-from lspo_jax.cli import has_checkpoint
-from lspo_jax.compiles import use_cache
-from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import surpass_distribution, train_run
+from lspo_jax.job import tables
+from lspo_jax.job.cli import has_checkpoint
+from lspo_jax.job.compiles import use_cache
+from lspo_jax.job.metrics_log import read_metrics
+from lspo_jax.job.run import surpass_distribution, train_run
 from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
 
 # The built-in arms, in the order they train when no --arm is given.

@@ -8,7 +8,7 @@ configured ``steps``, the smallest when they differ), then the mean and [min, ma
 the baseline arm, paired by seed where the arms ran the same seeds (``lspo_jax.tables``). The output says which
 horizon it used.
 
-    .venv/bin/python tools/compare_runs.py runs/lspo_seed4{2,3,4} runs/dapo_seed4{2,3,4} --horizon 500 \\
+    .venv/bin/python -m tools.compare_runs runs/lspo_seed4{2,3,4} runs/dapo_seed4{2,3,4} --horizon 500 \\
         [--out table.md] [--plot table.png] [--per-seed] [--estimator unbiased]
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from lspo_jax import tables
+from lspo_jax.job import tables
 
 
 def parse_run(item: str) -> tables.RunTrace:

@@ -1,7 +1,7 @@
 """The L2RR prompt sampler against the uniform order on the same task, seeds paired: rollouts spent and
 held-out accuracy, with the scaffold's figures beside them (the two options compose).
 
-    .venv/bin/python tools/compare_samplers.py --config configs/demo.yaml --seeds 42 --out runs/samplers \\
+    .venv/bin/python -m tools.compare_samplers --config configs/demo.yaml --seeds 42 --out runs/samplers \\
         [dotted.key=value ...]
 
 Each seed trains twice from the same model, once with ``l2rr.enabled: false`` (uniform) and once with
@@ -18,8 +18,8 @@ import sys
 
 import numpy as np
 
-from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import train_run
+from lspo_jax.job.metrics_log import read_metrics
+from lspo_jax.job.run import train_run
 from lspo_jax.train_config import apply_overrides, from_dict, load_config, to_dict
 
 ARMS = {"uniform": ["l2rr.enabled=false"], "l2rr": ["l2rr.enabled=true"]}

@@ -8,7 +8,7 @@ of an abstract 8-device mesh. What only the accelerator's compiler checks (a ker
 budget, a fusion's layout) stays unchecked; what is refused while lowering (a kernel's block shapes, a sharding or
 a primitive the platform lacks) is caught here.
 
-The programs are those a run builds (``learner.Learner``, ``sampler``, ``reweight``), from the project's own builders
+The programs are those a run builds (``Learner``, ``sampler``, ``methods.l2rr``), from the project's own builders
 and sharding rules (``distributed``, ``sharding``, ``axes.LOGICAL_RULES``), at the shape of ``--config`` (the paper's
 recipe by default: R1-Distill-Qwen-1.5B, 32 x 16 rows of 1024 prompt + 8192 response tokens, bfloat16 compute):
 
@@ -17,8 +17,8 @@ recipe by default: R1-Distill-Qwen-1.5B, 32 x 16 rows of 1024 prompt + 8192 resp
     logprobs_adapter       the adapter-on pass of the scaffold's re-rolls (their importance-ratio denominators)
     sft                    the adapter's SFT step (``distributed.sharded_sft_step``)
     l2rr_target, l2rr_jvp  L2RR's target gradient and the directional derivatives of the batch
-                           (``l2rr.sharded_target_gradient``, ``l2rr.sharded_directional_derivatives``)
-    prefill, decode        the JAX sampler's prompt pass and decode segment, base alone (``sampler.trace_call``)
+                           (``l2rr.target.sharded_target_gradient``, ``...sharded_directional_derivatives``)
+    prefill, decode        the JAX sampler's prompt pass and decode segment, base alone (``lowering.trace_call``)
     prefill_adapter, decode_adapter   the same with the adapter on (the scaffold's re-rolls)
 
 on one device and on abstract 8-device meshes (``fsdp8``: fsdp 8; ``fsdp4_tp2``: fsdp 4 x tp 2), with each
@@ -29,10 +29,10 @@ platform its attention is meant for.
 
 Usage:
 
-    .venv/bin/python tools/lower_check.py                 # the paper's shape: minutes
-    .venv/bin/python tools/lower_check.py --small         # a tiny model and short rows: seconds a program
-    .venv/bin/python tools/lower_check.py --programs rl_packed,decode --meshes fsdp8 --platforms cuda --json out.json
-    .venv/bin/python tools/lower_check.py --compile h100x8,v5p-16 [--config F] [key=value ...] [--json out.json]
+    .venv/bin/python -m tools.lower_check                 # the paper's shape: minutes
+    .venv/bin/python -m tools.lower_check --small         # a tiny model and short rows: seconds a program
+    .venv/bin/python -m tools.lower_check --programs rl_packed,decode --meshes fsdp8 --platforms cuda --json out.json
+    .venv/bin/python -m tools.lower_check --compile h100x8,v5p-16 [--config F] [key=value ...] [--json out.json]
 
 ``--compile`` goes further than lowering: it compiles the programs a run of ``--config`` compiles, at its own
 attention, for each named target (``TARGETS``: 8 H100s, or a v5p-8, v5p-16, v6e-8 or v5e-8 slice) with the chips'
@@ -74,10 +74,13 @@ import jax.numpy as jnp
 from jax.extend.core import jaxprs_in_params
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from lspo_jax import distributed, l2rr, losses, model, optim, packing, reweight, sampler, sharding
-from lspo_jax.axes import MESH_AXES
 from lspo_jax.config import ModelConfig
-from lspo_jax.learner import Learner
+from lspo_jax.methods.l2rr import target as l2rr_target
+from lspo_jax.models import model, sharding
+from lspo_jax.models.axes import MESH_AXES
+from lspo_jax.rl import distributed, losses, optim, packing
+from lspo_jax.rl.learner import Learner
+from lspo_jax.rollout import lowering
 from lspo_jax.train_config import ConfigError, TrainConfig, load_config
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "lspo_deepmath_r1_distill_qwen_1p5b.yaml"
@@ -92,7 +95,7 @@ COMPILE_MESHES = {**MESHES, "fsdp4": (1, 4, 1), "fsdp2_tp2": (1, 2, 2)}
 UNAVAILABLE = ("cuDNN is not detected", "needs a CUDA GPU")
 # The custom call each kernel lowers to; a program lowered with that attention must hold it. The prompt pass
 # attends with einsums whatever ``decode_attention`` says; L2RR's forward mode with what
-# ``reweight.FORWARD_MODE_ATTENTION`` puts in place of a kernel without a jvp rule.
+# ``l2rr_target.FORWARD_MODE_ATTENTION`` puts in place of a kernel without a jvp rule.
 KERNEL_CALLS = {"pallas": "__gpu$xla.gpu.triton", "splash": "tpu_custom_call"}
 EINSUM_PROGRAMS = ("prefill", "prefill_adapter")
 FORWARD_MODE_PROGRAMS = ("l2rr_jvp",)
@@ -256,29 +259,29 @@ def l2rr_target_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -
     count = -(-limit // options["num_micro_batches"]) * options["num_micro_batches"]
     rows = _rows(count, length, ("tokens", "attention_mask", "mask", "weight"), sharding.batch_sharding(mesh, count))
     base = sharding.abstract_params(config, mesh)["base"]
-    return l2rr.sharded_target_gradient(config, mesh, **options).trace(base, rows)
+    return l2rr_target.sharded_target_gradient(config, mesh, **options).trace(base, rows)
 
 
 def l2rr_jvp_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
     """The directional derivatives of the step's padded rows along ``g_tgt`` (laid out as the base), through the
-    per-prompt losses the run's ``reweight.TargetScorer`` builds (its attention for forward mode included), the rows
+    per-prompt losses the run's ``l2rr_target.TargetScorer`` builds (its attention for forward mode included), the rows
     split over the data axes as the scorer places them."""
     run = shape.run
-    prompt_losses = reweight.TargetScorer(run, config, None).losses
+    prompt_losses = l2rr_target.TargetScorer(run, config, None).losses
     count = run.rollout.prompts_per_step * run.rollout.group_size
     keys = ("tokens", "attention_mask", *LOSS_KEYS)
     batch = _rows(count, _length(run), keys, sharding.batch_sharding(mesh, count))
     base = sharding.abstract_params(config, mesh)["base"]
-    program = l2rr.sharded_directional_derivatives(config, mesh)
+    program = l2rr_target.sharded_directional_derivatives(config, mesh)
     return program.trace(jax.tree_util.Partial(prompt_losses, batch=batch), base, base)
 
 
 # ---------------------------------------------------------------------------------------------- sampler
 def _sampler_call(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh, decode: bool) -> dict:
-    """``sampler.trace_call`` for a step's rollouts (the base alone) or the scaffold's re-rolls (the adapter on):
+    """``lowering.trace_call`` for a step's rollouts (the base alone) or the scaffold's re-rolls (the adapter on):
     ``prompts_per_step`` prompts of ``max_prompt_tokens``, ``group_size`` samples each, ``max_new_tokens`` new."""
     run, mesh = shape.run, sharding.sampling_mesh(mesh)  # as the run's ``Generator`` samples
-    return sampler.trace_call(
+    return lowering.trace_call(
         config, prompts=run.rollout.prompts_per_step, prompt_tokens=run.data.max_prompt_tokens,
         max_new_tokens=run.rollout.max_new_tokens, n=run.rollout.group_size, adapter=adapter, mesh=mesh, decode=decode,
     )  # fmt: skip
@@ -358,7 +361,7 @@ def kernel_call(program: str, attention: str) -> str | None:
     if program in EINSUM_PROGRAMS:
         return None
     if program in FORWARD_MODE_PROGRAMS:
-        attention = reweight.FORWARD_MODE_ATTENTION.get(attention, attention)
+        attention = l2rr_target.FORWARD_MODE_ATTENTION.get(attention, attention)
     return KERNEL_CALLS.get(attention)
 
 

@@ -1,11 +1,11 @@
 """Draw a run's curves (``metrics.jsonl``) to PNG files in the run directory.
 
-.venv/bin/python tools/plot_metrics.py runs/demo [runs/other ...]
+.venv/bin/python -m tools.plot_metrics runs/demo [runs/other ...]
 """
 
 import argparse
 
-from lspo_jax.plots import plot_run
+from lspo_jax.job.plots import plot_run
 
 
 def main() -> None:

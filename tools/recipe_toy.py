@@ -1,7 +1,7 @@
 """The paper's recipe at toy size, as a new user first tries it: a random Qwen2 with R1-Distill's 151,936-word
 vocabulary and the real R1 tokenizer, DeepMath-schema parquet rows, and the time of each step with what it compiled.
 
-    .venv/bin/python tools/recipe_toy.py --out /tmp/recipe_toy [--hidden 64] [--steps 3] [override ...]
+    .venv/bin/python -m tools.recipe_toy --out /tmp/recipe_toy [--hidden 64] [--steps 3] [override ...]
 
 writes ``OUT/model`` and ``OUT/deepmath.parquet``, runs ``lspo-train`` on
 ``configs/lspo_deepmath_r1_distill_qwen_1p5b.yaml`` with the shape of ``SHAPE`` (4 x 4 rollouts of 256 + 48 tokens,
@@ -41,7 +41,7 @@ def tiny_r1_model(path: str, hidden: int = 32, layers: int = 2) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lspo_jax import qwen_vocab
+    from lspo_jax.models import qwen_vocab
 
     torch.manual_seed(0)
     tokenizer = qwen_vocab.r1_tokenizer()

@@ -5,7 +5,7 @@ For each file: the problems' tokens, the R1 prompts' (the chat template and the 
 file has them; median, 90th percentile (linear interpolation) and maximum. Input for the packing design: how
 much of a fixed ``[max_prompt_tokens | max_new_tokens]`` row is padding.
 
-    .venv/bin/python tools/token_lengths.py [--data-dir ../shared/data] [--files math500 aime24 ...] [--json OUT]
+    .venv/bin/python -m tools.token_lengths [--data-dir ../shared/data] [--files math500 aime24 ...] [--json OUT]
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import time
 
 import numpy as np
 
-from lspo_jax import data, evaluation, qwen_vocab
+from lspo_jax.job import evaluation
+from lspo_jax.models import qwen_vocab
+from lspo_jax.tasks import data
 from lspo_jax.train_config import DataConfig
 
 FILES = ("math500", "aime24", "aime25", "aime26", "aime_1983_2023", "gsm8k_test", "gsm8k_train")

@@ -10,7 +10,7 @@ by the group's std, the same shaped reward (math-verify accuracy plus DAPO's ove
 and writes pass@k records in ``metrics.jsonl`` as ``lspo-train`` does, so ``tools/compare_runs.py`` reads
 the run (arm ``trl``). ``--dapo DIR ...`` draws the DAPO arm's runs beside it in ``OUT/trl_vs_dapo.png``.
 
-    .venv/bin/python tools/trl_reference.py --config configs/demo.yaml --out runs/trl [--dapo runs/arms/dapo_seed42] \\
+    .venv/bin/python -m tools.trl_reference --config configs/demo.yaml --out runs/trl [--dapo runs/arms/dapo_seed42] \\
         [--no-train] [dotted.key=value ...]
 """
 
@@ -23,10 +23,11 @@ import sys
 
 import numpy as np
 
-from lspo_jax import data, evaluation, hf, rewards, tables
+from lspo_jax.job import evaluation, tables
 from lspo_jax.job.build import model_dir, validation_specs
-from lspo_jax.metrics_log import read_metrics
-from lspo_jax.tasks import benchmarks
+from lspo_jax.job.metrics_log import read_metrics
+from lspo_jax.models import hf
+from lspo_jax.tasks import benchmarks, data, rewards
 from lspo_jax.train_config import ConfigError, load_config, to_dict
 
 

@@ -30,8 +30,8 @@ axes; XLA inserts the collectives.
 
 Every shape is bucketed (powers of two), so a run compiles a bounded number of programs:
 per (batch bucket, prompt bucket, new-token bucket, sampling options, adapter on/off) one prefill program, and
-one decode program per window and row bucket that the call's live rows pass through. ``trace_call`` traces a
-call's programs for abstract inputs, to be lowered or compiled for any platform (``tools/lower_check.py``).
+one decode program per window and row bucket that the call's live rows pass through. ``rollout.lowering`` traces
+a call's programs for abstract inputs, to be lowered or compiled for any platform (``tools/lower_check.py``).
 
 Log-probs are ``log_softmax(logits / temperature)`` at the sampled token, taken BEFORE any top-k/top-p
 truncation: the quantity the trainer computes for ``old_logp``. Greedy decoding reports them at the
@@ -54,7 +54,6 @@ from lspo_jax.config import ModelConfig
 from lspo_jax.models import sharding
 from lspo_jax.models.model import (
     Params,
-    abstract_params,
     attention_positions,
     causal_padding_mask,
     decoder,
@@ -613,76 +612,6 @@ def _plan(
         longest,
         compact_every,
         mesh,
-    )
-
-
-def trace_call(
-    config: ModelConfig,
-    *,
-    prompts: int,
-    prompt_tokens: int,
-    max_new_tokens: int,
-    n: int = 1,
-    adapter: bool = False,
-    options: SamplingOptions = SamplingOptions(),
-    cache_window: int = DEFAULT_CACHE_WINDOW,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    decode: bool = True,
-) -> dict[str, jax.stages.Traced]:
-    """The programs a call of ``prompts`` prompts of up to ``prompt_tokens`` tokens compiles, traced for abstract
-    inputs (nothing is allocated) on ``mesh`` (an abstract one will do): ``"prefill"``, and ``"decode S"`` for the
-    decode segment of each cache window (S cache slots), from the prefill's state grown as the call grows it
-    (``decode=False``: the prefill alone). Bucketed as a call buckets them; ``adapter``: the adapter on (a traced
-    scale). Each lowers for any platform (``.lower(lowering_platforms=(...))``): how programs too big to run here
-    are checked (``tools/lower_check.py``).
-    """
-    mesh = sharding.mesh_or_local(mesh)
-    rows, slots = pow2_bucket(prompts), pow2_bucket(prompt_tokens, MIN_PROMPT_BUCKET)
-    ends = window_ends(max_new_tokens, cache_window)
-    params = _abstract_weights(config, mesh, adapter)
-    spec, scalar = jax.ShapeDtypeStruct, jax.ShapeDtypeStruct((), jnp.float32)
-    key, eos = jax.eval_shape(jax.random.key, 0), spec(_eos_array(()).shape, jnp.int32)
-    # As ``_Call.prefill`` passes them: host prompts, mask, live rows and limits, then the key and the scalars.
-    prompt_BP = spec((rows, slots), jnp.int32)
-    inputs = (prompt_BP, prompt_BP, spec((rows,), bool), spec((rows,), jnp.int32))
-    static = dict(options=options, n=n, window=ends[0], total_new=ends[-1])
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        traced = {"prefill": _prefill.trace(config, params, *inputs, key, scalar, scalar, eos, **static)}
-        first = traced["prefill"].out_info
-        for end in ends if decode else ():
-            grown = first._replace(cache=jax.eval_shape(functools.partial(grow_cache, length=slots + end), first.cache))
-            state = _place(grown, _state_shardings(config, mesh, grown))
-            args = (key, scalar, scalar, eos, spec((), jnp.int32))
-            traced[f"decode {slots + end}"] = _decode_segment.trace(config, params, state, *args, options=options)
-    return traced
-
-
-def _abstract_weights(config: ModelConfig, mesh: jax.sharding.Mesh, adapter: bool) -> Params:
-    """The weights the programs read (``_decode_weights``) as abstract arrays: the compute dtype, split per layer,
-    laid out over ``tp`` only; the adapter's too when ``adapter``."""
-    dtype = jnp.dtype(config.compute_dtype)
-    keys = ("base", "lora") if adapter else ("base",)
-    cast = {k: jax.tree.map(lambda a: a.update(dtype=dtype), abstract_params(config)[k]) for k in keys}
-    tree = jax.eval_shape(functools.partial(_unstack, config), cast)
-    stacked = sharding.param_shardings(config, mesh, gather_fsdp=True)
-    shardings = {"base": {**stacked["base"], "layers": _layer_shardings(stacked["base"]["layers"], config.num_layers)}}
-    if adapter:
-        shardings["lora"] = _layer_shardings(stacked["lora"], config.num_layers)
-    return _place(tree, shardings)
-
-
-def _place(tree: Any, shardings: Any) -> Any:
-    """Abstract arrays of ``tree``'s shapes and dtypes laid out by ``shardings``."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
-def _state_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, state: _State) -> _State:
-    """Rows over the data axes, scalars replicated, the cache as ``sharding.kv_cache_sharding``."""
-    rows = state.token_C.shape[0]
-    by_rows, whole = sharding.batch_sharding(mesh, rows), sharding.replicated(mesh)
-    cache = sharding.kv_cache_sharding(config, mesh, rows)
-    return jax.tree.map(lambda a: by_rows if a.ndim else whole, state)._replace(
-        cache=jax.tree.map(lambda _: cache, state.cache)
     )
 
 

@@ -1,0 +1,2 @@
+"""The benchmarks: ``python -m benchmarks.gpu`` (the one-shot GPU run), ``benchmarks.trace_summary`` (a profile's
+table), ``benchmarks.hf_baseline`` (transformers + torch at our shapes); figures in ``RESULTS.md``."""
