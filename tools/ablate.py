@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = traces(results)
     horizon, horizon_line = tables.resolve_horizon(runs, args.horizon)
     table = tables.peak_table(runs, ks=list(base.eval.ks), horizon=horizon, baseline=names[0])
-    command = " ".join(["tools/ablate.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["-m tools.ablate", *(argv if argv is not None else sys.argv[1:])])
     text = "\n\n".join([
         f"## Ablation on `{args.config}` ({date.today().isoformat()})",
         provenance(command, len(results), minutes),

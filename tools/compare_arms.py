@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                for name, overrides in arms.items()]  # fmt: skip
     minutes = (time.perf_counter() - start) / 60
     table, horizon_line = peak_table(results, list(base.eval.ks), args.horizon)
-    command = " ".join(["tools/compare_arms.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["-m tools.compare_arms", *(argv if argv is not None else sys.argv[1:])])
     text = "\n\n".join([
         f"## {' vs '.join(arms)} on `{args.config}` ({date.today().isoformat()})",
         provenance(command, len(results), minutes),
