@@ -100,20 +100,23 @@ def assert_close_relative(actual, desired, rel: float, err_msg: str = "") -> Non
         )
 
 
-# The files whose module fixtures take minutes (whole training runs, processes of a two-host job, the paper's recipe,
-# vLLM engines, the GPU script's smoke run, 8-device checks, the chips' compilers), slowest first: under `pytest -n 2
-# --dist loadfile` (tools/test.sh) a worker takes the next file when it is almost done with its last, so the longest
-# files overlap and the many small ones fill the end evenly. Their order is that of their worker seconds in a run of
-# the suite on the 2-core work machine (175, 160, 131, 122, 120, 103, 86 and 62 s).
+# The slowest files (processes of a two-host job, the paper's recipe, vLLM engines, the GPU script's smoke run, 8-device
+# checks, whole training runs, the chips' compilers), slowest first: under `pytest -n 2 --dist loadfile`
+# (tools/test.sh) a worker takes the next file when it is almost done with its last, so the longest files overlap and
+# the many small ones fill the end evenly. Their order is that of their worker seconds on the 2-core work machine:
+# 160, 131, 122, 120, 103, 86 and 62 s in a run of the suite, and 92, 48 and 32 s for the training-loop files in a run
+# of those alone (the fourth, test_run_failures.py, took 11 s: not among the slow ones).
 SLOW_FILES_FIRST = (
-    "test_train.py",
     "test_multiprocess.py",
     "test_recipe.py",
     "test_vllm.py",
     "test_gpu_bench.py",
     "test_sharding.py",
+    "test_step_scaffold.py",
     "test_lower_check.py",
     "test_packing.py",
+    "test_method_runs.py",
+    "test_run_resume.py",
 )
 
 
