@@ -1,0 +1,57 @@
+"""``tools/horizon_study.py`` on hand-written traces: the peak, last and trained-trace mean per arm, each arm minus
+DAPO paired by seed, the frontier lines, and unfinished runs left out by name."""
+
+from __future__ import annotations
+
+import json
+
+from tools import horizon_study
+
+# (step, pass@8) of the frontier class per arm and seed; every run starts at 0.1 (the same base model).
+TRACES = {
+    ("dapo", 1): [(0, 0.1), (25, 0.3), (50, 0.0)],
+    ("dapo", 2): [(0, 0.1), (25, 0.1), (50, 0.1)],
+    ("lspo", 1): [(0, 0.1), (25, 0.2), (50, 0.2)],
+    ("lspo", 2): [(0, 0.1), (25, 0.0), (50, 0.3)],
+}
+
+
+def write_run(root, arm, seed, trace, finished=True):
+    run = root / f"{arm}_seed{seed}"
+    run.mkdir()
+    name = "toy_3term_frontier"
+    records = [{"kind": "eval", "step": s, "benchmark": name, "pass@8": v, "answer_entropy": 2.0 - s / 50}
+               for s, v in trace]  # fmt: skip
+    records.insert(1, {"kind": "train", "step": 1, "loss": 0.5})  # not a validation: ignored
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if finished:
+        (run / "summary.json").write_text("{}")
+
+
+def test_peak_last_mean_and_the_paired_differences_by_hand(tmp_path, capsys):
+    for (arm, seed), trace in TRACES.items():
+        write_run(tmp_path, arm, seed, trace)
+    write_run(tmp_path, "lspo", 3, [(0, 0.1), (25, 0.9)], finished=False)
+    code = horizon_study.main(["--out", str(tmp_path), "--arms", "dapo", "lspo", "--seeds", "1", "2", "3",
+                               "--metrics", "pass@8", "--json", str(tmp_path / "s.json")])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "4 finished runs; left out (unfinished or absent): dapo_seed3, lspo_seed3" in printed
+    # dapo: peaks 30, 10 -> 20.0 [10.0, 30.0]; last 0, 10 -> 5.0; trained means (30 + 0) / 2 = 15 and 10 -> 12.5.
+    assert "| dapo | 1 2 | 20.0 [10.0, 30.0] | 5.0 [0.0, 10.0] | 12.5 [10.0, 15.0] |  |  |  |" in printed
+    # lspo: peaks 20, 30; last 20, 30; means 20, 15. Paired: peak 20 - 30 = -10 and 30 - 10 = +20 -> +5.0;
+    # last 20 - 0 and 30 - 10 -> +20.0 both; mean 20 - 15 and 15 - 10 -> +5.0 both.
+    want = ("| lspo | 1 2 | 25.0 [20.0, 30.0] | 25.0 [20.0, 30.0] | 17.5 [15.0, 20.0] | +5.0 [-10.0, +20.0] "
+            "| +20.0 [+20.0, +20.0] | +5.0 [+5.0, +5.0] |")  # fmt: skip
+    assert want in printed
+    assert "- dapo seed 1: pass@8 10.0 at 0, peak 30.0 at step 25, 0.0 at 50 (mean 15.0); answer entropy 2.00 -> " \
+           "1.00 nats (mean 1.25)" in printed  # fmt: skip
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert saved["lspo"]["2"]["toy_3term_frontier"]["pass@8"]["peak_step"] == 50
+
+
+def test_nothing_finished_is_one_line(tmp_path, capsys):
+    write_run(tmp_path, "dapo", 1, TRACES["dapo", 1], finished=False)
+    assert horizon_study.main(["--out", str(tmp_path), "--seeds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no finished run under" in err
