@@ -33,7 +33,8 @@ def test_peak_last_mean_and_the_paired_differences_by_hand(tmp_path, capsys):
         write_run(tmp_path, arm, seed, trace)
     write_run(tmp_path, "lspo", 3, [(0, 0.1), (25, 0.9)], finished=False)
     code = horizon_study.main(["--out", str(tmp_path), "--arms", "dapo", "lspo", "--seeds", "1", "2", "3",
-                               "--metrics", "pass@8", "--json", str(tmp_path / "s.json")])  # fmt: skip
+                               "--metrics", "pass@8", "--json", str(tmp_path / "s.json"),
+                               "--plot", str(tmp_path / "band")])  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0
     assert "4 finished runs; left out (unfinished or absent): dapo_seed3, lspo_seed3" in printed
@@ -46,6 +47,8 @@ def test_peak_last_mean_and_the_paired_differences_by_hand(tmp_path, capsys):
     assert want in printed
     assert "- dapo seed 1: pass@8 10.0 at 0, peak 30.0 at step 25, 0.0 at 50 (mean 15.0); answer entropy 2.00 -> " \
            "1.00 nats (mean 1.25)" in printed  # fmt: skip
+    for metric in ("pass8", "answer_entropy"):  # a rate in percent, an entropy in nats: one panel each
+        assert (tmp_path / f"band_{metric}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((tmp_path / "s.json").read_text())
     assert saved["lspo"]["2"]["toy_3term_frontier"]["pass@8"]["peak_step"] == 50
 

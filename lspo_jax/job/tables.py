@@ -348,7 +348,8 @@ def curves(runs: Sequence[RunTrace], benchmark: str, key: str, horizon: int | No
 
 def plot_curves(runs: Sequence[RunTrace], path: str, key: str = "pass@1", horizon: int | None = None) -> str:
     """One panel per benchmark (the demo: one per difficulty class): each arm's held-out ``key`` against the
-    step, the line its mean over seeds and the band its [min, max]."""
+    step, the line its mean over seeds and the band its [min, max]. Rates (accuracy, pass@k) are drawn in percent on
+    one 0-100 scale; any other key (a log-likelihood, an entropy) in its own units, each panel scaled to its data."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -357,14 +358,17 @@ def plot_curves(runs: Sequence[RunTrace], path: str, key: str = "pass@1", horizo
     benchmarks = list(dict.fromkeys(benchmark_of(r) for run in runs for r in run.evals))
     fig, axes = plt.subplots(1, len(benchmarks), figsize=(4.5 * len(benchmarks), 3.6),
                              constrained_layout=True, squeeze=False)  # fmt: skip
+    rate = key == "accuracy" or key.startswith("pass@")
+    scale = 100 if rate else 1
     for ax, b in zip(axes[0], benchmarks, strict=True):
         for arm, (steps, mean, low, high, n) in curves(runs, b, key, horizon).items():
-            line = ax.plot(steps, 100 * mean, marker="o", markersize=3, label=f"{arm} (mean of {n} seeds)")[0]
-            ax.fill_between(steps, 100 * low, 100 * high, color=line.get_color(), alpha=0.2)
+            line = ax.plot(steps, scale * mean, marker="o", markersize=3, label=f"{arm} (mean of {n} seeds)")[0]
+            ax.fill_between(steps, scale * low, scale * high, color=line.get_color(), alpha=0.2)
         ax.set_title(b)
-        ax.set_ylim(-2, 102)  # one scale for every panel: a class stuck at 0 reads as 0, not as a flat middle
+        if rate:
+            ax.set_ylim(-2, 102)  # one scale for every panel: a class stuck at 0 reads as 0, not as a flat middle
         ax.set_xlabel("step")
-        ax.set_ylabel(f"held-out {key} (%)")
+        ax.set_ylabel(f"held-out {key}{' (%)' if rate else ''}")
         ax.legend(fontsize="small")
     fig.suptitle(f"Held-out {key} per benchmark: mean over seeds, band = [min, max]", fontsize=9)
     fig.savefig(path, dpi=100)
