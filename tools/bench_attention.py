@@ -4,6 +4,7 @@ gradient, best of 3 calls after a compiling one, and the compiled program's temp
     .venv/bin/python -m tools.bench_attention
 """
 
+import argparse
 import dataclasses
 import time
 
@@ -32,6 +33,7 @@ def timed(config: ModelConfig, params, tokens, mask) -> tuple[float, float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     base = ModelConfig.preset("tiny")
     params = model.init_params(base, jax.random.key(0))
     for rows, length in SHAPES:
