@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from lspo_jax.job import tables
 from tools import horizon_study
 
 # (step, pass@8) of the frontier class per arm and seed; every run starts at 0.1 (the same base model).
@@ -16,12 +17,12 @@ TRACES = {
 }
 
 
-def write_run(root, arm, seed, trace, finished=True):
+def write_run(root, arm, seed, trace, finished=True, entropy=True):
     run = root / f"{arm}_seed{seed}"
     run.mkdir()
     name = "toy_3term_frontier"
-    records = [{"kind": "eval", "step": s, "benchmark": name, "pass@8": v, "answer_entropy": 2.0 - s / 50}
-               for s, v in trace]  # fmt: skip
+    records = [{"kind": "eval", "step": s, "benchmark": name, "pass@8": v}
+               | ({"answer_entropy": 2.0 - s / 50} if entropy else {}) for s, v in trace]  # fmt: skip
     records.insert(1, {"kind": "train", "step": 1, "loss": 0.5})  # not a validation: ignored
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if finished:
@@ -58,3 +59,12 @@ def test_nothing_finished_is_one_line(tmp_path, capsys):
     assert horizon_study.main(["--out", str(tmp_path), "--seeds", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no finished run under" in err
+
+
+def test_a_run_that_never_recorded_a_key_leaves_the_arms_band_to_the_others(tmp_path):
+    write_run(tmp_path, "dapo", 1, TRACES["dapo", 1], entropy=False)  # a run from before the key existed
+    write_run(tmp_path, "dapo", 2, TRACES["dapo", 2])
+    runs, _ = horizon_study.load(str(tmp_path), ["dapo"], [1, 2])
+    steps, mean, low, high, n = tables.curves(runs, "toy_3term_frontier", "answer_entropy")["dapo"]
+    assert n == 1 and steps == [0, 25, 50] and list(mean) == [2.0, 1.5, 1.0]
+    assert tables.curves(runs, "toy_3term_frontier", "pass@8")["dapo"][4] == 2  # both seeds where both recorded

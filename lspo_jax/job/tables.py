@@ -331,13 +331,17 @@ def start_peak_last(runs: Sequence[RunTrace], horizon: int | None) -> dict[str, 
 
 
 def curves(runs: Sequence[RunTrace], benchmark: str, key: str, horizon: int | None = None) -> dict[str, Any]:
-    """Per arm: ``(steps, mean, min, max)`` of ``key`` over the arm's seeds at the validation steps every seed
-    of the arm reached (up to ``horizon``)."""
+    """Per arm: ``(steps, mean, min, max, seeds)`` of ``key`` over the arm's seeds, at the validation steps every
+    one of them reached (up to ``horizon``); a seed that validated ``benchmark`` but never recorded ``key`` is left
+    out, one that never validated it leaves the arm without a curve."""
     out = {}
     for arm in dict.fromkeys(run.arm for run in runs):
         traces = []
         for run in (r for r in runs if r.arm == arm):
-            points = {r["step"]: r[key] for r in run.evals if benchmark_of(r) == benchmark and r.get(key) is not None}
+            records = [r for r in run.evals if benchmark_of(r) == benchmark]
+            if records and all(r.get(key) is None for r in records):
+                continue  # validated, but never recorded the key (older code): this seed is left out, not the arm
+            points = {r["step"]: r[key] for r in records if r.get(key) is not None}
             traces.append({s: v for s, v in points.items() if horizon is None or s <= horizon})
         steps = sorted(set.intersection(*(set(t) for t in traces))) if traces else []
         if steps:
@@ -369,7 +373,8 @@ def plot_curves(runs: Sequence[RunTrace], path: str, key: str = "pass@1", horizo
             ax.set_ylim(-2, 102)  # one scale for every panel: a class stuck at 0 reads as 0, not as a flat middle
         ax.set_xlabel("step")
         ax.set_ylabel(f"held-out {key}{' (%)' if rate else ''}")
-        ax.legend(fontsize="small")
+        if ax.lines:
+            ax.legend(fontsize="small")
     fig.suptitle(f"Held-out {key} per benchmark: mean over seeds, band = [min, max]", fontsize=9)
     fig.savefig(path, dpi=100)
     plt.close(fig)
