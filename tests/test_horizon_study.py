@@ -68,3 +68,26 @@ def test_a_run_that_never_recorded_a_key_leaves_the_arms_band_to_the_others(tmp_
     steps, mean, low, high, n = tables.curves(runs, "toy_3term_frontier", "answer_entropy")["dapo"]
     assert n == 1 and steps == [0, 25, 50] and list(mean) == [2.0, 1.5, 1.0]
     assert tables.curves(runs, "toy_3term_frontier", "pass@8")["dapo"][4] == 2  # both seeds where both recorded
+
+
+def test_the_mechanism_table_reads_each_runs_summary_and_sampler_records(tmp_path):
+    write_run(tmp_path, "lspo", 1, TRACES["lspo", 1])
+    write_run(tmp_path, "ds", 1, TRACES["dapo", 1])
+    summaries = {  # what the loop writes, cut to the keys the table reads
+        "lspo_seed1": {"steps": 2, "cliff_groups": 10, "surpass_rate": 0.5, "rescue_pass_rate": 0.25,
+                       "rollouts_spent": 256, "seconds": 120.0},
+        "ds_seed1": {"steps": 2, "cliff_groups": 4, "surpass_rate": None, "rescue_pass_rate": None,
+                     "rollouts_spent": 600, "seconds": 60.0},
+    }  # fmt: skip
+    for name, summary in summaries.items():
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    sampler = [{"kind": "train", "step": s, "sampler/kept": kept, "sampler/filled": 16 - kept} for s, kept in
+               ((1, 16), (2, 9))]  # fmt: skip
+    with open(tmp_path / "ds_seed1" / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in sampler))
+    runs, _ = horizon_study.load(str(tmp_path), ["lspo", "ds"], [1])
+    lines = horizon_study.mechanism_table(runs).splitlines()
+    # lspo: 50% surpassed, 25% verified, 256 / 2 = 128 rollouts a step, no sampler records, 2 minutes.
+    assert lines[2] == "| lspo | 1 | 10 | 50.0 | 25.0 | 128 | - | - | 2 |"
+    # ds: no scaffold; 600 / 2 = 300 rollouts a step; kept (16 + 9) / 2 = 12.5; one step short of 16 (at the bound).
+    assert lines[3] == "| ds | 1 | 4 | - | - | 300 | 12.5 | 1 | 1 |"

@@ -1,7 +1,9 @@
 """The horizon study's tables from finished runs: per held-out class and metric, each arm's peak (the paper's
 protocol), value at the last validation and mean over the trained trace (steps > 0), over seeds, and each arm minus
 DAPO paired by seed; then, per run, what the frontier class did (its pass@k peak and where, its last value, the
-entropy of its sampled answers from start to end). Nothing trains: the runs are ``OUT/ARM_seedSEED`` directories
+entropy of its sampled answers from start to end); then each arm's mechanism (cliff groups, the scaffold's surpass and
+re-roll pass rates, rollouts spent per step, dynamic sampling's kept groups and the steps it hit its bound, from each
+run's ``summary.json`` and training records). Nothing trains: the runs are ``OUT/ARM_seedSEED`` directories
 that ``tools.compare_arms`` wrote, and a run without ``summary.json`` (unfinished) is left out and named.
 
     .venv/bin/python -m tools.horizon_study --out runs/horizon --arms dapo lspo direct --seeds 42 43 44 45 46 \\
@@ -105,6 +107,52 @@ def frontier_lines(study: dict, k_metric: str) -> list[str]:
     return lines
 
 
+MECHANISM = (  # (column, digits): each a per-run figure from ``mechanism``
+    ("cliff groups", 0),
+    ("surpassed %", 1),
+    ("re-rolls verified %", 1),
+    ("rollouts / step", 0),
+    ("kept groups / step", 1),
+    ("steps at the bound", 0),
+    ("minutes", 0),
+)
+
+
+def mechanism(run: tables.RunTrace) -> dict[str, float]:
+    """One finished run's mechanism figures; a figure its arm does not have (a surpass rate without the scaffold,
+    kept groups without dynamic sampling) is NaN."""
+    with open(os.path.join(run.path, "summary.json")) as f:
+        summary = json.load(f)
+    train = [r for r in tables.read_metrics(os.path.join(run.path, "metrics.jsonl")) if r.get("kind") == "train"]
+    kept = [r["sampler/kept"] for r in train if r.get("sampler/kept") is not None]
+
+    def rate(key: str) -> float:
+        return 100.0 * summary[key] if summary.get(key) is not None else math.nan
+
+    return {
+        "cliff groups": float(summary.get("cliff_groups", math.nan)),
+        "surpassed %": rate("surpass_rate"),
+        "re-rolls verified %": rate("rescue_pass_rate"),
+        "rollouts / step": summary["rollouts_spent"] / summary["steps"] if summary.get("steps") else math.nan,
+        "kept groups / step": float(np.mean(kept)) if kept else math.nan,
+        "steps at the bound": float(sum(r.get("sampler/filled", 0) > 0 for r in train)) if kept else math.nan,
+        "minutes": summary.get("seconds", math.nan) / 60.0,
+    }
+
+
+def mechanism_table(runs: Sequence[tables.RunTrace]) -> str:
+    """Per arm, each mechanism figure as ``mean [min, max]`` over its finished seeds."""
+    per_arm: dict[str, list[dict[str, float]]] = {}
+    for run in runs:
+        per_arm.setdefault(run.arm, []).append(mechanism(run))
+    head = ["arm", "runs", *(name for name, _ in MECHANISM)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, figures in per_arm.items():
+        cells = [spread([f[name] for f in figures], digits) for name, digits in MECHANISM]
+        lines.append("| " + " | ".join([arm, str(len(figures)), *cells]) + " |")
+    return "\n".join(lines)
+
+
 def load(out: str, arms: Sequence[str], seeds: Sequence[int]) -> tuple[dict, list[tables.RunTrace], list[str]]:
     """The finished runs (``summary.json`` written) among ``OUT/ARM_seedSEED``, and the names of those left out."""
     runs, missing = [], []
@@ -147,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     k_metric = next((m for m in args.metrics if m.startswith("pass@")), "pass@8")
     print(f"\nThe frontier class per run ({k_metric} in %, from its validations):")
     print("\n".join(frontier_lines(study, k_metric)))
+    print("\nThe mechanism per arm (mean over its runs [min, max]; wall minutes depend on the machine's load):\n")
+    print(mechanism_table(runs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({arm: {str(s): r for s, r in per.items()} for arm, per in study.items()}, f, indent=1)
