@@ -2,6 +2,11 @@
 test_method_runs.py): the tiny random policy, eight addition rows, a config maker with the shapes every run shares,
 a fake verifier that places the cliffs, and a trained run to read.
 
+Every run has the same shapes (2 prompts x 2 rollouts, 12 new tokens, 16 prompt slots: ``make_config``), and the
+jitted steps take only the config sections they read as static arguments, so the sampler, log-prob and update
+programs compile once per process. The fake verifier decides which rollouts pass, so each test places the cliffs
+where it needs them.
+
 Registered from conftest.py (``pytest_plugins``), so the fixtures are session-scoped and each xdist worker builds
 them at most once; the tests only read what they return (a test that changes a run's directory copies it first).
 The plain functions and classes are imported by name: ``from run_fixtures import ...``.

@@ -1,10 +1,8 @@
 """Whole runs of the method options on a tiny random policy: the first-mistake option with a scripted judge and
 with a real tiny one, and L2RR's unequal groups and resume, its look-ahead scoring, and a SIGTERM during its draw.
 
-Every run has the same shapes (2 prompts x 2 rollouts, 12 new tokens, 16 prompt slots: ``make_config`` in
-``run_fixtures``), and the jitted steps take only the config sections they read as static arguments, so the sampler,
-log-prob and update programs compile once per process. A fake verifier decides which rollouts pass, so each test
-places the cliffs where it needs them.
+The shared setup (one set of shapes, so each program compiles once per process; a fake verifier that places the
+cliffs) is ``run_fixtures``'.
 """
 
 from __future__ import annotations

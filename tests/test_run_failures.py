@@ -2,10 +2,8 @@
 before, during or after a step, a stop agreed by every process, and the one-line errors of lspo-train, lspo-eval and
 lspo-export (a missing config, unusable files, bad paths, Ctrl-C during start-up, a read-only disk, out of memory).
 
-Every run has the same shapes (2 prompts x 2 rollouts, 12 new tokens, 16 prompt slots: ``make_config`` in
-``run_fixtures``), and the jitted steps take only the config sections they read as static arguments, so the sampler,
-log-prob and update programs compile once per process. A fake verifier decides which rollouts pass, so each test
-places the cliffs where it needs them.
+The shared setup (one set of shapes, so each program compiles once per process; a fake verifier that places the
+cliffs) is ``run_fixtures``'.
 """
 
 from __future__ import annotations

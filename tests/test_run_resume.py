@@ -3,10 +3,8 @@ uninterrupted one (after a stop, a kill or a damaged checkpoint), validation and
 checkpoints and their export, lspo-eval on a finished run, what a resume keeps, says and refuses, and a run that is
 not overwritten.
 
-Every run has the same shapes (2 prompts x 2 rollouts, 12 new tokens, 16 prompt slots: ``make_config`` in
-``run_fixtures``), and the jitted steps take only the config sections they read as static arguments, so the sampler,
-log-prob and update programs compile once per process. A fake verifier decides which rollouts pass, so each test
-places the cliffs where it needs them.
+The shared setup (one set of shapes, so each program compiles once per process; a fake verifier that places the
+cliffs) is ``run_fixtures``'.
 """
 
 from __future__ import annotations

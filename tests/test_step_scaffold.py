@@ -2,10 +2,8 @@
 re-rolls and splices, and what its RL update receives (corrections, splices, re-roll settings, the persistent adapter,
 mini-batches and micro-batches, direct supervision of the base, dynamic sampling).
 
-Every run has the same shapes (2 prompts x 2 rollouts, 12 new tokens, 16 prompt slots: ``make_config`` in
-``run_fixtures``), and the jitted steps take only the config sections they read as static arguments, so the sampler,
-log-prob and update programs compile once per process. A fake verifier decides which rollouts pass, so each test
-places the cliffs where it needs them.
+The shared setup (one set of shapes, so each program compiles once per process; a fake verifier that places the
+cliffs) is ``run_fixtures``'.
 """
 
 from __future__ import annotations
