@@ -2,7 +2,7 @@
 with a real tiny one, and L2RR's unequal groups and resume, its look-ahead scoring, and a SIGTERM during its draw.
 
 The shared setup (one set of shapes, so each program compiles once per process; a fake verifier that places the
-cliffs) is ``run_fixtures``'.
+cliffs) is described in ``run_fixtures``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ before, during or after a step, a stop agreed by every process, and the one-line
 lspo-export (a missing config, unusable files, bad paths, Ctrl-C during start-up, a read-only disk, out of memory).
 
 The shared setup (one set of shapes, so each program compiles once per process; a fake verifier that places the
-cliffs) is ``run_fixtures``'.
+cliffs) is described in ``run_fixtures``.
 """
 
 from __future__ import annotations

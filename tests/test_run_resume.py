@@ -4,7 +4,7 @@ checkpoints and their export, lspo-eval on a finished run, what a resume keeps, 
 not overwritten.
 
 The shared setup (one set of shapes, so each program compiles once per process; a fake verifier that places the
-cliffs) is ``run_fixtures``'.
+cliffs) is described in ``run_fixtures``.
 """
 
 from __future__ import annotations

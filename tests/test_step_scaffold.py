@@ -3,7 +3,7 @@ re-rolls and splices, and what its RL update receives (corrections, splices, re-
 mini-batches and micro-batches, direct supervision of the base, dynamic sampling).
 
 The shared setup (one set of shapes, so each program compiles once per process; a fake verifier that places the
-cliffs) is ``run_fixtures``'.
+cliffs) is described in ``run_fixtures``.
 """
 
 from __future__ import annotations
