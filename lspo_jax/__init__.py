@@ -1,6 +1,7 @@
 """LoRA Scaffolded Policy Optimization in JAX: one folder per layer, each importing only the ones below it.
 
     config, options, train_config, text   the run's frozen config and option names (import no folder)
+    hub         models and datasets by their Hugging Face hub names, from the standard cache
     models/     the Qwen2 forward pass, attention kernels, logical axes and the mesh, Hugging Face conversion
     tasks/      prompts, gold answers and worked solutions; the math verifier and its worker pool; the toy task
     rollout/    sampling: the KV cache, the JAX sampler, the vLLM engine

@@ -54,7 +54,9 @@ def _require(ok: bool, key: str, message: str, *value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    """The policy: a local Hugging Face directory (``path``); ``path: toy`` is the demo's own model.
+    """The policy: a local Hugging Face directory (``path``), or a hub name (``ORG/NAME[@REVISION]``, e.g.
+    ``deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B``: fetched once into the Hugging Face cache and read from it
+    afterwards, ``lspo_jax.hub``); ``path: toy`` is the demo's own model.
 
     ``remat`` rematerialises the layer scan in the backward pass (none, full, dots): with ``dots`` and a kernel
     that holds no ``[T, T]`` scores the paper's shape fits 8 H100s (``tools/lower_check.py --compile``; with
@@ -73,7 +75,7 @@ class ModelSource:
 
     def __post_init__(self) -> None:
         options.check(self, "model")
-        _require(bool(self.path), "model.path", "must name a Hugging Face directory or 'toy'", self.path)
+        _require(bool(self.path), "model.path", "must name a Hugging Face directory, ORG/NAME or 'toy'", self.path)
         if self.attention == "cudnn":
             _require(self.compute_dtype == "bfloat16", "model.attention", "cudnn needs model.compute_dtype: bfloat16")
 
@@ -83,12 +85,14 @@ R1_INSTRUCTION = "Please reason step by step, and put your final answer within \
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Training prompts: a file or directory of rows, or ``toy:addition`` (the demo's own task).
+    """Training prompts: a file or directory of rows, a hub dataset (``ORG/NAME[@REVISION][:PART]``, e.g.
+    ``zwhe99/DeepMath-103K``: fetched once into the Hugging Face cache, ``lspo_jax.hub``), or ``toy:addition``.
 
-    ``format`` says how rows are read: ``shared`` (``id, problem, answer, solution``, the schema of
-    ``../shared/data``), ``deepmath`` (DeepMath-103K: ``question, final_answer, difficulty, topic,
-    r1_solution_1..3``; ``solution_field`` names the trace the scaffold learns from), or ``auto`` (told
-    apart by the fields of each file). Files are JSONL or parquet; a directory is read file by file.
+    ``format`` says how rows are read: ``shared`` (``problem, answer``, and ``id, solution, source, meta`` where
+    given: the packaged benchmarks' schema, which the hub's MATH-500 and AIME files also read as), ``deepmath``
+    (DeepMath-103K: ``question, final_answer, difficulty, topic, r1_solution_1..3``; ``solution_field`` names the
+    trace the scaffold learns from), or ``auto`` (told apart by the fields of each file). Files are JSONL, parquet
+    or a JSON array; a directory is read file by file.
 
     Each problem is sent as one user turn: ``instruction`` is placed ``after`` or ``before`` the problem
     (joined by a newline), or left out (``none``); generated tasks (``toy:``) never get it.

@@ -69,9 +69,10 @@ def _shared_compile_cache() -> None:
 _shared_compile_cache()
 
 # The training-loop tests' fixtures (a tiny policy, its config maker, a trained run), shared by the test_step_scaffold,
-# test_run_resume, test_run_failures and test_method_runs files. pytest imports it after this file has run, so the
-# environment and XLA flags above are set before it imports JAX.
-pytest_plugins = ("run_fixtures",)
+# test_run_resume, test_run_failures and test_method_runs files, and the Hugging Face cache laid out for hub names
+# (``hub_cache``). pytest imports them after this file has run, so the environment and XLA flags above are set before
+# they import JAX.
+pytest_plugins = ("run_fixtures", "hub_cache")
 
 
 # float32 results differ between x86 builds (AVX2 or AVX-512 kernels, another tiling of a matmul sums in another

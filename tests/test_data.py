@@ -293,19 +293,15 @@ def test_the_warm_start_sees_a_fixed_share_of_frontier_sums_and_none_held_out():
 
 # ------------------------------------------------------------------------------------------ benchmark golds
 def test_benchmark_gold_answers_verify_against_themselves():
-    """Every MATH500 / AIME24-26 gold, written as an R1 response (reasoning, ``</think>``, ``\\boxed{gold}``) and
-    graded as in training (only the text after ``</think>``), must score 1; a neighbouring problem's different
-    answer must score 0. At the time of writing all 590 golds verify (no failure to list). The one neighbour
-    that verifies is MATH500 test/algebra/1837, gold ``5`` against ``x=5``: the same answer."""
+    """Every gold of the packaged benchmarks (MATH500, AIME24, AIME25), written as an R1 response (reasoning,
+    ``</think>``, ``\\boxed{gold}``) and graded as in training (only the text after ``</think>``), must score 1; a
+    neighbouring problem's different answer must score 0. At the time of writing all 560 golds verify (no failure to
+    list). The one neighbour that verifies is MATH500 test/algebra/1837, gold ``5`` against ``x=5``: the same answer."""
     golds = []
-    for name in ("math500", "aime24", "aime25", "aime26"):
-        path = benchmarks.benchmark_path(name)
-        try:
-            with open(path) as f:
-                golds += [(name, json.loads(line)["id"], json.loads(line)["answer"]) for line in f if line.strip()]
-        except FileNotFoundError:
-            pytest.skip(f"benchmark data not found at {path}")
-    assert len(golds) == 590
+    for name in ("math500", "aime24", "aime25"):
+        with open(benchmarks.benchmark_path(name)) as f:
+            golds += [(name, json.loads(line)["id"], json.loads(line)["answer"]) for line in f if line.strip()]
+    assert len(golds) == 560
     failures = [
         (name, id_, gold)
         for name, id_, gold in golds

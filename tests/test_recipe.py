@@ -1,6 +1,7 @@
 """The paper's recipe end to end, as a user runs it: ``configs/lspo_deepmath_r1_distill_qwen_1p5b.yaml`` with its
 own keys, a tiny random Qwen2 carrying the real R1 tokenizer (``qwen_vocab``), DeepMath-schema parquet rows and
-the shared benchmark files, through the installed console commands in their own processes.
+the recipe's benchmarks: the three the package ships, and ``aime26`` from a data directory the test writes (where the
+recipe would otherwise fetch MathArena's from the hub), through the installed console commands in their own processes.
 
 The first run is stopped by SIGTERM while it validates before step 1: it must end that validation at its next batch
 of samples, checkpoint step 0 and exit 75 without writing any of the validation's records. ``--resume`` then
@@ -19,7 +20,6 @@ import time
 
 import pytest
 
-from lspo_jax import evaluation
 from lspo_jax.metrics_log import read_metrics
 from tools import recipe_toy  # the tool builds the same model and rows
 
@@ -44,7 +44,6 @@ OVERRIDES = [
     "reward.overlong_buffer=4",
     "reward.workers=1",
     "loss.micro_batches=1",
-    f"eval.data_dir={evaluation.DEFAULT_DATA_DIR}",
     "eval.limit=1",
     "eval.n=2",
     "eval.ks=[1,2]",
@@ -98,18 +97,15 @@ def checkpoint_steps(run_dir: str) -> list[int]:
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
     """Run 1 stopped mid-validation, then ``--resume`` to the end: the run directory and both runs' outcomes."""
-    missing = [
-        n
-        for n in ("math500", "aime24", "aime25", "aime26")
-        if not (evaluation.DEFAULT_DATA_DIR / f"{n}.jsonl").exists()
-    ]
-    if missing:  # a checkout without the shared benchmark files beside it
-        pytest.skip(f"benchmark data not found in {evaluation.DEFAULT_DATA_DIR}: {', '.join(missing)}")
     tmp = tmp_path_factory.mktemp("recipe")
     model = recipe_toy.tiny_r1_model(str(tmp / "r1_tiny"))
     train = recipe_toy.deepmath_parquet(str(tmp / "deepmath.parquet"))
+    aime26 = {"id": "2026-I-1", "problem": "Find the remainder when 2026 is divided by 1000.", "answer": "26"}
+    (tmp / "data").mkdir()
+    (tmp / "data" / "aime26.jsonl").write_text(json.dumps(aime26) + "\n")
     run_dir = str(tmp / "run")
-    argv = ["--config", PAPER_CONFIG, "--out", run_dir, f"model.path={model}", f"data.train={train}", *OVERRIDES]
+    argv = ["--config", PAPER_CONFIG, "--out", run_dir, f"model.path={model}", f"data.train={train}",
+            f"eval.data_dir={tmp / 'data'}", *OVERRIDES]  # fmt: skip
     first = command("lspo-train", *argv, log=str(tmp / "first.log"))
     validating = wait_for_line(first, "lspo-train: validating at step 0", TIMEOUT_S)
     stopped_at = time.monotonic()

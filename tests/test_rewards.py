@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,19 +21,17 @@ from lspo_jax.rewards import (
     parse_golds,
     shaped_rewards,
 )
+from lspo_jax.tasks import benchmarks
 from lspo_jax.verify_pool import VerifierPool
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 POOL_TIMEOUT = 3.0
 # Comparing this tower with a number makes sympy evaluate it: still running after 70 s without a timeout.
 PATHOLOGICAL = r"The answer is \boxed{9^{9^{9^{9}}}}"
 
 
 def read_jsonl(name: str, limit: int | None = None) -> list[dict]:
-    path = DATA / name
-    if not path.exists():
-        pytest.skip(f"{path} not found")
-    with path.open() as f:
+    """A packaged benchmark's rows (``tasks.benchmarks``: they ship with the package, so this never skips)."""
+    with benchmarks.packaged_file(name).open() as f:
         rows = [json.loads(line) for line in f]
     return rows[:limit]
 
@@ -140,7 +137,7 @@ def test_unparseable_golds_reported():
 
 
 def test_math500_golds_parse():
-    rows = read_jsonl("math500.jsonl")
+    rows = read_jsonl("math500")
     report = parse_golds((r["id"], r["answer"]) for r in rows)
     print(report.summary())
     assert report.total == 500
@@ -218,8 +215,8 @@ def test_in_process_mode_counts_errors(monkeypatch):
         assert p.last_stats.errors == 1 and p.stats.scored == 3
 
 
-def test_gsm8k_golds_score_against_themselves(pool):
-    rows = read_jsonl("gsm8k_train.jsonl", limit=40)
+def test_aime_golds_score_against_themselves(pool):
+    rows = read_jsonl("aime24") + read_jsonl("aime25")
     golds = [r["answer"] for r in rows]
     acc = pool.score([f"The answer is \\boxed{{{g}}}." for g in golds], golds)
     np.testing.assert_array_equal(acc, np.ones(len(rows)))

@@ -33,11 +33,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 (pa.compute)
 
-from lspo_jax.job import evaluation
 from lspo_jax.models import qwen_vocab
 from lspo_jax.rl import packing, prompts
 from lspo_jax.tasks import data, example_store
 from lspo_jax.train_config import DataConfig
+from tools import SHARED_DATA
 
 SOURCES = ("math500", "aime_1983_2023", "gsm8k_train", "gsm8k_test")
 
@@ -85,7 +85,7 @@ GROUP = 10_000
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=103_022)
-    p.add_argument("--data-dir", default=str(evaluation.DEFAULT_DATA_DIR))
+    p.add_argument("--data-dir", default=str(SHARED_DATA))
     p.add_argument("--median-chars", type=float, default=15_000)
     p.add_argument("--p90-chars", type=float, default=35_000)
     p.add_argument("--seed", type=int, default=0)

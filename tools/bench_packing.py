@@ -26,9 +26,9 @@ import time
 
 import numpy as np
 
-from lspo_jax.job import evaluation
 from lspo_jax.models import flash
 from lspo_jax.rl import packing
+from tools import SHARED_DATA
 
 PAPER = dict(rows=32 * 16, prompt_slots=1024, new_tokens=8192, devices=8, rows_per_micro=16)
 SMALL_MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
@@ -41,7 +41,7 @@ def parse_args(argv):
     p.add_argument(
         "--prompts", default="math500", help="benchmark file in --data-dir whose R1 prompts give P's lengths"
     )
-    p.add_argument("--data-dir", default=str(evaluation.DEFAULT_DATA_DIR))
+    p.add_argument("--data-dir", default=str(SHARED_DATA))
     p.add_argument("--scale", type=int, default=16, help="part 2: P, R and lengths divided by this")
     p.add_argument("--cpu-rows", type=int, default=32, help="part 2: rows per step")
     p.add_argument("--model", action="append", default=[], metavar="FIELD=INT", help="part 2 model size override")

@@ -18,10 +18,10 @@ import time
 
 import numpy as np
 
-from lspo_jax.job import evaluation
 from lspo_jax.models import qwen_vocab
 from lspo_jax.tasks import data
 from lspo_jax.train_config import DataConfig
+from tools import SHARED_DATA
 
 FILES = ("math500", "aime24", "aime25", "aime26", "aime_1983_2023", "gsm8k_test", "gsm8k_train")
 
@@ -60,7 +60,7 @@ def markdown(results: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", default=str(evaluation.DEFAULT_DATA_DIR))
+    p.add_argument("--data-dir", default=str(SHARED_DATA))
     p.add_argument("--files", nargs="+", default=list(FILES), help="file names in --data-dir, without .jsonl")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh
 from safetensors import SafetensorError
 
-from lspo_jax import options
+from lspo_jax import hub, options
 from lspo_jax.config import ModelConfig
 from lspo_jax.job import toy_model
 from lspo_jax.methods import first_mistake, l2rr
@@ -33,8 +33,11 @@ from lspo_jax.train_config import ConfigError, TrainConfig
 
 
 def model_dir(run: TrainConfig, cache_dir: str) -> str:
-    """The Hugging Face directory of the policy: ``model.path``, or the demo's own model (``toy``), made here."""
-    return toy_model.model_dir(os.path.join(cache_dir, "toy_model")) if run.model.path == "toy" else run.model.path
+    """The Hugging Face directory of the policy: ``model.path`` (a local directory, or a hub name ``ORG/NAME[@REV]``
+    read from the Hugging Face cache, fetched there once), or the demo's own model (``toy``), made here."""
+    if run.model.path == "toy":
+        return toy_model.model_dir(os.path.join(cache_dir, "toy_model"))
+    return hub.model_dir(run.model.path) if hub.is_hub_name(run.model.path) else run.model.path
 
 
 def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:

@@ -23,9 +23,7 @@ import jax
 import numpy as np
 
 from lspo_jax.rl import packing
-from lspo_jax.tasks import benchmarks
 
-DEFAULT_DATA_DIR = benchmarks.DEFAULT_DATA_DIR  # where bare benchmark names resolve (``tasks.benchmarks``)
 ESTIMATORS = {"first_k": "", "unbiased": "_unbiased"}  # estimator -> suffix of its metric key
 
 

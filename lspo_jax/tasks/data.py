@@ -1,8 +1,10 @@
 """Training data: rows read into one schema, tokenised into prompts and SFT targets, drawn in a resumable order.
 
-A row is ``{"id", "problem", "answer", "solution", "source", "meta"}`` (the schema of ``../shared/data``).
-Files in that schema and DeepMath-103K files (``question, final_answer, difficulty, topic,
-r1_solution_1..3``, JSONL or parquet) are read into it; ``toy:addition`` is the demo's generated task.
+A row is ``{"id", "problem", "answer", "solution", "source", "meta"}`` (the schema of the packaged benchmarks).
+Files in that schema, in the hub's own fields for it (MATH-500's ``unique_id``, MathArena's ``problem_idx``, or no
+id at all: the row's position), and DeepMath-103K files (``question, final_answer, difficulty, topic,
+r1_solution_1..3``) are read into it, as JSONL, parquet or a JSON array, from a file, a directory of them, or a hub
+dataset (``ORG/NAME[@REV][:PART]``, ``lspo_jax.hub``); ``toy:addition`` is the demo's generated task.
 
 Bad rows never crash a run: a row lacking a required field is skipped and listed, a prompt over the token
 limit is skipped or truncated per config, a solution over its limit likewise, and a row without a solution
@@ -27,11 +29,14 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from lspo_jax import hub
 from lspo_jax.tasks import rewards, toy
 from lspo_jax.text import error_cause
 from lspo_jax.train_config import DataConfig
 
-REQUIRED = {"shared": ("id", "problem", "answer"), "deepmath": ("question", "final_answer")}
+REQUIRED = {"shared": ("problem", "answer"), "deepmath": ("question", "final_answer")}
+# The fields a row's id is taken from, first present first (the hub's MATH-500, MathArena); else its position.
+ID_FIELDS = ("id", "unique_id", "problem_idx")
 MAX_LISTED = 100  # rows named in ``DataReport.row_errors``; the count is always complete
 
 
@@ -180,7 +185,10 @@ def iter_rows(
 
 
 def source_files(spec: str) -> tuple[Path, list[Path]]:
-    """The path of a file or directory source and the data files it holds, in the order they are read."""
+    """The path of a file, directory or hub dataset source and the data files it holds, in the order they are
+    read (a hub dataset's: its snapshot in the Hugging Face cache, fetched on first use)."""
+    if hub.is_hub_name(spec):
+        return hub.dataset_files(spec, key=None)
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"no such data file or directory: {spec}")
@@ -217,6 +225,8 @@ def _detect_format(file: Path) -> str:
         import pyarrow.parquet as pq
 
         fields = set(_parquet(file, pq.read_schema).names)
+    elif _is_json_array(file):
+        fields = next((set(r) for r in _json_array(file) if isinstance(r, dict)), set())
     else:
         fields = set()
         with _open(file) as f:
@@ -251,6 +261,10 @@ def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, di
                 yield f"row {i}", record
                 i += 1
         return
+    if _is_json_array(file):
+        for i, record in enumerate(_json_array(file)):
+            yield f"item {i}", record if isinstance(record, dict) else None
+        return
     with _open(file) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -260,6 +274,27 @@ def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, di
             except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError): a bad row, counted
                 record = None
             yield f"line {line_no}", record if isinstance(record, dict) else None
+
+
+def _is_json_array(file: Path) -> bool:
+    """A ``.json`` file holding one array of records (DeepScaleR's ``deepscaler.json``); any other file is read
+    as JSONL, one record a line."""
+    if file.suffix != ".json":
+        return False
+    with _open(file) as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def _json_array(file: Path) -> list[Any]:
+    with _open(file) as f:
+        try:
+            records = json.load(f)
+        except ValueError as err:
+            raise DataError(f"{file}: not a readable JSON array ({error_cause(err)})") from err
+    if not isinstance(records, list):
+        raise DataError(f"{file}: a .json data file must hold an array of records")
+    return records
 
 
 PARQUET_BATCH = 1024  # rows of a parquet file in memory at once while it is read
@@ -272,14 +307,20 @@ def _missing(value: Any) -> bool:
 def _to_shared(
     record: dict[str, Any], fmt: str, config: DataConfig, index: int, where: str, report: DataReport
 ) -> dict[str, Any] | None:
-    """The record in the shared schema, or None (counted and listed) when it lacks a required field."""
+    """The record in the shared schema, or None (counted and listed) when it lacks a required field. A record
+    with no id field (``ID_FIELDS``) takes its position in the source, as a DeepMath row does."""
     missing = [k for k in REQUIRED[fmt] if _missing(record.get(k))]
-    ident = record.get("id") if not _missing(record.get("id")) or fmt == "shared" else index
+    ident = next((record[k] for k in ID_FIELDS if not _missing(record.get(k))), index)
     if missing:
-        report.invalid(where + (f" (id {ident})" if ident is not None else ""), f"missing {', '.join(missing)}")
+        report.invalid(f"{where} (id {ident})", f"missing {', '.join(missing)}")
         return None
     if fmt == "shared":
-        return {**record, "id": str(record["id"]), "problem": str(record["problem"]), "answer": str(record["answer"])}
+        meta = record.get("meta")
+        if meta is None:  # a hub file's own fields (subject, level, url, ...) kept as the schema keeps them
+            meta = {k: v for k, v in record.items() if k not in SHARED_FIELDS and k not in ID_FIELDS}
+        solution = record.get("solution")
+        return {**record, "id": str(ident), "problem": str(record["problem"]), "answer": str(record["answer"]),
+                "solution": None if _missing(solution) else str(solution), "meta": meta}  # fmt: skip
     solution = record.get(config.solution_field)
     return {
         "id": str(ident),
@@ -289,6 +330,9 @@ def _to_shared(
         "source": "deepmath",
         "meta": {"difficulty": record.get("difficulty"), "topic": record.get("topic")},
     }
+
+
+SHARED_FIELDS = ("id", "problem", "answer", "solution", "source", "meta")
 
 
 # ---------------------------------------------------------------------------------------------- encoding

@@ -1,0 +1,75 @@
+"""Benchmarks by name (``tasks.benchmarks``): the three that ship inside the package, checked against their manifest,
+and the order a bare name is looked up in (an explicit directory or ``$LSPO_JAX_DATA_DIR``, the package, the hub)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from lspo_jax.tasks import benchmarks, data, rewards
+
+
+@pytest.mark.parametrize("name, rows", [("math500", 500), ("aime24", 30), ("aime25", 30)])
+def test_a_packaged_benchmark_loads_whole_with_its_licence(name, rows):
+    path = benchmarks.benchmark_path(name)
+    assert path == str(benchmarks.PACKAGED_DIR / f"{name}.jsonl")
+    report = data.DataReport()
+    loaded = data.read_rows(path, report=report)
+    assert len(loaded) == rows == benchmarks.manifest()[name]["rows"] and report.rows_invalid == 0
+    assert len({r["id"] for r in loaded}) == rows  # ids are unique: per-problem records are keyed by them
+    assert rewards.parse_golds((r["id"], r["answer"]) for r in loaded).n_bad == 0
+    entry = benchmarks.manifest()[name]
+    assert entry["license"] == "MIT" and entry["license_files"]
+    for licence in entry["license_files"]:
+        assert "Permission is hereby granted" in (benchmarks.PACKAGED_DIR / licence).read_text()
+
+
+def test_a_damaged_packaged_file_is_refused(tmp_path, monkeypatch):
+    copy = tmp_path / "benchmarks"
+    shutil.copytree(benchmarks.PACKAGED_DIR, copy)
+    text = (copy / "aime25.jsonl").read_text()
+    (copy / "aime25.jsonl").write_text(text.replace('"answer": "70"', '"answer": "71"', 1))  # one gold changed
+    monkeypatch.setattr(benchmarks, "PACKAGED_DIR", copy)
+    assert benchmarks.benchmark_path("aime24") == str(copy / "aime24.jsonl")  # the others still load
+    with pytest.raises(benchmarks.BenchmarkNotFound, match="aime25.jsonl: its sha256 .* is not the manifest's"):
+        benchmarks.benchmark_path("aime25")
+
+
+def test_the_manifest_holds_each_file_s_sha256():
+    for name, entry in benchmarks.manifest().items():
+        digest = hashlib.sha256((benchmarks.PACKAGED_DIR / entry["file"]).read_bytes()).hexdigest()
+        assert digest == entry["sha256"], name
+
+
+def test_an_explicit_directory_then_the_environment_come_before_the_package(tmp_path, monkeypatch):
+    mine, env = tmp_path / "mine", tmp_path / "env"
+    for folder in (mine, env):
+        folder.mkdir()
+        (folder / "math500.jsonl").write_text(json.dumps({"id": "a", "problem": "1+1=", "answer": "2"}) + "\n")
+    monkeypatch.delenv(benchmarks.DATA_DIR_VAR, raising=False)
+    assert benchmarks.benchmark_path("math500", mine) == str(mine / "math500.jsonl")
+    monkeypatch.setenv(benchmarks.DATA_DIR_VAR, str(env))
+    assert benchmarks.benchmark_path("math500") == str(env / "math500.jsonl")
+    assert benchmarks.benchmark_path("math500", mine) == str(mine / "math500.jsonl")  # the explicit one wins
+    # A name the directory lacks falls through to the package.
+    assert benchmarks.benchmark_path("aime24", mine) == str(benchmarks.PACKAGED_DIR / "aime24.jsonl")
+
+
+def test_an_unknown_name_names_every_place_it_looked(tmp_path, monkeypatch):
+    monkeypatch.delenv(benchmarks.DATA_DIR_VAR, raising=False)
+    with pytest.raises(benchmarks.BenchmarkNotFound) as info:
+        benchmarks.benchmark_path("olympiad", tmp_path)
+    message = str(info.value)
+    assert str(tmp_path / "olympiad.jsonl") in message and "math500, aime24, aime25" in message
+    assert "aime26" in message and "--data-dir" in message and len(message.splitlines()) == 1
+
+
+def test_paths_hub_names_and_generated_tasks_are_taken_as_given():
+    for spec in ("dir/file.jsonl", "HuggingFaceH4/MATH-500", "toy:heldout", "math500.jsonl"):
+        assert benchmarks.benchmark_path(spec) == spec
+    assert [benchmarks.benchmark_name(s) for s in ("dir/x.jsonl", "toy:heldout", "org/MATH-500:test")] == [
+        "x", "toy_heldout", "MATH-500_test"
+    ]  # fmt: skip
