@@ -220,3 +220,63 @@ class PersistentAdapter(FreshAdapter):
 ADAPTER_LIFETIMES = Registry(AdapterLifetime, "adapter lifetime")
 ADAPTER_LIFETIMES.register("fresh")(FreshAdapter())
 ADAPTER_LIFETIMES.register("persistent")(PersistentAdapter())
+
+
+# ------------------------------------------------------------------------------------- evaluation protocols
+# Published evaluations whose numbers ``lspo-eval`` is compared with, by name (``eval.protocol``, ``--protocol``).
+ProtocolName = Literal["deepscaler", "deepmath", "dapo", "lspo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalProtocol:
+    """A published evaluation's sampling: ``n`` samples a problem at ``temperature`` and nucleus ``top_p`` (no
+    top-k), each at most ``max_new_tokens`` long. The score it reports is the mean per-sample accuracy,
+    ``avg@n = (1 / (P n)) sum_p c_p`` (pass@1 averaged over n samples; ``c_p`` of problem p's n samples pass)."""
+
+    name: str
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    description: str
+    source: str
+
+    KEYS = ("n", "temperature", "top_p", "max_new_tokens")  # the ``eval.`` keys a protocol sets
+
+    def settings(self) -> dict[str, Any]:
+        """The protocol's values of ``KEYS``."""
+        return {key: getattr(self, key) for key in self.KEYS}
+
+    def deviations(self, used: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Each setting of ``used`` (``KEYS`` and ``top_k``) that differs from what the protocol states:
+        ``{key: {"protocol": stated, "used": value}}``. A protocol's top-k is 0: none of them truncates to the top k."""
+        stated = {**self.settings(), "top_k": 0}
+        return {key: {"protocol": stated[key], "used": used[key]} for key in stated
+                if key in used and used[key] != stated[key]}  # fmt: skip
+
+
+# DeepSeek-R1's sampling (DeepSeek-AI 2025, arXiv 2501.12948, section 3.1): temperature 0.6, top-p 0.95, 32,768 tokens.
+_R1_SAMPLING = dict(temperature=0.6, top_p=0.95, max_new_tokens=32768)
+EVAL_PROTOCOLS = Registry(ProtocolName, "eval protocol")
+for _protocol in (
+    EvalProtocol("deepscaler", n=16, **_R1_SAMPLING, description="pass@1 averaged over 16 samples a problem at "
+                 "DeepSeek-R1's sampling settings", source="DeepScaleR (Luo et al. 2025, agentica-project/rllm), "
+                 "DeepSeek-R1 (arXiv 2501.12948) section 3.1"),
+    EvalProtocol("deepmath", n=16, **_R1_SAMPLING, description="DeepScaleR's settings, as DeepMath-103K evaluates",
+                 source="DeepMath-103K (He et al. 2025, arXiv 2504.11456), evaluation setup"),
+    EvalProtocol("dapo", n=32, temperature=1.0, top_p=0.7, max_new_tokens=20480, description="avg@32: AIME "
+                 "repeated 32 times, temperature 1.0, top-p 0.7, a 20,480-token generation limit",
+                 source="DAPO (Yu et al. 2025, arXiv 2503.14476) section 4"),
+    EvalProtocol("lspo", n=16, temperature=1.0, top_p=1.0, max_new_tokens=8192, description="this project's paper "
+                 "validation: 16 samples of at most 8192 tokens at temperature 1.0, no nucleus cut",
+                 source="the LSPO paper's validation protocol (EvalConfig's defaults)"),
+):  # fmt: skip
+    EVAL_PROTOCOLS.register(_protocol.name)(_protocol)
+
+
+def eval_protocol(name: Any, key: str = "eval.protocol") -> EvalProtocol:
+    """The protocol named ``name``; a one-line ``ConfigError`` naming ``key``, the value and the known names
+    otherwise."""
+    if not (isinstance(name, str) and name in EVAL_PROTOCOLS):
+        raise ConfigError(f"{key}: must be one of {', '.join(EVAL_PROTOCOLS)} (or null), got {name!r}")
+    return EVAL_PROTOCOLS[name]

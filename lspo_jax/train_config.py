@@ -32,6 +32,7 @@ from lspo_jax.options import (
     LengthPolicy,
     Normalisation,
     PromptLossNorm,
+    ProtocolName,
     Reference,
     Remat,
     RLOptimConfig,
@@ -329,9 +330,16 @@ class EvalConfig:
     """Held-out validation every ``every`` steps (0: only before and after training), pass@k over ``n``;
     ``enabled: false`` validates never, not even before and after (a run that checks the step, not the model).
 
-    ``benchmarks`` are names (``math500`` reads ``DATA_DIR/math500.jsonl``, ``DATA_DIR`` being ``data_dir`` or
-    the project's ``../shared/data``) or paths; each is scored and logged on its own. ``limit`` keeps the
-    first problems of each benchmark.
+    ``benchmarks`` are bare names, paths or hub datasets (``tasks.benchmarks``: ``math500`` is ``NAME.jsonl`` in
+    ``data_dir`` (else ``$LSPO_JAX_DATA_DIR``) when there, else the package's own; ``aime26`` is MathArena's on the
+    hub); each is scored and logged on its own. ``limit`` keeps the first problems of each benchmark. ``top_p``: the
+    samples' nucleus; null samples with ``rollout.top_p``.
+
+    ``protocol`` names a published evaluation (``options.EVAL_PROTOCOLS``: deepscaler, deepmath, dapo, lspo) whose
+    ``n``, ``temperature``, ``top_p`` and ``max_new_tokens`` the YAML reader (``load_config``) fills in for each of
+    those keys the file and the overrides do not name, and ``ks`` (``default_ks(n)``) unless named; a key named
+    wins, and ``lspo-eval`` records it as a deviation from the protocol. A config built in Python names its values
+    itself: the field only checks the name.
     """
 
     every: int = 10
@@ -343,6 +351,10 @@ class EvalConfig:
     temperature: float = 1.0
     limit: int | None = None
     data_dir: str | None = None
+    top_p: float | None = None
+    protocol: ProtocolName | None = None
+
+    DEFAULT_KS: ClassVar[tuple[int, ...]] = (1, 4, 8, 16)
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "eval.every", "must be >= 0", self.every)
@@ -351,6 +363,16 @@ class EvalConfig:
         _require(self.max_new_tokens > 0, "eval.max_new_tokens", "must be positive", self.max_new_tokens)
         _require(self.temperature > 0, "eval.temperature", "must be positive", self.temperature)
         _require(self.limit is None or self.limit > 0, "eval.limit", "must be positive or null", self.limit)
+        _require(self.top_p is None or 0 < self.top_p <= 1, "eval.top_p", "must be in (0, 1] or null", self.top_p)
+        if self.protocol is not None:
+            options.eval_protocol(self.protocol)
+
+    @classmethod
+    def default_ks(cls, n: int) -> list[int]:
+        """The ks reported for ``n`` samples a problem: those of ``DEFAULT_KS`` that fit, the powers of two from 32
+        up to n, and n itself (n = 16: 1, 4, 8, 16; n = 256: 1, 4, 8, 16, 32, 64, 128, 256)."""
+        doubling = [2**j for j in range(5, max(n, 1).bit_length())]  # 32, 64, ... <= n
+        return sorted({k for k in cls.DEFAULT_KS if k <= n} | set(doubling) | {n})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -741,7 +763,26 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     A file may start from another: ``base_config: other.yaml`` (relative to the file) reads that one first and
     lays this file's keys over it, section by section (a recipe for another chip names only what differs)."""
     data = {} if path is None else _read_yaml(Path(path), ())
-    return from_dict(TrainConfig, apply_overrides(data, list(overrides)))
+    merged = apply_overrides(data, list(overrides))
+    return from_dict(TrainConfig, _with_eval_protocol(merged, apply_overrides({}, list(overrides))))
+
+
+def _with_eval_protocol(data: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with ``eval.protocol``'s settings (``options.EvalProtocol.KEYS``) in each of its ``eval`` keys not
+    named, and with ``eval.ks`` the ``default_ks`` of the resulting n unless named. A protocol sits just below
+    the layer that names it: named by an override (``top``: the overrides alone), it fills every key the
+    overrides do not name, the file's included (a resumed run's config.yaml names them all); named in the file,
+    only the keys the file and the overrides leave out. Either way the result names every key the protocol sets, so
+    a config.yaml written from it reads back to the same config."""
+    section, top_section = data.get("eval"), top.get("eval")
+    if not isinstance(section, dict) or section.get("protocol") is None:
+        return data
+    protocol = options.eval_protocol(section["protocol"])
+    named = top_section if isinstance(top_section, dict) and "protocol" in top_section else section
+    filled = {**section, **{key: value for key, value in protocol.settings().items() if key not in named}}
+    if "ks" not in named and isinstance(filled.get("n"), int):  # a bad n is said by from_dict, at its key
+        filled["ks"] = EvalConfig.default_ks(filled["n"])
+    return {**data, "eval": filled}
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:

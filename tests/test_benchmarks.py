@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 
 import pytest
@@ -73,3 +74,20 @@ def test_paths_hub_names_and_generated_tasks_are_taken_as_given():
     assert [benchmarks.benchmark_name(s) for s in ("dir/x.jsonl", "toy:heldout", "org/MATH-500:test")] == [
         "x", "toy_heldout", "MATH-500_test"
     ]  # fmt: skip
+
+
+def test_lspo_eval_reads_the_packaged_benchmarks_whole(capsys, monkeypatch):
+    """``lspo-eval --benchmarks math500,aime24,aime25`` on the shipped demo model, with nothing but the package: every
+    row of each is read (500, 30, 30) and reported; the character-level demo model holds the problems of up to 200
+    characters (the rest are counted as skipped, not lost silently) and scores about nothing on them."""
+    from lspo_jax.job import cli
+
+    monkeypatch.setenv("LSPO_JAX_COMPILATION_CACHE", "")
+    monkeypatch.delenv(benchmarks.DATA_DIR_VAR, raising=False)
+    argv = ["--model", "toy", "--benchmarks", "math500,aime24,aime25", "--n", "1", "--max-new-tokens", "8",
+            "--workers", "0", "data.max_prompt_tokens=200"]  # fmt: skip
+    assert cli.eval_main(argv) == 0
+    captured = capsys.readouterr()
+    for name, rows in (("math500", 500), ("aime24", 30), ("aime25", 30)):
+        assert re.search(rf"^lspo-eval: {name}: \d+ of {rows} rows kept", captured.err, re.MULTILINE), captured.err
+        assert f"| {name} | " in captured.out

@@ -46,6 +46,26 @@ def test_unbiased_is_the_first_k_slice_averaged_over_sample_orders():
         assert pass_at_k(correct, k, "unbiased") == pytest.approx(mean)
 
 
+def test_unbiased_pass_at_k_is_exact_up_to_k_256_and_beyond():
+    def one(n, c):  # one problem of n samples, c of them passing
+        return np.arange(n)[None, :] < c
+
+    # n = 256, c = 1: pass@k = 1 - C(255, k) / C(256, k) = 1 - (256 - k) / 256 = k / 256.
+    assert [pass_at_k(one(256, 1), k, "unbiased") for k in (1, 16, 256)] == [1 / 256, 16 / 256, 1.0]
+    # c = 2: pass@16 = 1 - C(254, 16) / C(256, 16) = 1 - (240 * 239) / (256 * 255) = 1 - 57360 / 65280
+    # = 7920 / 65280 = 33 / 272 = 0.12132...; pass@1 = 2 / 256; pass@256: every sample drawn, so 1.
+    assert [pass_at_k(one(256, 2), k, "unbiased") for k in (1, 16, 256)] == [2 / 256, 33 / 272, 1.0]
+    # n = 1024 (C(1024, 512) has 307 digits): c = 1 gives k / 1024 exactly; c = 0 never passes, c = n always does.
+    assert [pass_at_k(one(1024, 1), k, "unbiased") for k in (1, 512, 1024)] == [1 / 1024, 0.5, 1.0]
+    assert pass_at_k(one(1024, 0), 512, "unbiased") == 0.0 and pass_at_k(one(1024, 1024), 1, "unbiased") == 1.0
+    # The first-k slice averaged over every placement of 2 passes among 256 samples (all C(256, 2) = 32640 of them,
+    # each as likely under a random order) is the unbiased value: 33 / 272 at k = 16.
+    i, j = np.triu_indices(256, 1)
+    placements = np.zeros((len(i), 256), bool)
+    placements[np.arange(len(i)), i] = placements[np.arange(len(i)), j] = True
+    assert pass_at_k(placements, 16) == pytest.approx(33 / 272, rel=1e-12)
+
+
 def test_pass_at_k_refuses_bad_input():
     with pytest.raises(ValueError, match="k must be in 1..2"):
         pass_at_k(np.ones((3, 2), bool), 3)
@@ -56,14 +76,36 @@ def test_pass_at_k_refuses_bad_input():
 
 
 def test_metrics_keys_and_table():
-    metrics = evaluation.pass_at_k_metrics(np.array([[F, T], [F, F]]), [1, 2])
+    correct = np.array([[F, T], [F, F]])
+    metrics = evaluation.pass_at_k_metrics(correct, [1, 2])
     assert metrics == {"pass@1": 0.0, "pass@2": 0.5, "pass@1_unbiased": 0.25, "pass@2_unbiased": 0.5,
                        "accuracy": 0.25, "problems": 2}  # fmt: skip
-    lines = evaluation.format_results({"math500": metrics}, [1, 2]).splitlines()
+    # Per-problem fractions 0.5 and 0: stderr = sqrt(2 * 0.25^2 / 1) / sqrt(2) = 0.25. The first samples ended, the
+    # second ones ran out of budget: truncated 2/4, and the one pass is a truncated one: completed 0.
+    graded = evaluation.Graded(0, correct, np.zeros(2), terminated=np.array([[T, F], [T, F]]))
+    lines = evaluation.format_results({"math500": evaluation.repeat_metrics(graded, [1, 2])}, [1, 2]).splitlines()
     assert lines[2:] == [
-        "| math500 | 2 | first_k | 0.0 | 50.0 | 25.0 |",
-        "| math500 | 2 | unbiased | 25.0 | 50.0 | 25.0 |",
+        "| math500 | 2 | first_k | 0.0 | 50.0 | 25.0 ± 25.0 | 50.0 | 0.0 |",
+        "| math500 | 2 | unbiased | 25.0 | 50.0 | 25.0 ± 25.0 | 50.0 | 0.0 |",
     ]
+    assert evaluation.format_results({"math500": metrics}, [1]).splitlines()[2].endswith("| 25.0 | n/a | n/a |")
+
+
+def test_standard_errors_and_completion_by_hand():
+    # Per-problem pass fractions 1, 0, 1/2, 1/2: mean 0.5; sample std sqrt((0.5^2 + 0.5^2 + 0 + 0) / 3) = sqrt(1/6);
+    # stderr sqrt(1/6) / sqrt(4) = 0.2041.
+    correct = np.array([[T, T], [F, F], [T, F], [F, T]])
+    terminated = np.array([[T, F], [T, T], [T, T], [F, T]])
+    metrics = evaluation.repeat_metrics(evaluation.Graded(7, correct, np.zeros(4), terminated=terminated), [1, 2])
+    assert metrics["accuracy"] == 0.5 and metrics["accuracy_stderr"] == pytest.approx(math.sqrt(1 / 6) / 2)
+    assert metrics["accuracy_stderr"] == pytest.approx(0.2041, abs=1e-4)
+    # 2 of 8 samples did not end; passing and ended: (0, 0) (2, 0) (3, 1), so 3 of 8.
+    assert (metrics["truncation_rate"], metrics["completed_accuracy"]) == (0.25, 0.375)
+    assert evaluation.mean_stderr([0.5]) == (0.5, None)  # one problem (or one seed): no spread to estimate
+    # Two seeds at accuracy 0.5 and 0.7: mean 0.6; std sqrt(2 * 0.1^2 / 1) = 0.1414; stderr 0.1414 / sqrt(2) = 0.1.
+    over = evaluation.over_repeats([{**metrics, "accuracy": 0.5}, {**metrics, "accuracy": 0.7}], [1, 2])
+    assert over["repeats"] == 2 and over["accuracy"] == pytest.approx({"mean": 0.6, "stderr": 0.1})
+    assert over["pass@2_unbiased"] == {"mean": metrics["pass@2_unbiased"], "stderr": 0.0}
 
 
 # ------------------------------------------------------------------------------------- gold log-likelihood
@@ -191,6 +233,81 @@ def test_lspo_eval_on_math500_with_the_jax_sampler(model_dir, tmp_path, monkeypa
     assert math500["pass@2"] == np.mean(np.array(expected).any(axis=1))  # either of the two samples
     assert math500["pass@1_unbiased"] == math500["accuracy"] == np.mean(expected)
     assert "| math500 | 4 | first_k |" in capsys.readouterr().out
+
+
+class _EvenLengthPasses:
+    """A verifier by a rule the test can check against the texts: a response passes when its length is even."""
+
+    def score(self, responses, golds):
+        return np.array([len(r) % 2 == 0 for r in responses], np.float32)
+
+    def close(self):
+        pass
+
+
+SAMPLE_FIELDS = {"benchmark", "seed", "id", "gold", "sample", "text", "tokens", "extracted_answer", "reward", "length",
+                 "terminated"}  # fmt: skip
+
+
+def test_lspo_eval_by_a_protocol_over_two_seeds(model_dir, tmp_path, monkeypatch):
+    from lspo_jax.job import build
+    from lspo_jax.rl import learner
+
+    decodings, generate = [], learner.Generator.generate
+
+    def spy(self, params, prompts, decoding, **kwargs):
+        decodings.append(decoding)
+        return generate(self, params, prompts, decoding, **kwargs)
+
+    monkeypatch.setattr(learner.Generator, "generate", spy)
+    monkeypatch.setattr(build, "make_verifier", lambda run: _EvenLengthPasses())
+    out = tmp_path / "r.json"
+    argv = ["--model", model_dir, "--protocol", "deepscaler", "--benchmarks", "toy:heldout", "--limit", "2", "--n", "2",
+            "--max-new-tokens", "8", "--seeds", "1,2", "--workers", "0", "--out", str(out),
+            "data.instruction_position=none", "data.max_prompt_tokens=248"]  # fmt: skip
+    assert cli.eval_main(argv) == 0
+    results = json.loads(out.read_text())
+    assert results["protocol"]["settings"] == {"n": 16, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 32768}
+    # --n and --max-new-tokens win and are recorded as deviations; the protocol's temperature and top-p are sampled.
+    assert results["protocol"]["deviations"] == {"n": {"protocol": 16, "used": 2},
+                                                 "max_new_tokens": {"protocol": 32768, "used": 8}}  # fmt: skip
+    assert (results["n"], results["ks"], results["temperature"], results["top_p"]) == (2, [1, 2], 0.6, 0.95)
+    assert {(d.temperature, d.top_p, d.max_new_tokens) for d in decodings} == {(0.6, 0.95, 8)}
+    assert (results["seeds"], results["engine"], results["versions"]["jax"]) == ([1, 2], "jax", jax.__version__)
+    bench = results["benchmarks"]["toy_heldout"]
+    lines = [json.loads(line) for line in (tmp_path / "r.samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 2 and all(set(line) == SAMPLE_FIELDS for line in lines)  # problems x n x seeds
+    assert all(s["reward"] == (len(s["text"]) % 2 == 0) and s["length"] == len(s["tokens"]) <= 8 for s in lines)
+    assert all(s["terminated"] or s["length"] == 8 for s in lines)  # a sample that did not end used the budget
+    for repeat in bench["repeats"]:  # the metrics recomputed from the lines
+        mine = [s for s in lines if s["seed"] == repeat["seed"]]
+        assert repeat["truncation_rate"] == np.mean([not s["terminated"] for s in mine])
+        assert repeat["completed_accuracy"] == np.mean([s["reward"] and s["terminated"] for s in mine])
+        assert repeat["accuracy"] == np.mean([s["reward"] for s in mine])
+    assert [s["tokens"] for s in lines if s["seed"] == 1] != [s["tokens"] for s in lines if s["seed"] == 2]
+    # Over the seeds: two values a, b have mean (a + b) / 2 and stderr |a - b| / 2.
+    a, b = (r["completed_accuracy"] for r in bench["repeats"])
+    assert bench["over_seeds"]["completed_accuracy"] == pytest.approx({"mean": (a + b) / 2, "stderr": abs(a - b) / 2})
+    assert bench["completed_accuracy"] == pytest.approx((a + b) / 2)
+    # The accuracy's stderr over the 2 problems, of each one's pass fraction over its 4 samples (2 a seed).
+    fractions = [np.mean(p["correct"]) for p in bench["per_problem"]]
+    assert bench["accuracy_stderr"] == pytest.approx(np.std(fractions, ddof=1) / math.sqrt(2))
+
+
+def test_lspo_eval_refuses_a_bad_protocol_seeds_or_samples_file_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_eval_model", lambda args: pytest.fail("the model was loaded"))
+    base = ["--model", "toy", "--benchmarks", "toy:heldout"]
+    refusals = {
+        ("--protocol", "r1"): "--protocol: must be one of deepscaler, deepmath, dapo, lspo (or null), got 'r1'",
+        ("--seeds", "3,3"): "--seeds 3,3: a seed given twice",
+        ("--samples", str(tmp_path)): f"--samples {tmp_path} is a directory",
+        ("--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "r.json")): "is --out too",
+    }
+    for argv, message in refusals.items():
+        assert cli.eval_main([*base, *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert cli.samples_path(str(tmp_path / "r.json"), None) == str(tmp_path / "r.samples.jsonl")
+    assert cli.samples_path(None, None) is None and cli.samples_path("r.json", "s.jsonl") == "s.jsonl"
 
 
 def test_answer_entropy_by_hand():

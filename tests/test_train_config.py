@@ -475,3 +475,30 @@ def test_the_horizon_config_is_the_demo_at_200_steps_with_pass_at_8():
                for key, value in fields.items() if demo[section][key] != value}  # fmt: skip
     assert changed == {("eval", "every"), ("eval", "n"), ("eval", "ks"), ("checkpoint", "every")}
     assert horizon["steps"] == 200 and horizon["eval"]["n"] >= 8 and max(horizon["eval"]["ks"]) == 8
+
+
+def test_an_eval_protocol_fills_the_keys_not_named_and_reads_back_the_same(tmp_path):
+    path = tmp_path / "dapo.yaml"
+    path.write_text("model: {path: toy}\neval: {protocol: dapo}\n")
+    dapo = load_config(path).eval
+    # DAPO section 4: avg@32 at temperature 1.0, top-p 0.7, 20,480 new tokens; the ks grow to n = 32.
+    assert (dapo.n, dapo.temperature, dapo.top_p, dapo.max_new_tokens) == (32, 1.0, 0.7, 20480)
+    assert dapo.ks == (1, 4, 8, 16, 32)
+    four = load_config(path, ["eval.n=4"]).eval  # a key named wins; the ks follow the n used
+    assert (four.n, four.ks, four.top_p, four.max_new_tokens) == (4, (1, 4), 0.7, 20480)
+    saved = tmp_path / "config.yaml"  # as a run writes it: every key named, the expanded values
+    saved.write_text(yaml.safe_dump(to_dict(load_config(path, ["eval.n=4"]))))
+    assert load_config(saved) == load_config(path, ["eval.n=4"])
+    # Named by an override, a protocol fills the keys of the file below it too (a resumed run's config.yaml).
+    assert load_config(saved, ["eval.protocol=lspo"]).eval.n == 16
+    with pytest.raises(ConfigError, match=r"^eval\.protocol: must be one of deepscaler, deepmath, dapo, lspo .*'r1'$"):
+        load_config(path, ["eval.protocol=r1"])
+    assert load_config(None).eval.top_p is None and load_config(None).eval.protocol is None  # records unchanged
+
+
+def test_default_ks_fit_n_and_double_up_to_it():
+    from lspo_jax.train_config import EvalConfig
+
+    assert EvalConfig.default_ks(16) == [1, 4, 8, 16] == list(EvalConfig().ks)  # the default n: nothing changes
+    assert EvalConfig.default_ks(2) == [1, 2] and EvalConfig.default_ks(20) == [1, 4, 8, 16, 20]
+    assert EvalConfig.default_ks(256) == [1, 4, 8, 16, 32, 64, 128, 256]

@@ -281,8 +281,7 @@ def _plot(out_dir: str) -> None:
         print(f"plot: {path}")
 
 
-DEFAULT_BENCHMARKS = "math500,aime24,aime25,aime26"
-DEFAULT_KS = (1, 4, 8, 16)
+DEFAULT_BENCHMARKS = "math500,aime24,aime25"  # the three that ship inside the package
 
 
 def _eval_parser() -> argparse.ArgumentParser:
@@ -292,41 +291,78 @@ def _eval_parser() -> argparse.ArgumentParser:
         "come from the run's config.yaml (a checkpoint) or from --config / the defaults (a Hugging Face directory).",
     )
     p.add_argument(
-        "--model", required=True, help="a Hugging Face directory, 'toy', or a training run's --out directory"
+        "--model",
+        required=True,
+        help="a Hugging Face directory, a hub name ORG/NAME[@REVISION] (fetched once into "
+        "the Hugging Face cache), 'toy', or a training run's --out directory",
     )
     p.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: the latest)")
     p.add_argument("--config", default=None, help="YAML run config for a Hugging Face model (prompt, reward settings)")
     p.add_argument("--benchmarks", default=DEFAULT_BENCHMARKS,
-                   help="comma-separated names (DATA_DIR/NAME.jsonl) or paths (default: %(default)s)")  # fmt: skip
-    p.add_argument("--data-dir", default=None, help="where benchmark names resolve (default: ../shared/data)")
+                   help="comma-separated bare names, paths or hub datasets ORG/NAME[@REVISION][:PART] "
+                        "(default: %(default)s). A bare name is looked for as NAME.jsonl or NAME.parquet in --data-dir "
+                        "(else $LSPO_JAX_DATA_DIR), then among the package's math500, aime24, aime25, then on the hub "
+                        "(aime26: MathArena/aime_2026)")  # fmt: skip
+    p.add_argument("--data-dir", default=None, help="where bare benchmark names are looked for first (default: "
+                   "eval.data_dir, else $LSPO_JAX_DATA_DIR)")  # fmt: skip
+    p.add_argument("--protocol", default=None, metavar="NAME", help=_protocol_help())
     p.add_argument("--n", type=int, default=None, help="samples per problem (default: eval.n)")
-    p.add_argument("--ks", default=None, help="comma-separated k (default: eval.ks; with --n, n and 1,4,8,16 <= n)")
+    p.add_argument("--ks", default=None, help="comma-separated k (default: eval.ks; with a new n from --n or "
+                   "--protocol: those of 1,4,8,16 that fit, the powers of two from 32 up to n, and n)")  # fmt: skip
     p.add_argument("--limit", type=int, default=None, help="the first N problems of each file")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens")
     p.add_argument("--temperature", type=float, default=None, help="default: eval.temperature")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling's p (default: eval.top_p, which "
+                   "null leaves to rollout.top_p)")  # fmt: skip
     p.add_argument(
         "--prompts-per-batch", type=int, default=None, help="problems sampled together (rollout.prompts_per_step)"
     )
     p.add_argument("--workers", type=int, default=None, help="verifier processes (0: in this process; reward.workers)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+    seeds.add_argument("--seeds", default=None, help="comma-separated seeds: every benchmark sampled once with each, "
+                       "the output holding each repeat and the mean and standard error over them")  # fmt: skip
     p.add_argument("--out", default=None, help="write the results here as JSON")
+    p.add_argument("--samples", default=None, help="write one JSON line per sample here (text, token ids, extracted "
+                   "answer, reward, length, terminated; default: beside --out, its .json replaced by "
+                   ".samples.jsonl)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. reward.require_think_close=true")
     return p
 
 
-def _eval_settings(run, args):
-    """``run`` with this command's evaluation settings on top (each only when given)."""
-    from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
+def _protocol_help() -> str:
+    from lspo_jax.options import EVAL_PROTOCOLS
 
-    n = run.eval.n if args.n is None else args.n  # --n 0 is refused by eval.n's check, not read as unset
+    listed = "; ".join(f"{p.name}: n {p.n}, temperature {p.temperature}, top-p {p.top_p}, {p.max_new_tokens} new "
+                       f"tokens" for p in EVAL_PROTOCOLS.values())  # fmt: skip
+    return (f"sample as a published evaluation states it ({listed}); --n, --temperature, --top-p, --max-new-tokens "
+            "and eval.KEY= overrides given win, and the output records the protocol and each deviation")  # fmt: skip
+
+
+def _eval_settings(run, args):
+    """``run`` with this command's evaluation settings on top (each only when given): ``--protocol``'s sampling
+    settings but those that a flag here or an ``eval.KEY=`` override names, then the flags."""
+    from lspo_jax.options import eval_protocol
+    from lspo_jax.train_config import EvalConfig, TrainConfig, apply_overrides, from_dict, to_dict
+
+    named = {item.partition("=")[0] for item in args.overrides}
+    sampling = {}
+    if args.protocol is not None:
+        protocol = eval_protocol(args.protocol, "--protocol")
+        stated = {f"eval.{key}": value for key, value in protocol.settings().items()}
+        sampling = {"eval.protocol": protocol.name, **{key: v for key, v in stated.items() if key not in named}}
+    given = {"eval.n": args.n, "eval.temperature": args.temperature, "eval.top_p": args.top_p,
+             "eval.max_new_tokens": args.max_new_tokens}  # fmt: skip
+    sampling.update({key: value for key, value in given.items() if value is not None})
     if args.ks:
         ks = _ints("--ks", args.ks)
-    else:  # with a new n, the usual ks that fit and n itself; otherwise those of the config
-        ks = sorted({k for k in DEFAULT_KS if k <= n} | {n}) if args.n else list(run.eval.ks)
+    elif "eval.n" in sampling and "eval.ks" not in named:  # a new n: the usual ks that fit (--n 0: eval.n refuses)
+        ks = EvalConfig.default_ks(sampling["eval.n"])
+    else:
+        ks = list(run.eval.ks)
     flags = {
-        "eval.benchmarks": [b.strip() for b in args.benchmarks.split(",") if b.strip()], "eval.n": n, "eval.ks": ks,
-        "eval.limit": args.limit, "eval.max_new_tokens": args.max_new_tokens, "eval.temperature": args.temperature,
-        "eval.data_dir": args.data_dir, "rollout.prompts_per_step": args.prompts_per_batch,
+        **sampling, "eval.benchmarks": [b.strip() for b in args.benchmarks.split(",") if b.strip()], "eval.ks": ks,
+        "eval.limit": args.limit, "eval.data_dir": args.data_dir, "rollout.prompts_per_step": args.prompts_per_batch,
         "reward.workers": args.workers, "seed": args.seed,
     }  # fmt: skip
     overrides = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
@@ -366,15 +402,44 @@ def _eval_model(args):
     return _eval_settings(run, args), policy, params, step
 
 
-def check_output_file(path: str) -> None:
-    """Refuse, before any work, an output file that could not be written at the end."""
+def check_output_file(path: str, flag: str = "--out") -> None:
+    """Refuse, before any work, an output file (given as ``flag``) that could not be written at the end."""
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise FileExistsError(f"--out {path} is a directory; name a file to write the results to")
+        raise FileExistsError(f"{flag} {path} is a directory; name a file to write the results to")
     if not os.path.isdir(parent):
-        raise FileNotFoundError(f"--out {path}: no directory {parent} to write it in")
+        raise FileNotFoundError(f"{flag} {path}: no directory {parent} to write it in")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise PermissionError(f"--out {path}: not writable")
+        raise PermissionError(f"{flag} {path}: not writable")
+
+
+def samples_path(out: str | None, samples: str | None) -> str | None:
+    """Where the per-sample lines go: ``--samples``, else beside ``--out`` (``r.json``: ``r.samples.jsonl``), else
+    nowhere."""
+    if samples or not out:
+        return samples
+    return (out[: -len(".json")] if out.endswith(".json") else out) + ".samples.jsonl"
+
+
+def _eval_arguments(args) -> tuple[str | None, list[int] | None]:
+    """The per-sample file (``samples_path``) and ``--seeds`` (None: the config's one seed), refused before any work
+    where they cannot be used: an output that could not be written, one file for both, a seed given twice (it
+    would repeat its samples) or an unknown ``--protocol``."""
+    from lspo_jax.options import eval_protocol
+    from lspo_jax.train_config import ConfigError
+
+    samples = samples_path(args.out, args.samples)
+    for flag, path in (("--out", args.out), ("--samples", samples)):
+        if path:
+            check_output_file(path, flag)
+    if args.out and samples and os.path.abspath(samples) == os.path.abspath(args.out):
+        raise FileExistsError(f"--samples {samples} is --out too; name another file")
+    seeds = _ints("--seeds", args.seeds) if args.seeds else None
+    if seeds is not None and len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {args.seeds}: a seed given twice draws the same samples twice")
+    if args.protocol is not None:
+        eval_protocol(args.protocol, "--protocol")
+    return samples, seeds
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -383,17 +448,12 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 
 def _eval(args) -> int:
-    import time
-
-    import jax
-
     from lspo_jax.job import evaluation
     from lspo_jax.job.build import check_positions, load_benchmarks, make_verifier
     from lspo_jax.rl.learner import Generator
 
     try:
-        if args.out:
-            check_output_file(args.out)
+        samples, seeds = _eval_arguments(args)
         run, policy, params, step = _eval_model(args)
         check_positions(run, policy.config, train=False)
         benchmarks = load_benchmarks(run, policy, run.eval.benchmarks)
@@ -404,45 +464,101 @@ def _eval(args) -> int:
     except ValueError as err:  # the loaders' plain ValueErrors are about the files given too; the rest: the funnel
         print(f"lspo-eval: {describe(err)}", file=sys.stderr)
         return EXIT_CONFIG
-    pool, generator = make_verifier(run), Generator(policy)
-    results, key = {}, jax.random.key(run.seed)
+    _warn_about_protocol(run)
+    pool, generator, seeds = make_verifier(run), Generator(policy), seeds or [run.seed]
+    results = {}
     try:
-        for name, (examples, report) in benchmarks.items():
-            start = time.perf_counter()
-            bench_key = evaluation.benchmark_key(key, name)
-            correct, spread = evaluation.graded_samples(run, generator, params, examples, pool, bench_key)
-            results[name] = {
-                **evaluation.pass_at_k_metrics(correct, run.eval.ks),
-                "answer_entropy": float(spread.mean()),
-                "seconds": round(time.perf_counter() - start, 1),
-                "data": report,
-                "per_problem": [
-                    {"id": ex.id, "correct": row.tolist(), "answer_entropy": h}
-                    for ex, row, h in zip(examples, correct, spread.tolist(), strict=True)
-                ],
-            }
+        with _json_lines(samples) as write:
+            for name, (examples, report) in benchmarks.items():
+                scored = _eval_benchmark(run, generator, params, name, examples, pool, seeds, write)
+                results[name] = {**scored, "data": report}
     finally:
         pool.close()
     print(evaluation.format_results(results, run.eval.ks))
     if args.out:
-        output = {
-            "model": args.model, "checkpoint_step": step, "n": run.eval.n, "ks": list(run.eval.ks),
-            "temperature": run.eval.temperature, "max_new_tokens": run.eval.max_new_tokens, "seed": run.seed,
-            "require_think_close": run.reward.require_think_close, "benchmarks": results,
-        }  # fmt: skip
+        engine = "jax" if generator.vllm is None else "vllm"
         with open(args.out, "w") as f:
-            json.dump(output, f, indent=1)
+            json.dump(_eval_output(args.model, step, run, seeds, engine, results), f, indent=1)
         print(f"results: {args.out}")
+    if samples:
+        print(f"samples: {samples}")
     return 0
 
 
+def _eval_benchmark(run, generator, params, name, examples, pool, seeds, write) -> dict:
+    """One benchmark's record (``evaluation.benchmark_result``): a repeat with each seed, its samples written
+    through ``write`` as each repeat is graded. A seed's key depends on the benchmark's name alone besides it
+    (``evaluation.benchmark_key``), so one seed gives a benchmark the same samples in any company."""
+    import time
+
+    import jax
+
+    from lspo_jax.job import evaluation
+
+    start, repeats = time.perf_counter(), []
+    for seed in seeds:
+        key = evaluation.benchmark_key(jax.random.key(seed), name)
+        repeats.append(evaluation.grade(run, generator, params, examples, pool, key, seed))
+        write(evaluation.sample_records(name, examples, repeats[-1], generator.tokenizer))
+    seconds = round(time.perf_counter() - start, 1)
+    return {**evaluation.benchmark_result(examples, repeats, run.eval.ks), "seconds": seconds}
+
+
+@contextlib.contextmanager
+def _json_lines(path: str | None):
+    """A function that writes records to ``path`` as JSON lines (no path: one that drops them)."""
+    if path is None:
+        yield lambda records: None
+        return
+    with open(path, "w") as f:
+
+        def write(records) -> None:
+            f.writelines(json.dumps(record) + "\n" for record in records)
+
+        yield write
+
+
+def _eval_output(model: str, step, run, seeds: list[int], engine: str, results: dict) -> dict:
+    """The JSON of ``--out``: what was evaluated, the protocol named (its stated settings and each deviation of the
+    settings used), the settings used, the seeds, the sampler, the packages' versions and the benchmarks' records."""
+    from lspo_jax.job import evaluation
+
+    used = evaluation.sampling_settings(run)
+    return {
+        "model": model, "checkpoint_step": step, "protocol": _protocol_record(run), **used, "ks": list(run.eval.ks),
+        "seeds": seeds, "engine": engine, "versions": evaluation.package_versions(),
+        "require_think_close": run.reward.require_think_close, "benchmarks": results,
+    }  # fmt: skip
+
+
+def _protocol_record(run) -> dict | None:
+    """``eval.protocol``'s name, description, source, stated settings and the deviations from them; None unnamed."""
+    from lspo_jax.job import evaluation
+    from lspo_jax.options import eval_protocol
+
+    if run.eval.protocol is None:
+        return None
+    protocol = eval_protocol(run.eval.protocol)
+    deviations = protocol.deviations(evaluation.sampling_settings(run))
+    return {"name": protocol.name, "description": protocol.description, "source": protocol.source,
+            "settings": protocol.settings(), "deviations": deviations}  # fmt: skip
+
+
+def _warn_about_protocol(run) -> None:
+    """A score sampled otherwise than its protocol states is not that protocol's: say how it differs."""
+    record = _protocol_record(run)
+    if record and record["deviations"]:
+        differ = ", ".join(f"{key} {d['used']} (protocol: {d['protocol']})" for key, d in record["deviations"].items())
+        print(f"lspo-eval: not quite the {record['name']} protocol: {differ}", file=sys.stderr)
+
+
 def _warn_about_rows(name: str, report: dict) -> None:
-    """A benchmark that lost problems at load time is not the published benchmark: say so."""
+    """Each benchmark's rows as read, and where some were lost at load time, how: a benchmark that lost problems is
+    not the published benchmark."""
     from lspo_jax.tasks.data import DataReport
 
-    line = DataReport(**report).losses()
-    if line:
-        print(f"lspo-eval: {name}: {line}", file=sys.stderr)
+    line = DataReport(**report).losses() or f"{report['rows']} rows, all kept"
+    print(f"lspo-eval: {name}: {line}", file=sys.stderr)
 
 
 def export_main(argv: list[str] | None = None) -> int:

@@ -9,14 +9,20 @@ unbiased one is logged beside it. Validation also scores the base's log-likeliho
 solutions (``gold_logprob``): a signal that moves before pass@k does, on a class that no sample passes yet, and the
 spread of the samples' final answers (``answer_entropy``): a policy that sharpens onto one answer a problem, right
 or wrong, shows it there before its pass@k falls.
+
+``lspo-eval`` reports more of each benchmark (``grade``, ``benchmark_result``): the standard error of the accuracy
+over problems, the share of samples cut off at the token budget, the accuracy of the samples that ended, and, over
+repeats with other seeds, each metric's mean and standard error; ``sample_records`` are its per-sample lines.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import importlib.metadata
 import math
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,7 +38,9 @@ def pass_at_k(correct: np.ndarray, k: int, estimator: str = "first_k") -> float:
 
     ``first_k``: problem passes iff any of its first k samples passes (the paper's reading of its traces).
     ``unbiased``: ``1 - C(n - c, k) / C(n, k)`` with n samples of which c pass (Chen et al. 2021, eq. 1),
-    the expected first-k-slice value over all orderings of the n samples.
+    the expected first-k-slice value over all orderings of the n samples; computed as
+    ``(C(n, k) - C(n - c, k)) / C(n, k)`` in Python's exact integers, one rounding at the division, so it is exact
+    to float precision and never overflows, whatever n (C(2048, 1024) ~ 1e615 is far beyond a float's 1.8e308).
     """
     correct = np.asarray(correct, dtype=bool)
     if correct.ndim != 2:
@@ -45,10 +53,17 @@ def pass_at_k(correct: np.ndarray, k: int, estimator: str = "first_k") -> float:
     if estimator == "first_k":
         return float(np.mean(np.any(correct[:, :k], axis=1)))
     if estimator == "unbiased":
-        c = correct.sum(axis=1)
-        fail_all = [math.comb(n - int(ci), k) / math.comb(n, k) for ci in c]
-        return float(np.mean(1.0 - np.asarray(fail_all)))
+        counts = correct.sum(axis=1).tolist()
+        per_count = {c: _unbiased(n, c, k) for c in set(counts)}  # one exact computation per distinct count
+        return float(np.mean([per_count[c] for c in counts]))
     raise ValueError(f"estimator must be 'first_k' or 'unbiased', got {estimator!r}")
+
+
+def _unbiased(n: int, c: int, k: int) -> float:
+    """``1 - C(n - c, k) / C(n, k)``: the chance that k of n samples drawn without replacement hold one of the c that
+    pass. Int / int in Python rounds once, correctly, however large the ints (no float comb, no overflow)."""
+    total = math.comb(n, k)
+    return (total - math.comb(n - c, k)) / total
 
 
 def metric_key(k: int, estimator: str = "first_k") -> str:
@@ -65,18 +80,30 @@ def pass_at_k_metrics(correct: np.ndarray, ks: Sequence[int]) -> dict[str, float
 
 
 # ---------------------------------------------------------------------------------------------- sampling
+def sampling_settings(run) -> dict[str, Any]:
+    """What held-out samples are drawn with: ``eval.n``, ``eval.temperature``, ``eval.top_p`` (null:
+    ``rollout.top_p``), ``eval.max_new_tokens``, and ``rollout.top_k``."""
+    cfg = run.eval
+    top_p = run.rollout.top_p if cfg.top_p is None else cfg.top_p
+    return {"n": cfg.n, "temperature": cfg.temperature, "top_p": top_p, "max_new_tokens": cfg.max_new_tokens,
+            "top_k": run.rollout.top_k}  # fmt: skip
+
+
 def sample_responses(run, generator, params, prompts: Sequence[Sequence[int]], key) -> list[str]:
     """``eval.n`` responses per prompt (n consecutive texts per prompt) from the base policy, decoded for the
-    verifier (special tokens dropped); top-p and top-k are the run's rollout settings. ``generator``: a
-    ``learner.Generator`` (a run's vLLM engine samples when its context holds the longest prompt plus
-    ``eval.max_new_tokens``; else the JAX sampler)."""
-    cfg = run.eval
-    decoding = generator.decoding(cfg.max_new_tokens, cfg.temperature, run.rollout.top_p, run.rollout.top_k)
-    sample = generator.generate(params, prompts, decoding, key=key, n=cfg.n, lora_scale=0.0)
-    return [
-        generator.tokenizer.decode(tokens[:length], skip_special_tokens=True)
-        for tokens, length in zip(sample.tokens, sample.lengths.tolist(), strict=True)
-    ]
+    verifier (special tokens dropped), drawn with ``sampling_settings``. ``generator``: a ``learner.Generator`` (a
+    run's vLLM engine samples when its context holds the longest prompt plus ``eval.max_new_tokens``; else the JAX
+    sampler)."""
+    s = sampling_settings(run)
+    decoding = generator.decoding(s["max_new_tokens"], s["temperature"], s["top_p"], s["top_k"])
+    sample = generator.generate(params, prompts, decoding, key=key, n=s["n"], lora_scale=0.0)
+    return [decode(generator.tokenizer, tokens[:length])
+            for tokens, length in zip(sample.tokens, sample.lengths.tolist(), strict=True)]  # fmt: skip
+
+
+def decode(tokenizer, tokens) -> str:
+    """A response's text as the verifier reads it: special tokens (the EOS) dropped."""
+    return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 class ValidationStopped(Exception):
@@ -204,16 +231,169 @@ def gold_logprob(
             "gold_solutions": len(scored), "gold_tokens": tokens}  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------------- lspo-eval's report
+class Recorder:
+    """A generator that keeps each batch it samples: the token ids and EOS flags behind the texts that
+    ``graded_samples`` grades, in its order (chunk after chunk, n rows a problem). Through it ``lspo-eval`` reports
+    per sample what validation reduces to passes, sampled and graded by validation's own code."""
+
+    def __init__(self, generator):
+        self.generator, self.batches = generator, []
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.generator.tokenizer
+
+    def decoding(self, *args) -> Any:
+        return self.generator.decoding(*args)
+
+    def generate(self, *args, **kwargs) -> Any:
+        batch = self.generator.generate(*args, **kwargs)
+        self.batches.append(batch)
+        return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Graded:
+    """One repeat of a benchmark (sampled with ``seed``), graded: ``correct`` [problems, n] in sampling order and
+    ``answer_entropy`` [problems]; ``tokens`` each sample's ids, problem after problem (an EOS kept), and
+    ``terminated`` [problems, n] whether it ended on an EOS token rather than at ``eval.max_new_tokens``. Those two
+    are None when the texts came from no batch of the generator's (a test's scripted responses)."""
+
+    seed: int
+    correct: np.ndarray
+    answer_entropy: np.ndarray
+    tokens: list[np.ndarray] | None = None
+    terminated: np.ndarray | None = None
+
+
+def grade(run, generator, params, examples: Sequence[Any], pool, key, seed: int) -> Graded:
+    """``graded_samples`` with each sample's tokens and ending kept (``Recorder``)."""
+    recorder = Recorder(generator)
+    correct, spread = graded_samples(run, recorder, params, examples, pool, key)
+    batches = recorder.batches
+    tokens = [batch.tokens[row, :length] for batch in batches for row, length in enumerate(batch.lengths.tolist())]
+    if not tokens or len(tokens) != correct.size:
+        return Graded(seed, correct, spread)
+    ended = np.concatenate([np.asarray(batch.eos, bool) for batch in batches]).reshape(correct.shape)
+    return Graded(seed, correct, spread, tokens, ended)
+
+
+def mean_stderr(values: Sequence[float]) -> tuple[float, float | None]:
+    """The mean of m values and its standard error ``s / sqrt(m)``, s the sample standard deviation (ddof = 1);
+    the error is None (null in the output) for a single value, which says nothing of the spread."""
+    values = np.asarray(values, np.float64)
+    stderr = float(values.std(ddof=1) / math.sqrt(values.size)) if values.size > 1 else None
+    return float(values.mean()), stderr
+
+
+def completion_metrics(correct: np.ndarray, terminated: np.ndarray | None) -> dict[str, float | None]:
+    """``truncation_rate``: the share of samples that reached the token budget without ending (no EOS);
+    ``completed_accuracy``: the share that pass AND ended (Marin's "completed" score: a pass is not counted when
+    the text ran out of budget). Both None when it is not known which samples ended."""
+    if terminated is None:
+        return {"truncation_rate": None, "completed_accuracy": None}
+    return {"truncation_rate": float(np.mean(~terminated)), "completed_accuracy": float(np.mean(correct & terminated))}
+
+
+def repeat_metrics(graded: Graded, ks: Sequence[int]) -> dict[str, Any]:
+    """One repeat's metrics: ``pass_at_k_metrics``; ``accuracy_stderr``, the standard error over problems of the
+    per-problem pass fraction ``c_p / n`` whose mean is ``accuracy`` (``mean_stderr``: None with one problem);
+    ``completion_metrics``; the mean ``answer_entropy``."""
+    metrics = pass_at_k_metrics(graded.correct, ks)
+    metrics["accuracy_stderr"] = mean_stderr(graded.correct.mean(axis=1))[1]
+    metrics.update(completion_metrics(graded.correct, graded.terminated))
+    metrics["answer_entropy"] = float(graded.answer_entropy.mean())
+    return metrics
+
+
+REPEATED = ("accuracy", "completed_accuracy", "truncation_rate")  # with each pass@k: summarised over seeds
+
+
+def over_repeats(repeats: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, Any]:
+    """Over repeats with different seeds (evalchemy's protocol), each of ``REPEATED`` and each pass@k (both
+    estimators): ``{"mean", "stderr"}``, the stderr ``std(ddof=1) / sqrt(repeats)`` (None with one repeat; both
+    None where a repeat lacks the value)."""
+    summary: dict[str, Any] = {"repeats": len(repeats)}
+    for key in (*REPEATED, *(metric_key(k, est) for est in ESTIMATORS for k in ks)):
+        values = [r[key] for r in repeats]
+        mean, stderr = (None, None) if None in values else mean_stderr(values)
+        summary[key] = {"mean": mean, "stderr": stderr}
+    return summary
+
+
+def benchmark_result(examples: Sequence[Any], repeats: Sequence[Graded], ks: Sequence[int]) -> dict[str, Any]:
+    """A benchmark's record in ``lspo-eval``'s output. Its metrics are each repeat's ``repeat_metrics`` averaged
+    over the repeats (one repeat: its own), except ``accuracy_stderr``: over problems, of each problem's pass
+    fraction over all its samples of every seed. Then ``repeats`` (each seed's metrics), ``over_seeds``
+    (``over_repeats``) and ``per_problem``: each problem's id, its samples' passes seed after seed (n a seed) and
+    its ``answer_entropy`` averaged over the seeds."""
+    each = [{"seed": graded.seed, **repeat_metrics(graded, ks)} for graded in repeats]
+    correct = np.concatenate([graded.correct for graded in repeats], axis=1)
+    spread = np.mean([graded.answer_entropy for graded in repeats], axis=0)
+    averaged = {key: _mean_or_none([r[key] for r in each]) for key in each[0] if key not in ("seed", "problems")}
+    averaged["accuracy_stderr"] = mean_stderr(correct.mean(axis=1))[1]
+    per_problem = [{"id": ex.id, "correct": row.tolist(), "answer_entropy": h}
+                   for ex, row, h in zip(examples, correct, spread.tolist(), strict=True)]  # fmt: skip
+    return {"problems": len(examples), **averaged, "repeats": each, "over_seeds": over_repeats(each, ks),
+            "per_problem": per_problem}  # fmt: skip
+
+
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    return None if None in values else float(np.mean(values))
+
+
+def sample_records(benchmark: str, examples: Sequence[Any], graded: Graded, tokenizer) -> Iterator[dict[str, Any]]:
+    """One repeat's per-sample lines: ``benchmark``, ``seed``, the problem's ``id`` and ``gold`` answer, ``sample``
+    (its index among the problem's n), ``text`` (as the verifier read it), ``tokens``, ``extracted_answer`` (the
+    last ``\\boxed{}``'s content, None without one), ``reward`` (0 or 1), ``length`` (tokens, an EOS counted) and
+    ``terminated`` (ended on an EOS). No line at all where the samples' tokens were not seen (``Graded``)."""
+    from lspo_jax.tasks.rewards import last_boxed
+
+    n = graded.correct.shape[1]
+    for i, tokens in enumerate(graded.tokens or ()):
+        problem, sample = divmod(i, n)
+        text = decode(tokenizer, tokens)
+        yield {"benchmark": benchmark, "seed": graded.seed, "id": examples[problem].id,
+               "gold": examples[problem].answer, "sample": sample, "text": text, "tokens": tokens.tolist(),
+               "extracted_answer": last_boxed(text), "reward": int(graded.correct[problem, sample]),
+               "length": len(tokens), "terminated": bool(graded.terminated[problem, sample])}  # fmt: skip
+
+
+VERSIONED = ("lspo_jax", "jax", "jaxlib", "transformers", "math-verify")  # the packages a score depends on
+
+
+def package_versions() -> dict[str, str | None]:
+    """The installed version of each of ``VERSIONED`` (None: not installed)."""
+    versions = {}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 # ----------------------------------------------------------------------------------------------- output
 def format_results(results: Mapping[str, Mapping[str, Any]], ks: Sequence[int]) -> str:
-    """A Markdown table: per benchmark, pass@k (%) for each k by each estimator, and the sample accuracy."""
-    head = "| benchmark | problems | estimator | " + " | ".join(f"pass@{k}" for k in ks) + " | accuracy |"
-    lines = [head, "|" + "---|" * (4 + len(ks))]
+    """A Markdown table: per benchmark, pass@k (%) for each k by each estimator, the sample accuracy (with its
+    standard error over problems where the record has one), the share of samples truncated at the token budget
+    and the completed-only accuracy (n/a where the record lacks them); below it, for a benchmark repeated over
+    several seeds, the mean and standard error over the seeds."""
+    head = "| benchmark | problems | estimator | " + " | ".join(f"pass@{k}" for k in ks)
+    lines = [head + " | accuracy | truncated | completed |", "|" + "---|" * (6 + len(ks))]
     for name, result in results.items():
+        stderr = result.get("accuracy_stderr")
+        accuracy = _pct(result.get("accuracy")) + ("" if stderr is None else f" ± {_pct(stderr)}")
+        tail = [accuracy, _pct(result.get("truncation_rate")), _pct(result.get("completed_accuracy"))]
         for est in ESTIMATORS:
-            cells = [_pct(result.get(metric_key(k, est))) for k in ks]
-            lines.append(f"| {name} | {result.get('problems', '')} | {est} | " + " | ".join(cells)
-                         + f" | {_pct(result.get('accuracy'))} |")  # fmt: skip
+            cells = [_pct(result.get(metric_key(k, est))) for k in ks] + tail
+            lines.append(f"| {name} | {result.get('problems', '')} | {est} | " + " | ".join(cells) + " |")
+    for name, result in results.items():
+        seeds = result.get("over_seeds") or {}
+        if seeds.get("repeats", 1) > 1:
+            cells = [f"{key} {_pct(seeds[key]['mean'])} ± {_pct(seeds[key]['stderr'])}" for key in REPEATED]
+            lines.append(f"{name} over {seeds['repeats']} seeds (mean ± stderr, %): " + ", ".join(cells))
     return "\n".join(lines)
 
 
