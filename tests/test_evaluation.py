@@ -294,6 +294,37 @@ def test_lspo_eval_by_a_protocol_over_two_seeds(model_dir, tmp_path, monkeypatch
     assert bench["accuracy_stderr"] == pytest.approx(np.std(fractions, ddof=1) / math.sqrt(2))
 
 
+def test_lspo_eval_keeps_the_benchmarks_scored_before_a_stop(model_dir, tmp_path, monkeypatch, capsys):
+    """The results file is written before sampling and after each benchmark, ``finished`` false until the end: a
+    Ctrl-C during the second benchmark exits 130 with the first one's record kept, and an older file at --out is
+    never left looking current."""
+    from lspo_jax.job import build
+
+    real, calls = cli._eval_benchmark, []
+
+    def second_interrupted(*args):
+        calls.append(args[3])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(cli, "_eval_benchmark", second_interrupted)
+    monkeypatch.setattr(build, "make_verifier", lambda run: _EvenLengthPasses())
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"finished": True, "benchmarks": {"old": {}}}))  # an earlier evaluation's file
+    argv = ["--model", model_dir, "--benchmarks", "toy:heldout,toy:heldout_3digit", "--limit", "2", "--n", "1",
+            "--max-new-tokens", "4", "--workers", "0", "--out", str(out), "data.instruction_position=none",
+            "data.max_prompt_tokens=248"]  # fmt: skip
+    assert cli.eval_main(argv) == cli.EXIT_INTERRUPTED
+    results = json.loads(out.read_text())
+    assert results["finished"] is False and list(results["benchmarks"]) == ["toy_heldout"] and len(calls) == 2
+    assert "the 1 benchmarks scored are in" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_eval_benchmark", real)
+    assert cli.eval_main(argv) == 0
+    results = json.loads(out.read_text())
+    assert results["finished"] is True and list(results["benchmarks"]) == ["toy_heldout", "toy_heldout_3digit"]
+
+
 def test_lspo_eval_refuses_a_bad_protocol_seeds_or_samples_file_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_eval_model", lambda args: pytest.fail("the model was loaded"))
     base = ["--model", "toy", "--benchmarks", "toy:heldout"]

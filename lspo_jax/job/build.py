@@ -65,10 +65,12 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
     return Policy(config, tokenizer, eos_ids), params
 
 
-def check_positions(run: TrainConfig, config: ModelConfig, *, train: bool = True, validate: bool = True) -> None:
+def check_positions(
+    run: TrainConfig, config: ModelConfig, *, train: bool = True, validate: bool = True, how: str = ""
+) -> None:
     """Refuse sequences longer than the model's ``max_position_embeddings``: RoPE computes any position, so
     nothing would fail, the model would only be asked for positions it never saw in training. ``train``: the
-    rollouts' length; ``validate``: the evaluation's."""
+    rollouts' length; ``validate``: the evaluation's; ``how``: the caller's way to lower them, for the message."""
     lengths = {"rollout.max_new_tokens": run.rollout.max_new_tokens} if train else {}
     if validate:
         lengths["eval.max_new_tokens"] = run.eval.max_new_tokens
@@ -76,7 +78,7 @@ def check_positions(run: TrainConfig, config: ModelConfig, *, train: bool = True
         if run.data.max_prompt_tokens + new > config.max_position_embeddings:
             raise ConfigError(
                 f"data.max_prompt_tokens + {key} = {run.data.max_prompt_tokens} + {new} is beyond the model's "
-                f"max_position_embeddings ({config.max_position_embeddings}); lower one of them"
+                f"max_position_embeddings ({config.max_position_embeddings}); lower one of them{how}"
             )
 
 

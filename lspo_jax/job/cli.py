@@ -385,9 +385,12 @@ def _eval_model(args):
     from lspo_jax.job import export
     from lspo_jax.job.build import load_policy
     from lspo_jax.job.compiles import use_cache
-    from lspo_jax.train_config import load_config
+    from lspo_jax.train_config import ConfigError, load_config
 
     if export.is_run_dir(args.model):
+        if args.config is not None:
+            raise ConfigError(f"--config {args.config}: {args.model} is a training run, evaluated with its own "
+                              "config.yaml; give changes as KEY=VALUE overrides")  # fmt: skip
         # The cache is set before the checkpoint is read: JAX decides at its first compile whether it uses one.
         use_cache(load_config(os.path.join(args.model, "config.yaml"), args.overrides).compile_cache)
         run, policy, params, step = export.restore_run(args.model, args.step, args.overrides)
@@ -428,6 +431,9 @@ def _eval_arguments(args) -> tuple[str | None, list[int] | None]:
     from lspo_jax.options import eval_protocol
     from lspo_jax.train_config import ConfigError
 
+    for flag, given in (("--out", args.out), ("--samples", args.samples)):
+        if given is not None and not given.strip():
+            raise ConfigError(f"{flag} {given!r}: name a file to write")
     samples = samples_path(args.out, args.samples)
     for flag, path in (("--out", args.out), ("--samples", samples)):
         if path:
@@ -455,7 +461,7 @@ def _eval(args) -> int:
     try:
         samples, seeds = _eval_arguments(args)
         run, policy, params, step = _eval_model(args)
-        check_positions(run, policy.config, train=False)
+        check_positions(run, policy.config, train=False, how=" (--max-new-tokens; data.max_prompt_tokens=N)")
         benchmarks = load_benchmarks(run, policy, run.eval.benchmarks)
         for name, (examples, report) in benchmarks.items():
             _warn_about_rows(name, report)
@@ -466,23 +472,44 @@ def _eval(args) -> int:
         return EXIT_CONFIG
     _warn_about_protocol(run)
     pool, generator, seeds = make_verifier(run), Generator(policy), seeds or [run.seed]
+    engine = "jax" if generator.vllm is None else "vllm"
     results = {}
+
+    # Written before sampling and after each benchmark, "finished" false until the end: an earlier file at --out
+    # never looks current, and a stop keeps the benchmarks already scored.
+    def save(finished: bool) -> None:
+        _write_results(args.out, _eval_output(args.model, step, run, seeds, engine, results), finished)
+
+    save(False)
     try:
         with _json_lines(samples) as write:
             for name, (examples, report) in benchmarks.items():
                 scored = _eval_benchmark(run, generator, params, name, examples, pool, seeds, write)
                 results[name] = {**scored, "data": report}
+                save(False)
+    except KeyboardInterrupt:
+        kept = f"; the {len(results)} benchmarks scored are in {args.out} (finished: false)" if args.out else ""
+        print(f"lspo-eval: interrupted{kept}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         pool.close()
+    save(True)
     print(evaluation.format_results(results, run.eval.ks))
     if args.out:
-        engine = "jax" if generator.vllm is None else "vllm"
-        with open(args.out, "w") as f:
-            json.dump(_eval_output(args.model, step, run, seeds, engine, results), f, indent=1)
         print(f"results: {args.out}")
     if samples:
         print(f"samples: {samples}")
     return 0
+
+
+def _write_results(path: str | None, output: dict, finished: bool) -> None:
+    """``output`` with ``finished`` into ``path`` (none: nothing), replaced whole: a stop mid-write leaves the last
+    complete file."""
+    if not path:
+        return
+    with open(path + ".tmp", "w") as f:
+        json.dump({"finished": finished, **output}, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def _eval_benchmark(run, generator, params, name, examples, pool, seeds, write) -> dict:
@@ -497,6 +524,7 @@ def _eval_benchmark(run, generator, params, name, examples, pool, seeds, write) 
 
     start, repeats = time.perf_counter(), []
     for seed in seeds:
+        print(f"lspo-eval: {name}: sampling {len(examples)} problems x {run.eval.n} (seed {seed})", file=sys.stderr)
         key = evaluation.benchmark_key(jax.random.key(seed), name)
         repeats.append(evaluation.grade(run, generator, params, examples, pool, key, seed))
         write(evaluation.sample_records(name, examples, repeats[-1], generator.tokenizer))
