@@ -137,9 +137,17 @@ def run_mesh(run: TrainConfig) -> Mesh:
     ``mesh.enabled: null`` spans every device when JAX sees more than one.
     """
     enabled = run.mesh.enabled if run.mesh.enabled is not None else jax.device_count() > 1
+    sizes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "tp": run.mesh.tp}
     if not enabled:
+        if sizes != {"data": 1, "fsdp": -1, "tp": 1} and jax.process_index() == 0:  # sizes set, then not used: say so
+            why = "mesh.enabled is false" if run.mesh.enabled is False else "JAX sees one device"
+            print(f"lspo_jax: mesh sizes {sizes} are not used: {why}; the run is on one device", file=sys.stderr)
         return sharding.local_mesh()
-    return sharding.make_mesh(sharding.MeshConfig(data=run.mesh.data, fsdp=run.mesh.fsdp, tp=run.mesh.tp))
+    try:
+        return sharding.make_mesh(sharding.MeshConfig(**sizes))
+    except ValueError as err:  # sizes that do not fit the devices: the user's, said at the keys they set
+        raise ConfigError(f"mesh: {err}; set mesh.data, mesh.fsdp and mesh.tp to multiply to the {jax.device_count()} "
+                          "devices, or leave one of them -1 (the rest of the devices)") from None  # fmt: skip
 
 
 MEMORY_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
