@@ -1,8 +1,9 @@
 """The configuration of a training run: frozen dataclasses, read from YAML with dotted overrides.
 
-A YAML file only serialises ``TrainConfig``. Reading is strict: an unknown key or a value of the wrong
-type is an error that names the dotted key (``rollout.group_size: expected int, got 'sixteen'``). The
-DAPO baseline is the same config with ``scaffold.enabled: false``, not a separate code path.
+A YAML file only serialises ``TrainConfig``. Reading is strict: an unknown key, a key given twice, a value of the
+wrong type or a float that is not finite is an error that names the dotted key (``rollout.group_size: expected
+int, got 'sixteen'``). The DAPO baseline is the same config with ``scaffold.enabled: false``, not a separate code
+path.
 """
 
 from __future__ import annotations
@@ -712,17 +713,29 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if origin is tuple:
         _require(isinstance(value, list | tuple), key, f"expected a list, got {value!r}")
         return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):
-        # YAML 1.1 reads 1e-3 (no dot) as a string; accept what Python reads as a number.
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if hint is float:
+        return _finite_float(value, key)
     ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
     _require(ok, key, f"expected {hint.__name__}, got {value!r}")
     return value
+
+
+def _finite_float(value: Any, key: str) -> float:
+    """``value`` as a float (YAML's int, and a string Python reads as a number: YAML 1.1 reads 1e-3, no dot, as a
+    string), refused unless finite. Every float field of every section is read here, so this one check covers them:
+    an inf passes each "must be positive", and a nan where no check reads the field (``reward.overlong_factor``)
+    makes every update non-finite and skipped, in a run that still exits 0."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = float(value)
+    _require(isinstance(number, float), key, f"expected float, got {value!r}")
+    _require(math.isfinite(number), key, "must be finite", number)
+    return number
 
 
 def to_dict(config: Any) -> dict[str, Any]:
@@ -785,9 +798,52 @@ def _with_eval_protocol(data: dict[str, Any], top: dict[str, Any]) -> dict[str, 
     return {**data, "eval": filled}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping, naming its dotted path and both lines.
+
+    PyYAML keeps the last of two, silently: a second ``rollout:`` block would replace the first whole. The
+    constructor builds a nested mapping after its parent (or inside it, deep), so each mapping's dotted path is
+    noted on its child nodes before they are built."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._paths: dict[yaml.Node, str] = {}
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        where, lines = self._paths.get(node, ""), {}
+        for key_node, value_node in node.value:
+            # ``<<: *anchor`` lays keys in, not a key given twice; a list or mapping as a key SafeLoader refuses itself.
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            if key in lines:
+                raise ConfigError(f"{where}{key} appears twice (lines {lines[key]} and {line})")
+            lines[key] = line
+            self._name(value_node, f"{where}{key}")
+        return super().construct_mapping(node, deep=deep)
+
+    def _name(self, node: yaml.Node, dotted: str) -> None:
+        """Note ``dotted`` as the path of ``node``, or of each mapping in the list ``node`` (``key[i]``)."""
+        if isinstance(node, yaml.MappingNode):
+            self._paths.setdefault(node, f"{dotted}.")
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._name(item, f"{dotted}[{i}]")
+
+
+def _load_yaml(text: str) -> Any:
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _load_yaml(path.read_text(encoding="utf-8"))
+    except ConfigError as err:  # a key given twice: said at the file
+        raise ConfigError(f"{path}: {err}") from None
     except FileNotFoundError as err:
         raise ConfigError(f"config file not found: {path}") from err
     except IsADirectoryError:
@@ -796,7 +852,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a config is a YAML file") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
-    if data is None:  # the defaults alone are the paper's shape: an empty file is a mistake, not a choice
+    if data is None or data == {}:  # the defaults alone are the paper's shape: an empty file is a mistake
         raise ConfigError(f"{path}: holds no settings (the defaults alone are the paper's 1.5B shape); name at "
                           "least model.path, or start from configs/demo.yaml")  # fmt: skip
     if not isinstance(data, dict):

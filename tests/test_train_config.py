@@ -407,9 +407,10 @@ def test_a_config_file_that_is_not_a_mapping_or_not_text_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"is a directory, not a config file"):
         load_config(tmp_path)
     empty = tmp_path / "empty.yaml"
-    empty.write_text("# nothing set yet\n")  # would have started the paper's 1.5B shape on whatever model.path is
-    with pytest.raises(ConfigError, match=r"empty\.yaml: holds no settings \(the defaults alone are the paper's"):
-        load_config(empty)
+    for text in ("# nothing set yet\n", "{}\n"):  # would have started the paper's 1.5B shape on whatever model.path is
+        empty.write_text(text)
+        with pytest.raises(ConfigError, match=r"empty\.yaml: holds no settings \(the defaults alone are the paper's"):
+            load_config(empty)
 
 
 def test_lengths_beyond_the_model_and_a_cache_beyond_the_memory_are_refused_before_anything_runs(monkeypatch):
@@ -502,3 +503,75 @@ def test_default_ks_fit_n_and_double_up_to_it():
     assert EvalConfig.default_ks(16) == [1, 4, 8, 16] == list(EvalConfig().ks)  # the default n: nothing changes
     assert EvalConfig.default_ks(2) == [1, 2] and EvalConfig.default_ks(20) == [1, 4, 8, 16, 20]
     assert EvalConfig.default_ks(256) == [1, 4, 8, 16, 32, 64, 128, 256]
+
+
+TWICE = "model: {path: toy}\nrollout:\n  group_size: 4\n  temperature: 0.7\nsteps: 3\nrollout:\n  top_k: 5\n"
+
+
+def test_a_key_given_twice_in_a_file_names_the_key_and_both_lines(tmp_path):
+    # YAML readers keep the last of two: the second rollout block would drop group_size 4 without a word.
+    path = tmp_path / "twice.yaml"
+    path.write_text(TWICE)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: rollout appears twice (lines 2 and 6)"
+    path.write_text("model: {path: toy}\nrollout:\n  group_size: 4\n  temperature: 0.7\n  group_size: 8\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: rollout.group_size appears twice (lines 3 and 5)"
+    path.write_text("model: {path: toy}\nmodel: {lora: {rank: 4, rank: 8}}\n")  # the first repeat is said
+    with pytest.raises(ConfigError, match=r"twice\.yaml: model appears twice \(lines 1 and 2\)$"):
+        load_config(path)
+
+
+def test_a_file_laid_over_its_base_config_repeats_no_key(tmp_path):
+    (tmp_path / "base.yaml").write_text("rollout: {group_size: 4, temperature: 0.7}\nsteps: 9\n")
+    (tmp_path / "chip.yaml").write_text("base_config: base.yaml\nrollout: {group_size: 8}\nsteps: 5\n")
+    run = load_config(tmp_path / "chip.yaml")
+    assert (run.rollout.group_size, run.rollout.temperature, run.steps) == (8, 0.7, 5)
+    (tmp_path / "same.yaml").write_text("base_config: base.yaml\n")  # names nothing of its own: not an empty file
+    assert load_config(tmp_path / "same.yaml").rollout.group_size == 4
+    (tmp_path / "bad.yaml").write_text("base_config: twice.yaml\nsteps: 5\n")
+    (tmp_path / "twice.yaml").write_text(TWICE)  # a base read through another file is checked as well
+    with pytest.raises(ConfigError, match=r"twice\.yaml: rollout appears twice \(lines 2 and 6\)$"):
+        load_config(tmp_path / "bad.yaml")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.lr=inf", "optim.lr: must be finite, got inf"),
+        ("reward.overlong_factor=nan", "reward.overlong_factor: must be finite, got nan"),  # no other check reads it
+        ("rollout.temperature=.inf", "rollout.temperature: must be finite, got inf"),
+        ("eval.temperature=Infinity", "eval.temperature: must be finite, got inf"),  # json.dumps(inf), lspo-eval's
+        ("scaffold.reroll_temperature=inf", "scaffold.reroll_temperature: must be finite, got inf"),  # float | None
+        ("model.lora.alpha=-inf", "model.lora.alpha: must be finite, got -inf"),
+        ("scaffold.sft.lr=NaN", "scaffold.sft.lr: must be finite, got nan"),
+        ("reward.timeout_s=1e999", "reward.timeout_s: must be finite, got inf"),
+    ],
+)
+def test_a_float_that_is_not_finite_is_refused_at_its_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(DEMO, [override])
+    assert str(err.value) == message
+
+
+def test_a_float_that_is_not_finite_in_a_file_is_refused_at_its_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("base_config: " + str(DEMO) + "\nreward: {overlong_factor: .nan}\n")
+    with pytest.raises(ConfigError, match=r"^reward\.overlong_factor: must be finite, got nan$"):
+        load_config(path)
+    path.write_text("base_config: " + str(DEMO) + "\nloss: {clip_c: .inf}\n")
+    with pytest.raises(ConfigError, match=r"^loss\.clip_c: must be finite, got inf$"):
+        load_config(path)
+
+
+def test_lspo_train_says_a_key_given_twice_on_one_line(tmp_path, capsys):
+    from lspo_jax.job.cli import train_main
+
+    path = tmp_path / "twice.yaml"
+    path.write_text(TWICE)
+    assert train_main(["--config", str(path), "--print-config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert f"{path}: rollout appears twice (lines 2 and 6)" in captured.err

@@ -6,11 +6,11 @@ id at all: the row's position), and DeepMath-103K files (``question, final_answe
 r1_solution_1..3``) are read into it, as JSONL, parquet or a JSON array, from a file, a directory of them, or a hub
 dataset (``ORG/NAME[@REV][:PART]``, ``lspo_jax.hub``); ``toy:addition`` is the demo's generated task.
 
-Bad rows never crash a run: a row lacking a required field is skipped and listed, a prompt over the token
-limit is skipped or truncated per config, a solution over its limit likewise, and a row without a solution
-stays a training prompt but is never a scaffold target. Every such case is counted in ``DataReport``. Gold
-answers are parsed once here, and rows whose gold does not parse are left out (they would be permanent
-cliffs that no rollout can pass).
+Bad rows never crash a run: a row lacking a required field, or with one of a type no grader reads (a list
+answer), is skipped and listed, a prompt over the token limit is skipped or truncated per config, a solution over
+its limit likewise, and a row without a solution stays a training prompt but is never a scaffold target. Every
+such case is counted in ``DataReport``. Gold answers are parsed once here, and rows whose gold does not parse are
+left out (they would be permanent cliffs that no rollout can pass).
 
 Prompts are rendered with the tokenizer's chat template when it has one. For DeepSeek-R1-Distill-Qwen that
 gives ``<｜begin▁of▁sentence｜><｜User｜>{problem}<｜Assistant｜><think>\n``: the prompt already opens the
@@ -84,8 +84,9 @@ class DataError(ValueError):
 class DataReport:
     """What loading did to the rows, for the run's log.
 
-    ``rows`` counts every record of the source; ``rows_invalid`` those skipped for a missing field or a
-    line that is not JSON, the first ``MAX_LISTED`` of them described in ``row_errors``. Solutions are counted
+    ``rows`` counts every record of the source; ``rows_invalid`` those skipped for a missing field, a field of a
+    type no grader reads (a list answer, a dict problem) or a line that is not JSON, the first ``MAX_LISTED`` of
+    them described in ``row_errors`` (with rows kept whose solution was not a string). Solutions are counted
     as they are tokenised (``solutions_encoded``): a file's at start, a cached source's when first used, so
     ``solution_skipped``, ``solution_truncated`` and ``solution_errors`` (a solution that failed to tokenise:
     never a scaffold target, listed in ``row_errors``) count those so far.
@@ -116,6 +117,10 @@ class DataReport:
 
     def invalid(self, where: str, problem: str) -> None:
         self.rows_invalid += 1
+        self.note(where, problem)
+
+    def note(self, where: str, problem: str) -> None:
+        """List a problem of a row that is kept (a solution of the wrong type), up to ``MAX_LISTED``."""
         if len(self.row_errors) < MAX_LISTED:
             self.row_errors.append(f"{where}: {problem}")
 
@@ -307,29 +312,64 @@ def _missing(value: Any) -> bool:
 def _to_shared(
     record: dict[str, Any], fmt: str, config: DataConfig, index: int, where: str, report: DataReport
 ) -> dict[str, Any] | None:
-    """The record in the shared schema, or None (counted and listed) when it lacks a required field. A record
-    with no id field (``ID_FIELDS``) takes its position in the source, as a DeepMath row does."""
-    missing = [k for k in REQUIRED[fmt] if _missing(record.get(k))]
+    """The record in the shared schema, or None (counted and listed) when a required field is missing or of a
+    type no grader reads (``_field_error``). A record with no id field (``ID_FIELDS``) takes its position in the
+    source, as a DeepMath row does."""
     ident = next((record[k] for k in ID_FIELDS if not _missing(record.get(k))), index)
-    if missing:
-        report.invalid(f"{where} (id {ident})", f"missing {', '.join(missing)}")
+    where = f"{where} (id {ident})"
+    if (error := _field_error(record, fmt)) is not None:
+        report.invalid(where, error)
         return None
+    problem_key, answer_key = REQUIRED[fmt]
+    solution_key = "solution" if fmt == "shared" else config.solution_field
+    row = {"id": str(ident), "problem": record[problem_key], "answer": _answer_text(record[answer_key]),
+           "solution": _solution_text(record.get(solution_key), solution_key, where, report)}  # fmt: skip
     if fmt == "shared":
         meta = record.get("meta")
         if meta is None:  # a hub file's own fields (subject, level, url, ...) kept as the schema keeps them
             meta = {k: v for k, v in record.items() if k not in SHARED_FIELDS and k not in ID_FIELDS}
-        solution = record.get("solution")
-        return {**record, "id": str(ident), "problem": str(record["problem"]), "answer": str(record["answer"]),
-                "solution": None if _missing(solution) else str(solution), "meta": meta}  # fmt: skip
-    solution = record.get(config.solution_field)
-    return {
-        "id": str(ident),
-        "problem": str(record["question"]),
-        "answer": str(record["final_answer"]),
-        "solution": None if _missing(solution) else str(solution),
-        "source": "deepmath",
-        "meta": {"difficulty": record.get("difficulty"), "topic": record.get("topic")},
-    }
+        return {**record, **row, "meta": meta}
+    return {**row, "source": "deepmath", "meta": {"difficulty": record.get("difficulty"), "topic": record.get("topic")}}
+
+
+def _field_error(record: dict[str, Any], fmt: str) -> str | None:
+    """Why ``record`` cannot be a row, or None. A required field that is missing, a problem that is not a string,
+    or an answer that is neither a string nor a number: ``str`` of a list answer (``["3", "4"]``, common in math
+    datasets) is a gold no rollout can match, so the row would be a cliff on every step with accuracy 0."""
+    missing = [k for k in REQUIRED[fmt] if _missing(record.get(k))]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    problem_key, answer_key = REQUIRED[fmt]
+    if not isinstance(record[problem_key], str):
+        return f"{problem_key} is {_a_type(record[problem_key])}, not a string"
+    if _answer_text(record[answer_key]) is None:
+        return f"{answer_key} is {_a_type(record[answer_key])}, not a string or number"
+    return None
+
+
+def _answer_text(value: Any) -> str | None:
+    """A gold answer as text: a string as it is, a number by ``str``, an integral float as its int (AIME answers
+    read from parquet are floats: ``70.0`` is written ``70``); None for anything else (a bool is no answer)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _solution_text(value: Any, key: str, where: str, report: DataReport) -> str | None:
+    """A worked solution, or None: missing, or not a string (listed; the row stays a prompt with no solution)."""
+    if _missing(value):
+        return None
+    if not isinstance(value, str):
+        report.note(where, f"{key} is {_a_type(value)}, not a string: kept without a solution")
+        return None
+    return value
+
+
+def _a_type(value: Any) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 SHARED_FIELDS = ("id", "problem", "answer", "solution", "source", "meta")

@@ -47,7 +47,7 @@ from lspo_jax.tasks import data, rewards
 from lspo_jax.text import error_cause
 from lspo_jax.train_config import DataConfig
 
-FORMAT_VERSION = 2  # 2: a content digest beside the files
+FORMAT_VERSION = 3  # 2: a content digest beside the files; 3: rows typed (a number answer, a list refused), hub ids
 CONTENT_FILES = ("examples.arrow", "report.json")
 DIGEST_FILE = "content.sha256"
 PROMPT_FIELDS = ("format", "solution_field", "instruction", "instruction_position", "max_prompt_tokens",
