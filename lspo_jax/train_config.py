@@ -620,6 +620,8 @@ class TrainConfig:
         _require(self.compile_cache is None or bool(self.compile_cache.strip()), "compile_cache",
                  "must be a directory, default or null", self.compile_cache)  # fmt: skip
         _require(self.steps > 0, "steps", "must be positive", self.steps)
+        # JAX keys and numpy's generators take unsigned seeds: a negative one fails deep in the first draw.
+        _require(0 <= self.seed < 2**32, "seed", "must be in 0..2**32-1", self.seed)
         _require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive", self.max_nonfinite_in_row)
         # The penalty starts at max_new_tokens - buffer tokens: a larger buffer penalises every response.
         buffer, limit = self.reward.overlong_buffer, self.rollout.max_new_tokens

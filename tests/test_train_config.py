@@ -575,3 +575,9 @@ def test_lspo_train_says_a_key_given_twice_on_one_line(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert f"{path}: rollout appears twice (lines 2 and 6)" in captured.err
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_seed_no_generator_takes_is_refused_at_its_key(seed):
+    with pytest.raises(ConfigError, match=rf"^seed: must be in 0..2\*\*32-1, got {seed}$"):
+        load_config(None, [f"seed={seed}"])
