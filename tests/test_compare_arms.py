@@ -1,6 +1,7 @@
 """``tools/compare_arms.py``: the ``--arm`` parser (good and bad), the paired-difference table of three arms on
-constructed traces checked by hand, the JSON layout, the refusals before anything trains, and reuse and resume
-of the run directories. Training is replaced by a stand-in that writes a run's files."""
+constructed traces checked by hand, the JSON layout, the refusals before anything trains, a training error in one
+line, and reuse, resume and extension to a longer horizon of the run directories. Training is replaced by stand-ins
+that write a run's files."""
 
 from __future__ import annotations
 
@@ -86,6 +87,32 @@ def test_a_bad_arm_is_one_line_before_anything_trains(tool, tmp_path, monkeypatc
     assert err.startswith("compare_arms: --arm none: scaffold.corection: unknown key") and err.count("\n") == 1
 
 
+def test_a_repeated_seed_is_refused_before_anything_trains(tool, tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(tool, "train_run", fake_train_run(calls))
+    out = tmp_path / "arms"
+    assert tool.main(["--config", DEMO, "--seeds", "42", "43", "42", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == "compare_arms: --seeds: 42 given twice; give each seed once\n"
+    assert calls == [] and not out.exists()
+
+
+def test_a_training_error_is_one_line(tool, tmp_path, monkeypatch, capsys):
+    def train_run(config, out, resume):
+        raise ConfigError(f"data.train: {tmp_path}/gone.parquet does not exist")
+
+    monkeypatch.setattr(tool, "train_run", train_run)
+    argv = ["--config", DEMO, "--seeds", "42", "--out", str(tmp_path / "arms")]
+    assert tool.main(argv) == 2
+    assert capsys.readouterr().err == f"compare_arms: data.train: {tmp_path}/gone.parquet does not exist\n"
+    # With LSPO_JAX_DEBUG set, the traceback comes before the same line.
+    monkeypatch.setenv("LSPO_JAX_DEBUG", "1")
+    assert tool.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith(
+        f"\ncompare_arms: data.train: {tmp_path}/gone.parquet does not exist\n"
+    )
+
+
 # ------------------------------------------------------------------------------------- tables and JSON
 def fake_train_run(calls: list):
     """A stand-in for ``run.train_run``: writes the run's config, its trace (from ``TRACES``, by the arm its config
@@ -136,8 +163,8 @@ def test_paired_differences_by_hand(tool, tmp_path, monkeypatch, capsys):
     arms = "dapo = `scaffold.enabled=false`; lspo = `scaffold.enabled=true`; none = `scaffold.correction=none`"
     assert f"Arms (overrides on the config): {arms}." in lines
     # The mechanism figures per arm and seed; the scaffold-off arm has only its cliffs.
-    assert "| dapo | 42 | 10 | scaffold off | | | |" in lines
-    assert "| none | 43 | 10 | 4 | 40.0% | 6 of 80 | 7.5% |" in lines
+    assert "| dapo | 42 | 40 | 10 | scaffold off | | | |" in lines
+    assert "| none | 43 | 40 | 10 | 4 | 40.0% | 6 of 80 | 7.5% |" in lines
     assert "lspo: per-step surpass rate over 2 cliff-bearing steps: 0.0% at 0.0, 0.0% at 1.0 (paper: 31% at 0.0, " \
            "21% at 1.0)." in lines  # fmt: skip
     # The JSON keeps its layout, arms keyed by name; the log-likelihoods' peak is their max.
@@ -169,11 +196,12 @@ def test_the_peak_is_cut_at_the_configs_steps(tool):
 def test_a_stopped_arm_stops_the_tool_and_resumes(tool, base, tmp_path, monkeypatch):
     calls = []
 
-    def train_run(config, out, resume):  # what a SIGTERM'd run returns: its summary, stopped early
+    def train_run(config, out, resume):  # the first call is SIGTERM'd at step 3: its summary, stopped early
         calls.append((config.seed, config.scaffold.enabled, resume))
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "metrics.jsonl").write_text("")
-        summary = {"steps": 3, "stopped_early": len(calls) == 1}
+        stopped = len(calls) == 1
+        summary = {"steps": 3 if stopped else config.steps, "stopped_early": stopped}
         (Path(out) / "summary.json").write_text(json.dumps(summary))
         return summary
 
@@ -184,8 +212,62 @@ def test_a_stopped_arm_stops_the_tool_and_resumes(tool, base, tmp_path, monkeypa
     assert stop.value.code == 75  # the comparison goes no further than a stopped arm
     # Run again: the stopped arm's summary is not reused as if finished; the arm is trained on.
     assert tool.run_cell(base, "lspo", lspo, 42, str(tmp_path), "compare_arms")["summary"]["stopped_early"] is False
-    assert tool.run_cell(base, "lspo", lspo, 42, str(tmp_path), "compare_arms")["summary"]["steps"] == 3  # reused
+    assert tool.run_cell(base, "lspo", lspo, 42, str(tmp_path), "compare_arms")["summary"]["steps"] == 40  # reused
     assert calls == [(42, True, False), (42, True, False)]
+
+
+def extending_train_run(calls: list):
+    """A stand-in for ``run.train_run`` that trains from the run's last step (resuming) to ``steps``: a train record
+    per step, a validation of the cliff class at step 0 and at the end (pass@1 = step / 10), a checkpoint and the
+    summary, as a real run leaves them."""
+
+    def train_run(config, out, resume):
+        calls.append(("lspo" if config.scaffold.enabled else "dapo", config.steps, resume))
+        run = Path(out)
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "config.yaml").write_text(yaml.safe_dump(to_dict(config)))
+        start = json.loads((run / "summary.json").read_text())["steps"] if resume else 0
+        records = [{"kind": "eval", "step": 0, "benchmark": "cliff", "pass@1": 0.0}] if start == 0 else []
+        records += [{"kind": "train", "step": s} for s in range(start + 1, config.steps + 1)]
+        records.append({"kind": "eval", "step": config.steps, "benchmark": "cliff", "pass@1": config.steps / 10})
+        with open(run / "metrics.jsonl", "a" if resume else "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+        (run / "checkpoints" / str(config.steps)).mkdir(parents=True, exist_ok=True)
+        summary = {"steps": config.steps, "stopped_early": False, "cliff_groups": 0, "surpassed_groups": 0,
+                   "surpass_rate": None, "rerolls": 0, "rerolls_passed": 0, "rescue_pass_rate": None}  # fmt: skip
+        (run / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    return train_run
+
+
+def test_a_study_extended_to_a_longer_horizon_resumes_its_runs(tool, tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(tool, "train_run", extending_train_run(calls))
+    out = tmp_path / "arms"
+    argv = lambda steps: ["--config", DEMO, "--seeds", "42", "--out", str(out), f"steps={steps}", "eval.ks=[1]"]
+    assert tool.main(argv(1)) == 0
+    capsys.readouterr()
+    # Asked for 3 steps: each finished 1-step run is resumed to steps=3, not tabulated as if it had trained them.
+    assert tool.main(argv(3)) == 0
+    assert calls == [("lspo", 1, False), ("dapo", 1, False), ("lspo", 3, True), ("dapo", 3, True)]
+    printed = capsys.readouterr()
+    assert "compare_arms: lspo seed 42 finished at step 1; resuming it to steps=3" in printed.err
+    steps = [r["step"] for r in map(json.loads, (out / "lspo_seed42" / "metrics.jsonl").read_text().splitlines())]
+    assert steps == [0, 1, 1, 2, 3, 3]  # validated at 0, step 1 and validated; resumed: steps 2, 3, validated
+    lines = printed.out.splitlines()
+    assert "Horizon: validation steps <= 3, the runs' configured steps." in lines
+    # The step-3 peak, 0.3 for both arms; and the steps each run trained beside its figures.
+    assert "| cliff | lspo (n=1) | 30.0 [30.0, 30.0] |" in lines
+    assert "| lspo | 42 | 3 | 0 | 0 | n/a | 0 of 0 | n/a |" in lines
+    assert "| dapo | 42 | 3 | 0 | scaffold off | | | |" in lines
+    # A shorter horizon reuses the runs as they are, cut back to it (the peak of steps 0 and 1: 0.1), and says that
+    # they trained past it: nothing trains.
+    assert tool.main(argv(2)) == 0 and len(calls) == 4
+    lines = capsys.readouterr().out.splitlines()
+    assert "Horizon: validation steps <= 2, the runs' configured steps." in lines
+    assert "| cliff | lspo (n=1) | 10.0 [10.0, 10.0] |" in lines
+    assert "| dapo | 42 | 3 | 0 | scaffold off | | | |" in lines
 
 
 def test_what_the_spliced_rows_carried_by_hand(tool):

@@ -178,3 +178,29 @@ def test_an_unknown_target_is_refused_in_one_line(tool, capsys):
     assert capsys.readouterr().err.strip() == (
         f"lower_check: unknown target(s) ['tpu9']; choose from {list(tool.TARGETS)}"
     )
+
+
+def test_compile_without_the_compile_extra_is_one_line(tool, tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    import jaxlib
+
+    # As without the extra: no chips folder, no libtpu, and no jax_plugins package at all.
+    find_spec = importlib.util.find_spec
+
+    def without_the_extra(name, *args, **kwargs):
+        if name == "libtpu":
+            return None
+        if name.startswith("jax_plugins."):  # a module under a package that is not there: importlib raises
+            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+        return find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(tool, "COMPILE_JAXLIB", jaxlib.__version__)
+    monkeypatch.setattr(tool, "CHIPS", tmp_path / "chips")
+    monkeypatch.setattr(importlib.util, "find_spec", without_the_extra)
+    platforms = jax.config.jax_platforms
+    assert tool.main(["--small", "--compile", "h100x8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lower_check: --compile needs ['libtpu', 'jax_plugins.xla_cuda12']: pip install -e")
+    assert err.count("\n") == 1
+    assert jax.config.jax_platforms == platforms  # JAX's platform is left as it was

@@ -111,3 +111,21 @@ def test_gold_log_likelihood_panel_beside_its_benchmark():
     aime = by_title["aime24: held-out, 8 problems"][0]
     assert (aime.get_subplotspec().rowspan.start, aime.get_subplotspec().colspan.start) == (1, 0)
     assert len(fig.axes) == 3
+
+
+def test_plot_metrics_without_records_is_one_line(tmp_path, capsys):
+    from tools import plot_metrics
+
+    assert plot_metrics.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"plot_metrics: {tmp_path}: no metrics.jsonl to draw; give lspo-train's --out directory\n"
+    )
+    (tmp_path / "metrics.jsonl").write_text("")  # a run that has not logged its first step
+    assert plot_metrics.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"plot_metrics: {tmp_path / 'metrics.jsonl'}: no training or validation records to draw\n"
+    )
+    assert list(tmp_path.iterdir()) == [tmp_path / "metrics.jsonl"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
+    assert plot_metrics.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'train_curves.png'}\n"

@@ -199,3 +199,28 @@ def test_ablate_figures_of_a_run(monkeypatch):
     assert math.isclose(figures["spliced_ratio_mean"], 0.7)
     table = ablate.figures_table([{**run, "arm": "a"}, {**run, "arm": "a"}], ["a"])
     assert table.splitlines()[-1] == "| a | 25.0 [25.0, 25.0] | n/a | 0.700 [0.700, 0.700] |"
+
+
+def test_compare_runs_refuses_what_is_not_a_run_in_one_line(run_args, tmp_path, capsys):
+    def refused(argv: list[str]) -> str:
+        assert compare_runs().main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        return err
+
+    # A directory without a run's records, a run whose arm nothing says, and a baseline arm that has no runs.
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    assert refused([str(notes)]) == (
+        f"compare_runs: {notes}: not a training run (no metrics.jsonl); give lspo-train's --out directory\n"
+    )
+    bare = write_run(tmp_path / "bare", TRACES["lspo", 42])
+    assert refused([bare]) == f"compare_runs: {bare}: no config.yaml to tell the arm from; write it as ARM=DIR\n"
+    assert refused([*run_args, "--baseline", "grpo"]).startswith("compare_runs: baseline arm 'grpo' has no runs")
+
+
+def test_ablate_refuses_a_repeated_seed_before_anything_trains(monkeypatch, capsys):
+    ablate = _ablate(monkeypatch)
+    monkeypatch.setattr(ablate, "run_cell", lambda *a, **k: pytest.fail("trained"))
+    assert ablate.main(["--grid", "scaffold.splice=partial,group", "--seeds", "1", "1", "--out", "/nonexistent/x"]) == 2
+    assert capsys.readouterr().err == "ablate: --seeds: 1 given twice; give each seed once\n"

@@ -1,10 +1,50 @@
 """The experiment tools: run each from the repository root as ``python -m tools.NAME`` (``--help`` says what it does).
 
-Not part of the installed package: they use ``lspo_jax`` as a user would, and the tests import them as modules.
+Not part of the installed package: they use ``lspo_jax`` as a user would, and the tests import them as modules. Each
+tool's ``main`` runs through ``run_main``, the commands' error funnel.
 """
 
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+
+from lspo_jax.job import cli
+from lspo_jax.train_config import ConfigError
 
 # The larger data files (GSM8K, AIME 1983-2023) that the tools read and the package never ships: the folder beside the
 # repository where its developers keep them (``--data-dir`` names another).
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def run_main(prog: str, body: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
+    """``body(argv)``'s exit status (None: 0) through the commands' funnel (``lspo_jax.job.cli``): a user error (a
+    bad option, config, path or file, what the machine refused, the devices' memory) is one line ``PROG: what`` and
+    exit 2, its traceback only with ``LSPO_JAX_DEBUG`` set; Ctrl-C is exit 130. argparse's usage errors and a
+    status a tool raises itself (``SystemExit``) pass as they are; any other error is a bug: its traceback."""
+    try:
+        status = body(argv)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return cli.EXIT_INTERRUPTED
+    except Exception as err:
+        # The devices' memory is the commands' user error too: a shape the machine cannot hold, not a bug.
+        if not (isinstance(err, cli._user_errors()) or cli._out_of_memory(err)):
+            raise
+        if os.environ.get(cli.DEBUG_VAR, "0") not in ("", "0"):
+            traceback.print_exc()
+        print(f"{prog}: {describe(err)}", file=sys.stderr)
+        return cli.EXIT_CONFIG
+    return status or 0
+
+
+def describe(err: BaseException) -> str:
+    """The commands' one line for ``err`` (``cli.describe``), without ``config error:`` before a ``ConfigError``: a
+    tool's names the option or key it is about itself (``--arm none: scaffold.corection: unknown key``)."""
+    if isinstance(err, ConfigError):
+        lines = str(err).strip().splitlines()
+        return lines[0] if lines else type(err).__name__
+    return cli.describe(err)

@@ -12,8 +12,9 @@ over the validation trace per seed, then its mean and range over seeds, and the 
 scaffold's mechanism figures: the surpass rate (cliff groups with a verified re-roll over those attempted), the
 per-rollout pass rate of the re-rolls, and the spliced ratio mean (the token-mean of pi_theta / pi_mu over spliced
 rows, averaged over the steps that spliced).
-Runs go to ``OUT/CELL_seedSEED``: a finished one is reused, an interrupted one resumed (``compare_arms.run_cell``),
-one of another config refused before anything trains.
+Runs go to ``OUT/CELL_seedSEED``: a finished one is reused, an interrupted one or one that trained fewer steps than
+``steps`` resumed (``compare_arms.run_cell``), one of another config or a seed given twice refused before anything
+trains.
 ``--json`` writes the peaks and figures per cell and seed.
 """
 
@@ -35,7 +36,8 @@ from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/ablate.py: run it from the repository root as python -m tools.ablate ...")
-from tools.compare_arms import append_results, check_reusable, provenance, run_cell, traces  # noqa: E402
+from tools import run_main  # noqa: E402
+from tools.compare_arms import append_results, check_reusable, check_seeds, provenance, run_cell, traces  # noqa: E402
 
 FIGURES = ("surpass_rate", "rescue_pass_rate", "spliced_ratio_mean")
 
@@ -93,6 +95,10 @@ def figures_table(results: list[dict], names: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("ablate", _ablate, argv)
+
+
+def _ablate(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description="An ablation grid of config options, with paired seeds.")
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="one option and its values")
@@ -103,18 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the peaks and figures per cell and seed here")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    try:
-        base = load_config(args.config, args.overrides)
-        grid = parse_grid(args.grid)
-        if not grid:
-            raise ConfigError("--grid: give at least one KEY=V1,V2")
-        grid_cells = cells(base, grid)
-        for name, overrides in grid_cells:
-            for seed in args.seeds:
-                check_reusable(base, name, overrides, seed, args.out)
-    except ConfigError as err:
-        print(f"ablate: {err}", file=sys.stderr)
-        return 2
+    check_seeds(args.seeds)
+    base = load_config(args.config, args.overrides)
+    grid = parse_grid(args.grid)
+    if not grid:
+        raise ConfigError("--grid: give at least one KEY=V1,V2")
+    grid_cells = cells(base, grid)
+    for name, overrides in grid_cells:
+        for seed in args.seeds:
+            check_reusable(base, name, overrides, seed, args.out)
     use_cache(base.compile_cache)  # the cells share their programs, and a rerun reads them back
     start, results = time.perf_counter(), []
     for seed in args.seeds:

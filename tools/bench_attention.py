@@ -4,8 +4,11 @@ gradient, best of 3 calls after a compiling one, and the compiled program's temp
     .venv/bin/python -m tools.bench_attention
 """
 
+from __future__ import annotations
+
 import argparse
 import dataclasses
+import sys
 import time
 
 import jax
@@ -15,6 +18,10 @@ import numpy as np
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import model
 from lspo_jax.rl import logprobs
+
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/bench_attention.py: run it from the repository root as python -m tools.bench_attention ...")
+from tools import run_main  # noqa: E402
 
 SHAPES = ((64, 128), (4, 1024), (2, 4096))  # (rows, tokens per row): the same 8k tokens spread ever longer
 
@@ -32,8 +39,12 @@ def timed(config: ModelConfig, params, tokens, mask) -> tuple[float, float]:
     return best, temp_mib
 
 
-def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+def main(argv: list[str] | None = None) -> int:
+    return run_main("bench_attention", _bench, argv)
+
+
+def _bench(argv: list[str] | None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     base = ModelConfig.preset("tiny")
     params = model.init_params(base, jax.random.key(0))
     for rows, length in SHAPES:
@@ -49,4 +60,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -36,8 +36,11 @@ import pyarrow.compute  # noqa: F401 (pa.compute)
 from lspo_jax.models import qwen_vocab
 from lspo_jax.rl import packing, prompts
 from lspo_jax.tasks import data, example_store
-from lspo_jax.train_config import DataConfig
-from tools import SHARED_DATA
+from lspo_jax.train_config import ConfigError, DataConfig
+
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/bench_loader.py: run it from the repository root as python -m tools.bench_loader ...")
+from tools import SHARED_DATA, run_main  # noqa: E402
 
 SOURCES = ("math500", "aime_1983_2023", "gsm8k_train", "gsm8k_test")
 
@@ -83,6 +86,10 @@ GROUP = 10_000
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("bench_loader", _bench, argv)
+
+
+def _bench(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=103_022)
     p.add_argument("--data-dir", default=str(SHARED_DATA))
@@ -99,13 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     missing = [n for n in SOURCES if not os.path.isfile(os.path.join(args.data_dir, f"{n}.jsonl"))]
     if missing:
-        print(f"bench_loader: no {', '.join(missing)} in {args.data_dir}", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"no {', '.join(missing)} in {args.data_dir}")
     try:
         qwen_vocab.r1_tokenizer()
-    except (ImportError, FileNotFoundError) as err:
-        print(f"bench_loader: {err}", file=sys.stderr)
-        return 2
+    except ImportError as err:  # the vocabulary's package missing: one line, as a missing extra is
+        raise ConfigError(str(err)) from err
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "deepmath_generated.parquet")
         start = time.perf_counter()
@@ -170,4 +175,4 @@ PROMPTS = 32  # the paper's prompts a step
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

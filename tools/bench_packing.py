@@ -28,7 +28,11 @@ import numpy as np
 
 from lspo_jax.models import flash
 from lspo_jax.rl import packing
-from tools import SHARED_DATA
+from lspo_jax.train_config import ConfigError
+
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/bench_packing.py: run it from the repository root as python -m tools.bench_packing ...")
+from tools import SHARED_DATA, run_main  # noqa: E402
 
 PAPER = dict(rows=32 * 16, prompt_slots=1024, new_tokens=8192, devices=8, rows_per_micro=16)
 SMALL_MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
@@ -58,12 +62,12 @@ def response_lengths(spec: str, n: int, cap: int, rng: np.random.Generator) -> n
     try:
         a, b = (float(x) for x in rest.split(":"))
     except ValueError:
-        raise SystemExit(f"--responses {spec!r}: expected lognormal:MEDIAN:P90 or uniform:LOW:HIGH") from None
+        raise ConfigError(f"--responses {spec!r}: expected lognormal:MEDIAN:P90 or uniform:LOW:HIGH") from None
     if kind == "lognormal" and 0 < a < b:
         return packing.lognormal_lengths(n, a, b, cap, rng)
     if kind == "uniform" and 0 < a <= b:
         return np.clip(np.round(rng.uniform(a, b, n)), 1, cap).astype(np.int64)
-    raise SystemExit(f"--responses {spec!r}: expected lognormal:MEDIAN:P90 (0 < MEDIAN < P90) or uniform:LOW:HIGH")
+    raise ConfigError(f"--responses {spec!r}: expected lognormal:MEDIAN:P90 (0 < MEDIAN < P90) or uniform:LOW:HIGH")
 
 
 def r1_prompt_lengths(data_dir: str, name: str) -> np.ndarray:
@@ -74,11 +78,11 @@ def r1_prompt_lengths(data_dir: str, name: str) -> np.ndarray:
 
     path = os.path.join(data_dir, f"{name}.jsonl")
     if not os.path.isfile(path):
-        raise SystemExit(f"bench_packing: no such file: {path}")
+        raise FileNotFoundError(f"no such file: {path}")
     try:
         tokenizer = qwen_vocab.r1_tokenizer()
-    except (ImportError, FileNotFoundError) as err:
-        raise SystemExit(f"bench_packing: {err}") from None
+    except ImportError as err:  # the vocabulary's package missing: one line, as a missing extra is
+        raise ConfigError(str(err)) from err
     with open(path) as f:
         problems = [json.loads(line)["problem"] for line in f if line.strip()]
     render = lambda p: len(data.render_prompt(tokenizer, data.prompt_text(p, DataConfig())))
@@ -151,10 +155,13 @@ def cpu_shape(args, prompt_pool: np.ndarray, rng: np.random.Generator) -> dict:
     sizes = dict(SMALL_MODEL)
     for item in args.model:
         name, _, value = item.partition("=")
-        if not value.isdigit():
-            raise SystemExit(f"--model {item!r}: expected FIELD=INT, e.g. num_layers=4")
+        if name not in {f.name for f in dataclasses.fields(ModelConfig)} or not value.isdigit():
+            raise ConfigError(f"--model {item!r}: expected FIELD=INT of a ModelConfig field, e.g. num_layers=4")
         sizes[name] = int(value)
-    config = ModelConfig.preset("tiny", **sizes)
+    try:
+        config = ModelConfig.preset("tiny", **sizes)
+    except ValueError as err:  # a size the model refuses
+        raise ConfigError(f"--model: {err}") from err
     n, p, r = args.cpu_rows, PAPER["prompt_slots"] // args.scale, PAPER["new_tokens"] // args.scale
     prompt = np.clip(np.round(rng.choice(prompt_pool, n) / args.scale), 1, p).astype(np.int64)
     response = np.clip(np.round(response_lengths(args.responses, n, PAPER["new_tokens"], rng) / args.scale), 1, r)
@@ -220,6 +227,10 @@ def timed_once(prepare) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("bench_packing", _bench, argv)
+
+
+def _bench(argv: list[str] | None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     prompt_pool = r1_prompt_lengths(args.data_dir, args.prompts)
@@ -253,4 +264,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

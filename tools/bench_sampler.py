@@ -49,6 +49,8 @@ from lspo_jax.models import hf  # noqa: E402
 from lspo_jax.models.model import count_params, init_params  # noqa: E402
 from lspo_jax.rollout import sampler  # noqa: E402
 from lspo_jax.rollout.kv_cache import cache_nbytes  # noqa: E402
+from lspo_jax.train_config import ConfigError  # noqa: E402
+from tools import run_main  # noqa: E402
 
 HBM_BYTES_PER_S = 4.23e12  # H200 device memory read+write, measured (DESIGN.md section 3)
 GPU_DEFAULTS = dict(preset="deepseek-r1-distill-qwen-1.5b", batch="64,256", prompt_len=256, new_tokens=512)
@@ -66,7 +68,7 @@ LENGTHS_HELP = (
 )
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", help="model shape (default: tiny on CPU, the 1.5B shape on GPU)")
     p.add_argument("--model", action="append", default=[], metavar="FIELD=INT", help="a preset size, e.g. num_layers=4")
@@ -94,7 +96,7 @@ def parse_args() -> argparse.Namespace:
         help="write the rows as JSON to this path, with jax_vs_vllm_ratio_<case> (one batch size; with several, "
         "jax_vs_vllm_ratio_<case>_batch<B>) and <engine>_mixed_vs_uniform_cost (time of mixed / time of uniform)",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.lengths = parse_lengths(args.lengths)
     check_variants(args.variant)
     on_gpu = jax.default_backend() == "gpu"
@@ -110,7 +112,7 @@ def check_variants(variants: list[str]) -> None:
         name, _, value = variant.partition("=")
         ok = (name == "decode_attention" and value in DECODE_ATTENTION) or (name == "compact_every" and value.isdigit())
         if not ok:
-            raise SystemExit(
+            raise ConfigError(
                 f"--variant {variant!r}: expected decode_attention={'|'.join(DECODE_ATTENTION)} or compact_every=INT"
             )
 
@@ -119,7 +121,7 @@ def parse_lengths(text: str) -> list[str]:
     cases = [c.strip() for c in text.split(",")]
     for case in cases:
         if case not in LENGTH_CASES:
-            raise SystemExit(f"--lengths: unknown case {case!r}; expected a comma-separated list of {LENGTH_CASES}")
+            raise ConfigError(f"--lengths: unknown case {case!r}; expected a comma-separated list of {LENGTH_CASES}")
     return list(dict.fromkeys(cases))  # in the order given, each once
 
 
@@ -190,7 +192,7 @@ def time_hf(config: ModelConfig, tokens: np.ndarray, args) -> dict:
     """transformers ``generate()`` at the same shape (``benchmarks.hf_baseline``, as the GPU benchmark times it)."""
     device, why_not, _ = hf_baseline.device(allow_cpu=True)
     if why_not:
-        raise SystemExit(f"--hf: {why_not}")
+        raise ConfigError(f"--hf: {why_not}")
     model = hf_baseline.model(config, device, args.dtype).eval()
     timed = hf_baseline.time_generate(model, device, tokens, args.new_tokens)
     del model
@@ -226,7 +228,7 @@ def check_vllm(config: ModelConfig) -> None:
     try:
         check_model(config)
     except ValueError as e:
-        raise SystemExit(f"--vllm: {str(e).split('; ')[0]}; set one with --model head_dim=64") from None
+        raise ConfigError(f"--vllm: {str(e).split('; ')[0]}; set one with --model head_dim=64") from None
 
 
 def vllm_call(engine, prompts, lengths: np.ndarray):
@@ -367,14 +369,21 @@ def model_config(args) -> ModelConfig:
     sizes = {}
     for item in args.model:
         name, _, value = item.partition("=")
-        if not value.isdigit():
-            raise SystemExit(f"--model {item!r}: expected FIELD=INT, e.g. num_layers=4")
+        if name not in {f.name for f in dataclasses.fields(ModelConfig)} or not value.isdigit():
+            raise ConfigError(f"--model {item!r}: expected FIELD=INT of a ModelConfig field, e.g. num_layers=4")
         sizes[name] = int(value)
-    return ModelConfig.preset(args.preset, param_dtype=args.dtype, compute_dtype=args.dtype, **sizes)
+    try:
+        return ModelConfig.preset(args.preset, param_dtype=args.dtype, compute_dtype=args.dtype, **sizes)
+    except ValueError as err:  # an unknown preset, or a size the model refuses
+        raise ConfigError(f"--preset, --model: {err}") from err
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    return run_main("bench_sampler", _bench, argv)
+
+
+def _bench(argv: list[str] | None) -> None:
+    args = parse_args(argv)
     config = model_config(args)
     if args.vllm:
         check_vllm(config)
@@ -410,4 +419,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     jnp.zeros(())  # initialise the backend before timing anything
-    main()
+    raise SystemExit(main())

@@ -23,6 +23,12 @@ import sys
 import jax
 import numpy as np
 
+from lspo_jax.train_config import ConfigError
+
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/calibrate_frontier.py: run it from the repository root as python -m tools.calibrate_frontier ...")
+from tools import run_main  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -61,6 +67,10 @@ def class_figures(correct: np.ndarray, gold: list[np.ndarray], k: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("calibrate_frontier", _calibrate, argv)
+
+
+def _calibrate(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a Hugging Face directory (default: the shipped warm start)")
     p.add_argument("--samples", type=int, default=64)
@@ -81,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.classes.split(",") if args.classes else list(toy.CLASSES)
     unknown = sorted(set(names) - set(toy.CLASSES))
     if unknown:
-        print(f"calibrate_frontier: unknown class(es) {unknown}; known: {list(toy.CLASSES)}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--classes: unknown class(es) {unknown}; known: {list(toy.CLASSES)}")
     model = args.model or toy_model.SHIPPED_MODEL
     run = load_config(
         os.path.join(ROOT, "configs", "demo.yaml"),

@@ -16,13 +16,14 @@ of the re-rollouts) are reported per arm.
         [--json runs/arms/arms.json] [--plot runs/arms/arms.png] [dotted.key=value ...]
 
 An arm's overrides apply on top of ``--config`` and the trailing overrides; a value holding commas is written in
-brackets (``eval.ks=[1,4]``). Every arm's config is checked before anything trains. Runs go to
-``OUT/NAME_seedSEED``: a finished one is reused and an interrupted one resumed, a directory holding another
-config's run is refused. ``--json OUT`` writes ``{"horizon": H, "arms": {NAME: {SEED: {BENCHMARK: {METRIC:
-{"start", "peak", "last", "mean"}}}}}}`` (the mean over the validations after step 0) for every held-out
-benchmark and metric (pass@k, accuracy, gold_logprob, gold_logprob_seq; the demo's cliff class is the benchmark
-whose name holds ``cliff``); ``--plot OUT`` draws
-held-out pass@1 against the step per benchmark, each arm's mean over seeds and its range.
+brackets (``eval.ks=[1,4]``). Every arm's config and the seeds are checked before anything trains. Runs go to
+``OUT/NAME_seedSEED``: a finished one is reused, an interrupted one resumed, one that trained fewer steps than
+``steps`` resumed up to it (a study extended to a longer horizon: the tables say the steps each run trained), and a
+directory holding another config's run is refused. ``--json OUT`` writes ``{"horizon": H, "arms": {NAME: {SEED:
+{BENCHMARK: {METRIC: {"start", "peak", "last", "mean"}}}}}}`` (the mean over the validations after step 0) for every
+held-out benchmark and metric (pass@k, accuracy, gold_logprob, gold_logprob_seq; the demo's cliff class is the
+benchmark whose name holds ``cliff``); ``--plot OUT`` draws held-out pass@1 against the step per benchmark, each arm's
+mean over seeds and its range.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ from lspo_jax.job.compiles import use_cache
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import surpass_distribution, train_run
 from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
+
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/compare_arms.py: run it from the repository root as python -m tools.compare_arms ...")
+from tools import run_main  # noqa: E402
 
 # The built-in arms, in the order they train when no --arm is given.
 ARMS = {"lspo": ("scaffold.enabled=true",), "dapo": ("scaffold.enabled=false",)}
@@ -96,6 +101,13 @@ def parse_arms(items: list[str], base_config) -> dict[str, list[str]]:
     return arms
 
 
+def check_seeds(seeds: list[int]) -> None:
+    """Refuse (``ConfigError``) a seed given twice: its runs would share one directory and one table cell."""
+    twice = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+    if twice:
+        raise ConfigError(f"--seeds: {', '.join(map(str, twice))} given twice; give each seed once")
+
+
 def cell_config(base_config, overrides: list[str], seed: int):
     return from_dict(type(base_config), apply_overrides(to_dict(base_config), [f"seed={seed}", *overrides]))
 
@@ -124,9 +136,10 @@ def _flat(data: dict, prefix: str = "") -> dict:
 
 
 def run_cell(base_config, name: str, overrides: list[str], seed: int, out_root: str, tool: str) -> dict:
-    """Train ``base_config`` with ``overrides`` and ``seed`` into ``out_root/NAME_seedSEED``: a finished run there is
-    reused and an interrupted one resumed, so a comparison stopped midway picks up where it was. Returns the run's
-    summary and records under ``arm`` = ``name``, and whether its scaffold was on; a run stopped by SIGTERM or
+    """Train ``base_config`` with ``overrides`` and ``seed`` into ``out_root/NAME_seedSEED``: a run there that
+    trained ``steps`` or more is reused; an interrupted one, or one that finished fewer steps (a study extended to a
+    longer horizon), is resumed up to ``steps``, so a comparison stopped midway picks up where it was. Returns the
+    run's summary and records under ``arm`` = ``name``, and whether its scaffold was on; a run stopped by SIGTERM or
     Ctrl-C ends the tool (status 75)."""
     config = cell_config(base_config, overrides, seed)
     out = os.path.join(out_root, f"{name}_seed{seed}")
@@ -135,7 +148,10 @@ def run_cell(base_config, name: str, overrides: list[str], seed: int, out_root: 
     if os.path.exists(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
-    if summary is None or summary["stopped_early"]:
+    if summary is not None and not summary["stopped_early"] and summary["steps"] < config.steps:
+        print(f"{tool}: {name} seed {seed} finished at step {summary['steps']}; resuming it to steps={config.steps}",
+              file=sys.stderr)  # fmt: skip
+    if summary is None or summary["stopped_early"] or summary["steps"] < config.steps:
         summary = train_run(config, out, resume=has_checkpoint(out))
     if summary["stopped_early"]:  # its checkpoint is written; go no further
         print(f"{tool}: {name} seed {seed} stopped at step {summary['steps']}; run again to resume", file=sys.stderr)
@@ -165,17 +181,19 @@ def peak_table(
 
 
 def scaffold_figures(results: list[dict], arms: list[str]) -> str:
-    """Per arm and seed, over the whole run: cliff groups, and with the scaffold on the groups it surpassed, the
-    surpass rate, the re-rollouts verified and the per-rollout pass rate."""
-    rows = ["| arm | seed | cliff groups | surpassed | surpass rate | re-rollouts verified | per-rollout pass rate |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    """Per arm and seed, over the whole run: the steps it trained (a reused run may have trained past the
+    horizon), cliff groups, and with the scaffold on the groups it surpassed, the surpass rate, the re-rollouts
+    verified and the per-rollout pass rate."""
+    rows = ["| arm | seed | steps trained | cliff groups | surpassed | surpass rate | re-rollouts verified | "
+            "per-rollout pass rate |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     rate = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"
     for r in sorted(results, key=lambda r: (arms.index(r["arm"]), r["seed"])):
         s = r["summary"]
+        run = f"| {r['arm']} | {r['seed']} | {s['steps']} | {s['cliff_groups']} |"
         if not r.get("scaffold", True):
-            rows.append(f"| {r['arm']} | {r['seed']} | {s['cliff_groups']} | scaffold off | | | |")
+            rows.append(f"{run} scaffold off | | | |")
             continue
-        rows.append(f"| {r['arm']} | {r['seed']} | {s['cliff_groups']} | {s['surpassed_groups']} | "
+        rows.append(f"{run} {s['surpassed_groups']} | "
                     f"{rate(s['surpass_rate'])} | {s['rerolls_passed']} of {s['rerolls']} | "
                     f"{rate(s['rescue_pass_rate'])} |")  # fmt: skip
     return "\n".join(rows)
@@ -220,6 +238,10 @@ def surpass_spread(results: list[dict], arms: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("compare_arms", _compare, argv)
+
+
+def _compare(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description="Named arms (default: LSPO and DAPO) with paired seeds.")
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--arm", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
@@ -233,15 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="draw held-out pass@1 per benchmark, every arm, into this PNG")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    try:
-        base = load_config(args.config, args.overrides)
-        arms = parse_arms(args.arm, base)
-        for name, overrides in arms.items():
-            for seed in args.seeds:
-                check_reusable(base, name, overrides, seed, args.out)
-    except ConfigError as err:
-        print(f"compare_arms: {err}", file=sys.stderr)
-        return 2
+    check_seeds(args.seeds)
+    base = load_config(args.config, args.overrides)
+    arms = parse_arms(args.arm, base)
+    for name, overrides in arms.items():
+        for seed in args.seeds:
+            check_reusable(base, name, overrides, seed, args.out)
     use_cache(base.compile_cache)  # the arms share their programs, and a rerun reads them back
     start = time.perf_counter()
     results = [run_cell(base, name, overrides, seed, args.out, "compare_arms") for seed in args.seeds

@@ -15,20 +15,42 @@ horizon it used.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from lspo_jax.job import tables
+from lspo_jax.job.metrics_log import MetricsError
+from lspo_jax.train_config import ConfigError
+
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/compare_runs.py: run it from the repository root as python -m tools.compare_runs ...")
+from tools import run_main  # noqa: E402
 
 
 def parse_run(item: str) -> tables.RunTrace:
-    """``DIR``, ``ARM=DIR`` or ``ARM:SEED=DIR``."""
+    """``DIR``, ``ARM=DIR`` or ``ARM:SEED=DIR``; a directory without a run's records is a ``FileNotFoundError``, an
+    arm or seed neither given nor in the run's ``config.yaml`` a ``ConfigError``."""
     label, sep, path = item.partition("=")
     if not sep:
-        return tables.read_run(item)
+        label, path = "", item
     arm, _, seed = label.partition(":")
-    return tables.read_run(path, arm=arm, seed=int(seed) if seed else None)
+    if seed and not seed.lstrip("-").isdigit():
+        raise ConfigError(f"{item}: the seed {seed!r} is not an integer (write ARM:SEED=DIR)")
+    if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        raise FileNotFoundError(f"{path}: not a training run (no metrics.jsonl); give lspo-train's --out directory")
+    try:
+        return tables.read_run(path, arm=arm or None, seed=int(seed) if seed else None)
+    except MetricsError:
+        raise
+    except ValueError as err:  # read_run's own: the config.yaml does not say the run's arm or seed
+        raise ConfigError(str(err)) from err
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("compare_runs", _compare, argv)
+
+
+def _compare(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="DIR, ARM=DIR or ARM:SEED=DIR")
     p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this (default: runs' steps)")
@@ -41,15 +63,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="write the PNG plot here")
     args = p.parse_args(argv)
     runs = [parse_run(item) for item in args.runs]
+    ks = args.ks.split(",") if args.ks else None
+    if ks and not all(k.isdigit() and int(k) > 0 for k in ks):
+        raise ConfigError(f"--ks {args.ks!r}: write positive integers separated by commas")
     horizon, horizon_line = tables.resolve_horizon(runs, args.horizon)
-    table = tables.peak_table(
-        runs,
-        ks=[int(k) for k in args.ks.split(",")] if args.ks else None,
-        benchmarks=args.benchmarks.split(",") if args.benchmarks else None,
-        estimator=args.estimator,
-        horizon=horizon,
-        baseline=args.baseline,
-    )
+    try:
+        table = tables.peak_table(
+            runs,
+            ks=[int(k) for k in ks] if ks else None,
+            benchmarks=args.benchmarks.split(",") if args.benchmarks else None,
+            estimator=args.estimator,
+            horizon=horizon,
+            baseline=args.baseline,
+        )
+    except ValueError as err:  # peak_table's refusals of what it was given: a baseline without runs, a seed twice
+        raise ConfigError(str(err)) from err
     parts = [tables.caption(table), horizon_line, tables.markdown(table)]
     if args.per_seed:
         parts += ["Per run:", tables.markdown_per_seed(table)]

@@ -22,6 +22,10 @@ from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import train_run
 from lspo_jax.train_config import apply_overrides, from_dict, load_config, to_dict
 
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/compare_samplers.py: run it from the repository root as python -m tools.compare_samplers ...")
+from tools import run_main  # noqa: E402
+
 ARMS = {"uniform": ["l2rr.enabled=false"], "l2rr": ["l2rr.enabled=true"]}
 
 
@@ -57,6 +61,10 @@ def _pct(x) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("compare_samplers", _compare, argv)
+
+
+def _compare(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--seeds", type=int, nargs="+", default=[42])
@@ -78,4 +86,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

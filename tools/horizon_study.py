@@ -27,6 +27,10 @@ import numpy as np
 
 from lspo_jax.job import tables
 
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/horizon_study.py: run it from the repository root as python -m tools.horizon_study ...")
+from tools import run_main  # noqa: E402
+
 STATS = ("peak", "last", "mean")
 FRONTIER = "frontier"  # the demo's class at the edge of the base's reach: its benchmark name holds this word
 ENTROPY = "answer_entropy"
@@ -167,6 +171,10 @@ def load(out: str, arms: Sequence[str], seeds: Sequence[int]) -> tuple[dict, lis
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("horizon_study", _study, argv)
+
+
+def _study(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description="The horizon study's tables and seed bands from finished runs.")
     p.add_argument("--out", required=True, help="the directory compare_arms trained the arms into")
     p.add_argument("--arms", nargs="+", default=["dapo", "lspo"], help="the first is the baseline")
@@ -178,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     runs, missing = load(args.out, args.arms, args.seeds)
     if not runs:
-        print(f"horizon_study: no finished run under {args.out} for arms {args.arms}, seeds {args.seeds}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        raise FileNotFoundError(f"no finished run under {args.out} for arms {args.arms}, seeds {args.seeds}")
     metrics = list(dict.fromkeys([*args.metrics, ENTROPY]))
     study: dict[str, dict[int, dict]] = {}
     for run in runs:

@@ -83,6 +83,10 @@ from lspo_jax.rl.learner import Learner
 from lspo_jax.rollout import lowering
 from lspo_jax.train_config import ConfigError, TrainConfig, load_config
 
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/lower_check.py: run it from the repository root as python -m tools.lower_check ...")
+from tools import run_main  # noqa: E402
+
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "lspo_deepmath_r1_distill_qwen_1p5b.yaml"
 PLATFORMS = ("cuda", "tpu")
 ATTENTION = {"cuda": ("pallas", "blocked", "cudnn"), "tpu": ("splash", "blocked")}
@@ -648,6 +652,10 @@ def summary(cells: list[Cell], seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("lower_check", _check, argv)
+
+
+def _check(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="a tiny model and short rows (SMALL_OVERRIDES)")
     parser.add_argument("--config", default=str(RECIPE), help="the run's YAML (default: the paper's recipe)")
@@ -662,16 +670,10 @@ def main(argv: list[str] | None = None) -> int:
     split = lambda text: None if text is None else text.split(",")
     unknown = [t for t in split(args.compile) or () if t not in TARGETS]
     if unknown:
-        print(f"lower_check: unknown target(s) {unknown}; choose from {list(TARGETS)}", file=sys.stderr)
-        return 2
-    if args.compile and (missing := use_chip_compilers()):
-        print(f"lower_check: {missing}", file=sys.stderr)
-        return 2
-    try:
-        shape = (small_shape if args.small else paper_shape)(args.config, args.overrides)
-    except ConfigError as error:
-        print(f"lower_check: {error}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"unknown target(s) {unknown}; choose from {list(TARGETS)}")
+    if args.compile:
+        use_chip_compilers()
+    shape = (small_shape if args.small else paper_shape)(args.config, args.overrides)
     print(f"jax {jax.__version__}; {model.count_params(model.abstract_params(shape.model)['base']):,} base params")
     if args.compile:
         return compile_main(shape, split(args.compile), split(args.programs), split(args.meshes), args.json)
@@ -687,22 +689,32 @@ def main(argv: list[str] | None = None) -> int:
     return int(any(c.status == "failed" for c in cells))
 
 
-def use_chip_compilers() -> str | None:
+def use_chip_compilers() -> None:
     """Make the chips' compilers visible to JAX, whose backends are still to start: ``CHIPS`` on the path when it
-    exists, the CPU as JAX's own platform (the plugins are for compiling, not running). What is missing, in one
-    line (None: all there)."""
+    exists, the CPU as JAX's own platform (the plugins are for compiling, not running). What is missing is a
+    ``ConfigError`` naming ``--compile`` and how to install it, with JAX's platform left as it was."""
     import jaxlib
 
     if jaxlib.__version__ != COMPILE_JAXLIB:
         what = "libtpu, the CUDA plugin and the H100 target config"
-        return f"--compile is set up for jaxlib {COMPILE_JAXLIB} ({what}); this is jaxlib {jaxlib.__version__}"
+        raise ConfigError(f"--compile is set up for jaxlib {COMPILE_JAXLIB} ({what}); this is jaxlib "
+                          f"{jaxlib.__version__}")  # fmt: skip
     if CHIPS.is_dir() and str(CHIPS) not in sys.path:
         sys.path.append(str(CHIPS))
-    jax.config.update("jax_platforms", "cpu")
-    missing = [name for name in ("libtpu", "jax_plugins.xla_cuda12") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("libtpu", "jax_plugins.xla_cuda12") if not _importable(name)]
     if missing:
-        return f"--compile needs {missing}: pip install -e '.[compile]', or tools/setup.sh test (into {CHIPS})"
-    return None
+        raise ConfigError(f"--compile needs {missing}: pip install -e '.[compile]', or tools/setup.sh test (into "
+                          f"{CHIPS})")  # fmt: skip
+    jax.config.update("jax_platforms", "cpu")
+
+
+def _importable(name: str) -> bool:
+    """Whether module ``name`` can be imported; ``find_spec`` raises for a dotted name whose parent is absent
+    (``jax_plugins`` without any plugin installed)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def compile_main(
@@ -722,4 +734,4 @@ def compile_main(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -20,6 +20,10 @@ import sys
 
 import numpy as np
 
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/recipe_toy.py: run it from the repository root as python -m tools.recipe_toy ...")
+from tools import run_main  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_CONFIG = os.path.join(ROOT, "configs", "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
 SHAPE = [
@@ -85,6 +89,10 @@ def step_lines(metrics_path: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("recipe_toy", _recipe, argv)
+
+
+def _recipe(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="a directory for the model, the rows and the run (replaced)")
     p.add_argument("--hidden", type=int, default=64)
@@ -117,4 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -20,8 +20,11 @@ import numpy as np
 
 from lspo_jax.models import qwen_vocab
 from lspo_jax.tasks import data
-from lspo_jax.train_config import DataConfig
-from tools import SHARED_DATA
+from lspo_jax.train_config import ConfigError, DataConfig
+
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/token_lengths.py: run it from the repository root as python -m tools.token_lengths ...")
+from tools import SHARED_DATA, run_main  # noqa: E402
 
 FILES = ("math500", "aime24", "aime25", "aime26", "aime_1983_2023", "gsm8k_test", "gsm8k_train")
 
@@ -59,6 +62,10 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("token_lengths", _lengths, argv)
+
+
+def _lengths(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default=str(SHARED_DATA))
     p.add_argument("--files", nargs="+", default=list(FILES), help="file names in --data-dir, without .jsonl")
@@ -67,14 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     paths = {name: os.path.join(args.data_dir, f"{name}.jsonl") for name in args.files}
     missing = [path for path in paths.values() if not os.path.isfile(path)]
     if missing:
-        print(f"token_lengths: no such file: {', '.join(missing)}", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"no such file: {', '.join(missing)}")
     start = time.perf_counter()
     try:
         tokenizer = qwen_vocab.r1_tokenizer()
-    except (ImportError, FileNotFoundError) as err:  # the vocabulary's package missing or broken: one line
-        print(f"token_lengths: {err}", file=sys.stderr)
-        return 2
+    except ImportError as err:  # the vocabulary's package missing: one line, as a missing extra is
+        raise ConfigError(str(err)) from err
     print(f"tokenizer built in {time.perf_counter() - start:.1f} s ({len(tokenizer)} tokens)", file=sys.stderr)
     results = {name: file_lengths(tokenizer, read_rows(path)) for name, path in paths.items()}
     print(markdown(results))
@@ -85,4 +90,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

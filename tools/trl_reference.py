@@ -30,6 +30,11 @@ from lspo_jax.models import hf
 from lspo_jax.tasks import benchmarks, data, rewards
 from lspo_jax.train_config import ConfigError, load_config, to_dict
 
+if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
+    sys.exit("tools/trl_reference.py: run it from the repository root as python -m tools.trl_reference ...")
+from tools import run_main  # noqa: E402
+from tools.compare_runs import parse_run  # noqa: E402
+
 
 def held_out(run, tokenizer) -> dict[str, list]:
     """The run's held-out benchmarks as rows (the demo's classes when the config names none)."""
@@ -150,6 +155,10 @@ def train(run, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("trl_reference", _reference, argv)
+
+
+def _reference(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--out", default="runs/trl")
@@ -159,21 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         import trl  # noqa: F401
-    except ImportError:
-        print("trl_reference: TRL is not installed; pip install -e '.[reference]'", file=sys.stderr)
-        return 2
-    try:
-        run = load_config(args.config, [*args.overrides, "scaffold.enabled=false"])
-    except (ConfigError, OSError) as err:
-        print(f"trl_reference: config error: {err}", file=sys.stderr)
-        return 2
+    except ImportError as err:
+        raise ConfigError("TRL is not installed; pip install -e '.[reference]'") from err
+    run = load_config(args.config, [*args.overrides, "scaffold.enabled=false"])
     if not args.no_train:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "config.json"), "w") as f:
             json.dump(to_dict(run), f, indent=1)
         train(run, args.out)
     evals = tuple(r for r in read_metrics(os.path.join(args.out, "metrics.jsonl")) if r.get("kind") == "eval")
-    runs = [tables.RunTrace("trl", run.seed, evals, steps=run.steps)] + [tables.read_run(d) for d in args.dapo]
+    runs = [tables.RunTrace("trl", run.seed, evals, steps=run.steps)] + [parse_run(d) for d in args.dapo]
     print(tables.markdown(tables.peak_table(runs, baseline="trl")))
     print(f"trl_reference: wrote {tables.plot_curves(runs, os.path.join(args.out, 'trl_vs_dapo.png'))}")
     return 0

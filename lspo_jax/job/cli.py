@@ -155,7 +155,7 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-plots",
         action="store_true",
-        help="write no PNG curves at the end (seconds); tools/plot_metrics.py draws them from metrics.jsonl later",
+        help="no PNG curves at the end (seconds); python -m tools.plot_metrics draws them from metrics.jsonl later",
     )
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. rollout.group_size=8")
     return p
