@@ -285,3 +285,17 @@ def test_what_the_spliced_rows_carried_by_hand(tool):
     assert table.splitlines()[2] == "| lspo | 2 | -2.500 | -0.750 | 0.100 | 3.0% | 10.0% |"
     assert len(table.splitlines()) == 3  # no row for the arm without the scaffold
     assert tool.spliced_figures(results[1:], ["dapo"]) == "No arm spliced a row."
+
+
+def test_a_cell_stopped_before_its_first_checkpoint_starts_again(tmp_path, capsys):
+    """``lspo-train`` refuses a new run over an earlier run's records; the tool's own cell that stopped before its
+    first checkpoint is removed, said in one line, and started again rather than refused."""
+    from tools import resume_or_restart
+
+    cell = tmp_path / "lspo_seed42"
+    cell.mkdir()
+    (cell / "metrics.jsonl").write_text('{"kind": "eval", "step": 0}\n')
+    assert resume_or_restart(str(cell), "compare_arms") is False
+    assert not cell.exists() and "stopped before its first checkpoint; starting it again" in capsys.readouterr().err
+    (cell / "checkpoints" / "3").mkdir(parents=True)
+    assert resume_or_restart(str(cell), "compare_arms") is True and (cell / "checkpoints" / "3").is_dir()

@@ -48,3 +48,17 @@ def describe(err: BaseException) -> str:
         lines = str(err).strip().splitlines()
         return lines[0] if lines else type(err).__name__
     return cli.describe(err)
+
+
+def resume_or_restart(out: str, tool: str) -> bool:
+    """Whether a tool's own run directory ``out`` is resumed (it holds a checkpoint). A run that stopped before its
+    first checkpoint left records a new run is refused over (``lspo-train`` keeps an earlier run's records): the
+    tool made them, so it removes them, says so, and the run starts again."""
+    import shutil
+
+    if cli.has_checkpoint(out):
+        return True
+    if os.path.isdir(out) and os.listdir(out):
+        print(f"{tool}: {out} stopped before its first checkpoint; starting it again", file=sys.stderr)
+        shutil.rmtree(out)
+    return False

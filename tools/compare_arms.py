@@ -42,7 +42,6 @@ import jax
 import yaml
 
 from lspo_jax.job import tables
-from lspo_jax.job.cli import has_checkpoint
 from lspo_jax.job.compiles import use_cache
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import surpass_distribution, train_run
@@ -50,7 +49,7 @@ from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/compare_arms.py: run it from the repository root as python -m tools.compare_arms ...")
-from tools import run_main  # noqa: E402
+from tools import resume_or_restart, run_main  # noqa: E402
 
 # The built-in arms, in the order they train when no --arm is given.
 ARMS = {"lspo": ("scaffold.enabled=true",), "dapo": ("scaffold.enabled=false",)}
@@ -152,7 +151,7 @@ def run_cell(base_config, name: str, overrides: list[str], seed: int, out_root: 
         print(f"{tool}: {name} seed {seed} finished at step {summary['steps']}; resuming it to steps={config.steps}",
               file=sys.stderr)  # fmt: skip
     if summary is None or summary["stopped_early"] or summary["steps"] < config.steps:
-        summary = train_run(config, out, resume=has_checkpoint(out))
+        summary = train_run(config, out, resume=resume_or_restart(out, tool))
     if summary["stopped_early"]:  # its checkpoint is written; go no further
         print(f"{tool}: {name} seed {seed} stopped at step {summary['steps']}; run again to resume", file=sys.stderr)
         raise SystemExit(75)

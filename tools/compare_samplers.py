@@ -24,7 +24,7 @@ from lspo_jax.train_config import apply_overrides, from_dict, load_config, to_di
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/compare_samplers.py: run it from the repository root as python -m tools.compare_samplers ...")
-from tools import run_main  # noqa: E402
+from tools import resume_or_restart, run_main  # noqa: E402
 
 ARMS = {"uniform": ["l2rr.enabled=false"], "l2rr": ["l2rr.enabled=true"]}
 
@@ -33,14 +33,21 @@ def run_arm(base, arm: str, seed: int, out_root: str) -> dict:
     """Train one arm (or reuse its finished run) and return its summary and train records."""
     out = os.path.join(out_root, f"{arm}_seed{seed}")
     summary_path = os.path.join(out, "summary.json")
-    if not os.path.exists(summary_path):
+    if not _finished(summary_path):  # an interrupted comparison resumes where it stopped
         target = base.l2rr.target or "toy:target"
         data = apply_overrides(to_dict(base), [f"seed={seed}", f"l2rr.target={target}", *ARMS[arm]])
-        train_run(from_dict(type(base), data), out)
+        train_run(from_dict(type(base), data), out, resume=resume_or_restart(out, "compare_samplers"))
     with open(summary_path) as f:
         summary = json.load(f)
     records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"]
     return {"summary": summary, "records": records}
+
+
+def _finished(summary_path: str) -> bool:
+    if not os.path.exists(summary_path):
+        return False
+    with open(summary_path) as f:
+        return not json.load(f)["stopped_early"]
 
 
 def row(arm: str, seed: int, result: dict) -> str:

@@ -77,6 +77,36 @@ def check_resumable(run: TrainConfig, out_dir: str) -> None:
         )
 
 
+# What a run leaves in its directory, as ``Run`` writes it: a new run would mix its own into them (TensorBoard shows
+# both runs' events as one, W&B continues the old run) or replace them. Plots and the model cache are not records.
+RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "tensorboard", "wandb_id", "checkpoints")
+
+
+def run_records(out_dir: str) -> list[str]:
+    """The ``RECORDS`` in ``out_dir`` (a folder among them when it holds anything), folders with a ``/``."""
+    held = []
+    for name in RECORDS:
+        path = os.path.join(out_dir, name)
+        if os.path.isdir(path):
+            held += [f"{name}/"] if os.listdir(path) else []
+        elif os.path.exists(path):
+            held.append(name)
+    return held
+
+
+def new_run_refused(out_dir: str, records: list[str]) -> FileExistsError:
+    """The refusal of a new run (no ``--resume``) into a directory holding an earlier run's ``records``, with the
+    newest checkpoint step that ``--resume`` would continue (orbax names finished steps by number)."""
+    held = ", ".join(records)
+    checkpoints = os.path.join(out_dir, "checkpoints")
+    steps = [int(name) for name in os.listdir(checkpoints) if name.isdigit()] if "checkpoints/" in records else []
+    if steps:
+        return FileExistsError(f"--out {out_dir} already holds a run ({held}; checkpoint at step {max(steps)}): pass "
+                               "--resume to continue it, or choose another --out")  # fmt: skip
+    return FileExistsError(f"--out {out_dir} already holds a run's records ({held}) and no checkpoint to resume from: "
+                           "choose another --out, or remove them to start a new run there")  # fmt: skip
+
+
 def record_config(run: TrainConfig, out_dir: str, step: int | None) -> None:
     """Write the run's ``config.yaml``. Resuming at ``step`` with settings that differ from the file's, the file
     the steps so far ran with is kept beside it as ``config.step<step>.yaml`` (the first such file for that step
@@ -163,14 +193,11 @@ class Run:
         # Refusals first, before anything is loaded or written: the run's own config.yaml stays as it was.
         # Checked before the model loads: a W&B run asked for without wandb installed fails here.
         self.wandb = wandb_options(run) if self.writer else None
+        records = run_records(out_dir)
+        if records and not resume:  # before the checkpointer makes its folder: the directory stays as it was
+            raise new_run_refused(out_dir, records)
         self.checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"), keep=run.checkpoint.keep)
         latest = self.checkpointer.latest_step()
-        if latest is not None and not resume:
-            self.checkpointer.close()
-            raise FileExistsError(
-                f"{out_dir} already holds a run (checkpoint at step {latest}): pass --resume to continue it, "
-                "or choose another --out"
-            )
         if latest is None and resume:
             self.checkpointer.close()
             raise FileNotFoundError(f"nothing to resume in {out_dir}: it holds no checkpoint")
@@ -246,6 +273,7 @@ class Run:
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save(self) -> None:
+        self._check_lock()
         meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed, "data": self.data_digest}
         self.checkpointer.save_state(self.state, meta, adapter=self.learner.adapter_lifetime.checkpointed)
 
@@ -291,7 +319,15 @@ class Run:
             rewrite(path, self.history)
         return MetricsLog(self.out_dir, wandb=self.wandb, purge_step=self.state.step + 1 if self.state.step else None)
 
+    def _check_lock(self) -> None:
+        """Stop before a write if the run directory is no longer this run's alone (``RunLock.check``, a ``stat``):
+        its lock file removed and taken by another run, or the directory itself replaced. Only the writer holds the
+        lock, so in a multi-host job process 0 stops alone, a rare case against two writers that both exit 0."""
+        if self.lock is not None:
+            self.lock.check()
+
     def _write(self, record: dict[str, Any]) -> None:
+        self._check_lock()
         self.history.append(record)
         self.log.write(record)
 
@@ -424,6 +460,7 @@ class Run:
             "data": dataclasses.asdict(self.data_report),
         }
         if self.writer:
+            self._check_lock()
             with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
         return summary
