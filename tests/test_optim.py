@@ -347,3 +347,34 @@ def test_the_learner_is_built_whole_restoring_before_the_engine_starts_and_closi
     learner.close()
     assert events == ["resume (adapter kept: False)", "engine", "close engine", "close verifier"]
     assert learner.vllm is None
+
+
+def test_an_update_that_would_write_nan_into_the_base_is_skipped_and_counted():
+    """A NaN in AdamW's second moment (a damaged checkpoint restored) leaves the loss and the gradient finite, but
+    the update m / (sqrt(v) + eps) writes NaN into the base: the learner's step skips it whole and counts it."""
+    from run_fixtures import assert_trees_equal, copy_tree
+
+    from lspo_jax.rl.learner import Learner, Policy
+    from lspo_jax.train_config import TrainConfig
+
+    def poison(path, leaf):
+        up = jax.tree_util.keystr(path).endswith(".nu['base']['layers']['up']")
+        return jnp.asarray(leaf).at[0, 0, 0].set(jnp.nan) if up else leaf
+
+    learner = Learner(TrainConfig(), Policy(CONFIG, None, ()), _params())
+    clean = copy_tree(learner.state.opt_state)
+    learner.state.opt_state = jax.tree_util.tree_map_with_path(poison, learner.state.opt_state)
+    before = copy_tree((learner.state.params, learner.state.opt_state))
+    # Unguarded, the same update writes NaN into the base.
+    unguarded = _rl_step(*before, _batch())[0]["base"]["layers"]["up"]
+    assert np.isnan(np.asarray(unguarded)).any()
+    rows = {k: np.asarray(v) for k, v in _batch().items()}
+    metrics = learner.rl_step(rows)
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]) and not metrics["finite"]
+    assert_trees_equal((learner.state.params, learner.state.opt_state), before)
+    assert (learner.state.nonfinite_total, learner.state.nonfinite_in_row, learner.state.updates) == (1, 1, 0)
+    # A NaN in the adapter, which the RL update does not touch, does not stop it.
+    learner.state.opt_state = jax.tree.map(jnp.asarray, clean)
+    learner.state.params = {**learner.state.params, "lora": jax.tree.map(lambda x: x * np.nan, _params()["lora"])}
+    assert learner.rl_step(rows)["finite"] and learner.state.updates == 1
+    assert np.isfinite(np.asarray(learner.state.params["base"]["layers"]["up"])).all()

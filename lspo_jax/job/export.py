@@ -2,7 +2,8 @@
 
 ``lspo-export RUN_DIR OUT`` reads ``RUN_DIR/config.yaml``, rebuilds the policy the run trained, restores the
 base params of the latest (or a chosen) checkpoint and writes ``config.json``, ``model.safetensors`` and the
-tokenizer files. There is no adapter to export: LSPO discards it every step and never checkpoints it.
+tokenizer files. There is no adapter to export: LSPO discards it every step and never checkpoints it. Weights that
+hold a NaN or an infinity are refused, naming the tensor and the step.
 ``lspo-eval`` restores a run's checkpoint the same way (``restore_run``).
 """
 
@@ -12,7 +13,10 @@ import os
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from lspo_jax.config import ModelConfig
 from lspo_jax.job.build import abstract_checkpoint_state, load_policy, model_dir
 from lspo_jax.models import hf
 from lspo_jax.models.model import Params
@@ -65,6 +69,24 @@ def export_checkpoint(run_dir: str, out: str, step: int | None = None) -> str:
     check_run_dir(run_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise FileExistsError(f"{out} exists and is not a directory: lspo-export writes a Hugging Face directory")
-    run, policy, params, _ = restore_run(run_dir, step)
+    run, policy, params, step = restore_run(run_dir, step)
+    check_finite(policy.config, params, step)
     hf.save_pretrained(out, policy.config, params, tokenizer_from=model_dir(run, os.path.join(run_dir, "cache")))
     return out
+
+
+def check_finite(config: ModelConfig, params: Params, step: int) -> None:
+    """Refuse, naming the first Hugging Face tensor that holds one, base params with a NaN or an infinity: a
+    model.safetensors of them loads without a word and gives NaN logits."""
+    if all(bool(flag) for flag in jax.tree.leaves(_finite_leaves(params["base"]))):
+        return
+    for name, tensor in hf.to_hf_state_dict(config, params):  # the names the export would write
+        if not np.all(np.isfinite(tensor)):
+            held = "NaN" if np.isnan(tensor).any() else "an infinity"
+            raise CheckpointError(f"step {step}: base weight {name} holds {held}; export an earlier step (--step)")
+
+
+@jax.jit
+def _finite_leaves(base: Params) -> Params:
+    """Per leaf of ``base``, whether it is all finite: one program on the device, the weights left there."""
+    return jax.tree.map(lambda leaf: jnp.all(jnp.isfinite(leaf)), base)

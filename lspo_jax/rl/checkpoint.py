@@ -7,7 +7,11 @@ leaves the previous checkpoint intact; ``keep`` bounds how many are kept. Sharde
 the devices (and hosts) that hold them; every process of a multi-host run calls ``save`` and ``restore``.
 
 A checkpoint damaged afterwards (a truncated file, a disk error) is reported as ``CheckpointError`` naming
-its step; ``restore_readable`` then falls back to the newest step that restores.
+its step; ``restore_readable`` then falls back to the newest step that restores. Orbax keeps no checksum of array
+data, so flipped bytes in a file of the right size would read back as other numbers (a NaN in Adam's second moment
+writes NaN into the base at the next update): each save stores the sha256 of every array in its JSON meta
+(``array_digest``), and a restore whose arrays do not match it is unreadable too. A checkpoint written before the
+digest existed restores unchecked.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 import functools
 import gc
 import glob
+import hashlib
 import logging
 import os
 import re
@@ -27,6 +32,7 @@ from types import TracebackType
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from lspo_jax.text import error_cause
@@ -54,6 +60,8 @@ class TrainState:
 
 # The train state's counters, stored in a checkpoint's JSON meta beside the arrays.
 COUNTERS = ("step", "nonfinite_total", "nonfinite_in_row", "adapter_reset_step", "updates")
+# The meta's key for ``array_digest``: written by ``Checkpointer.save``, checked and removed by ``restore``.
+DIGEST = "array_sha256"
 
 
 def checkpoint_state(params: Any, opt_state: Any, *, adapter: bool = False) -> dict[str, Any]:
@@ -113,6 +121,8 @@ class Checkpointer:
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         if "lora" in state:
             raise ValueError("refusing to checkpoint an adapter: LSPO's adapter is discarded every step")
+        digest = array_digest(state)
+        meta = {**meta, DIGEST: digest} if digest is not None else meta
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         try:
             with _muted_leftovers():  # a failed write is logged with its traceback by each of orbax's threads
@@ -144,7 +154,8 @@ class Checkpointer:
 
         Each leaf comes back in its target's layout, whatever mesh wrote it: a run saved with fsdp = 8 resumes
         on fsdp = 2 x tp = 4 given a target from ``sharding.abstract_params`` / ``opt_state_shardings``.
-        Raises ``CheckpointError`` when ``step`` (default: the latest) is absent or unreadable.
+        Raises ``CheckpointError`` when ``step`` (default: the latest) is absent or unreadable, or when an array
+        does not match the digest saved with it (``array_digest``).
         """
         steps = self.steps()
         step = (steps[-1] if steps else None) if step is None else step
@@ -162,7 +173,14 @@ class Checkpointer:
         except Exception as err:  # orbax, tensorstore and json each raise their own kinds for a damaged file
             cause = error_cause(err)
         else:
-            return restored["state"], restored["meta"]
+            meta = dict(restored["meta"])
+            damaged = _mismatch(restored["state"], meta.pop(DIGEST, None))
+            if damaged is None:
+                return restored["state"], meta
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} is unreadable: its array {damaged} does not match the "
+                "sha256 saved with it (a damaged file)"
+            )
         # Not chained: the error's frames hold orbax's other failed reads, collected (quietly) only once it is gone.
         with _muted_leftovers():
             gc.collect()
@@ -209,6 +227,44 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def array_digest(state: Any) -> dict[str, str] | None:
+    """``{leaf name: "dtype:sha256 of its bytes"}`` of every array in ``state`` (names as ``base.embed``, ``rl_opt.3``).
+
+    None when an array is not fully addressable (a multi-host run): each process holds only its shards, and a digest
+    of those would need a gather of the whole state to one host; such a checkpoint is stored without one and restored
+    unchecked. One host's arrays are read back to it one at a time, once more than orbax's own write does; sha256
+    ran at 1.5 GB/s on one x86 core with SHA-NI (measured on a CPU test machine): about 12 s for the 18 GB of a 1.5B
+    model's float32 base and AdamW moments, once every ``checkpoint.every`` steps.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    if not all(getattr(leaf, "is_fully_addressable", True) for _, leaf in leaves):
+        return None
+    return {_leaf_name(path): _sha256(leaf) for path, leaf in leaves}
+
+
+def _mismatch(restored: Any, digest: dict[str, str] | None) -> str | None:
+    """The name of the first restored array whose bytes differ from ``digest`` (None: all match, or no digest).
+
+    An array restored in another dtype than it was saved in (a resume with another ``model.param_dtype``) was cast
+    on the way: its bytes are not the saved ones, so it is not checked.
+    """
+    current = array_digest(restored) if digest is not None else None
+    for name, now in (current or {}).items():
+        saved = digest.get(name, now)
+        if saved.split(":")[0] == now.split(":")[0] and saved != now:
+            return name
+    return None
+
+
+def _leaf_name(path: tuple[Any, ...]) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def _sha256(leaf: Any) -> str:
+    host = np.ascontiguousarray(jax.device_get(leaf))
+    return f"{host.dtype.name}:{hashlib.sha256(host.reshape(-1).view(np.uint8)).hexdigest()}"
 
 
 @contextlib.contextmanager

@@ -163,21 +163,35 @@ def rl_gradients(
     return losses.accumulate_gradients(loss_fn, base, batch, num_micro_batches)
 
 
-def keep_if_finite(step: Callable, loss: str = "loss", norm: str = "grad_norm") -> Callable:
+def keep_if_finite(step: Callable, loss: str = "loss", norm: str = "grad_norm", subtree: str = BASE) -> Callable:
     """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` that returns params and optimizer state
-    as they came in when the loss or the gradient norm is non-finite, and says which in ``metrics["finite"]``:
-    one bad batch skips its update whole (the optimizer's count included) instead of poisoning the weights."""
+    as they came in when the loss, the gradient norm, or any updated value of ``params[subtree]`` or of its optimizer
+    state is non-finite, and says which in ``metrics["finite"]``: one bad batch skips its update whole (the
+    optimizer's count included) instead of poisoning the weights.
+
+    The updated values count because a finite loss and gradient can still write NaN: a NaN or infinity already in
+    AdamW's moments (a damaged checkpoint restored) makes ``m / (sqrt(v) + eps)`` non-finite. Only ``subtree`` is
+    checked: the step updates it alone, and the other subtree (a diverged scratch adapter) is returned as it came.
+    """
 
     @functools.wraps(step)
     def guarded(params: Params, opt_state: Any, batch: Mapping[str, jax.Array]):
         new_params, new_state, metrics = step(params, opt_state, batch)
-        finite = jnp.isfinite(metrics[loss]) & jnp.isfinite(metrics[norm])
+        updated = (new_params[subtree], new_state.inner_states[subtree])
+        finite = jnp.isfinite(metrics[loss]) & jnp.isfinite(metrics[norm]) & _all_finite(updated)
         keep = lambda new, old: jnp.where(finite, new, old)
         params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, new_state, opt_state)
         return params, opt_state, {**metrics, "finite": finite}
 
     return guarded
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """True when every floating-point value in ``tree`` is finite (integer leaves, the optimizer's counts, always
+    are): one reduction per leaf, inside the step's jitted program, combined into one flag."""
+    floats = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(leaf)) for leaf in floats], jnp.bool_(True))
 
 
 def sft_step(
