@@ -114,6 +114,7 @@ SLOW_FILES_FIRST = (
     "test_gpu_bench.py",
     "test_sharding.py",
     "test_step_scaffold.py",
+    "test_startup_stops.py",
     "test_lower_check.py",
     "test_packing.py",
     "test_method_runs.py",

@@ -208,9 +208,13 @@ def test_a_stop_is_agreed_by_every_process(monkeypatch, flags, expected):
         gathered.append(int(x))
         return np.asarray(flags, np.int32)
 
+    from jax.experimental import multihost_utils
+
+    from lspo_jax.signals import StopFlag
+
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(train.multihost_utils, "process_allgather", allgather)
-    assert train.StopFlag().agreed() is expected and gathered == [0]
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    assert StopFlag().agreed() is expected and gathered == [0]
 
 
 # ---------------------------------------------------- failure paths through the console entry points
@@ -307,9 +311,16 @@ def test_ctrl_c_during_start_up_is_one_line(trained_run, tmp_path, capsys, monke
     assert "interrupted" in one_line(capsys, "lspo-eval")
     assert cli.export_main([trained_run["dir"], str(tmp_path / "hf")]) == 130
     assert "interrupted" in one_line(capsys, "lspo-export")
-    # SIGTERM (a scheduler's stop) during start-up is the same stop, not a silent exit 143.
+    # SIGTERM (a scheduler's stop) during start-up is the same stop, not a silent exit 143. lspo-train reads it as a
+    # flag at start-up's next point (here, once the model has loaded); the others stop at once.
+    real_load = build.load_policy
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_load(*args, **kwargs)
+
     for module in (run_module, build, export):
-        monkeypatch.setattr(module, "load_policy", lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGTERM))
+        monkeypatch.setattr(module, "load_policy", terminated)
     before = signal.getsignal(signal.SIGTERM)
     assert cli.train_main(["--config", PAPER_CONFIG, "--out", str(tmp_path / "r2")]) == 130
     assert "interrupted during start-up" in one_line(capsys, "lspo-train")

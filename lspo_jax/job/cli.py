@@ -200,29 +200,19 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
-    from lspo_jax.train_config import to_dict
+    from lspo_jax.signals import StartupStopped, StopFlag
 
-    config = _train_config(args)
-    if args.print_config:
-        import yaml
-
-        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
-        return 0
-    from lspo_jax.job.build import claim_device_memory
-    from lspo_jax.job.compiles import use_cache
-
-    config = claim_device_memory(config)  # before JAX's backends start: the allocator reads it once
-    use_cache(config.compile_cache)  # before anything compiles: JAX decides once per process
-    from lspo_jax.job.run import RunStopped, train_run
-    from lspo_jax.models.sharding import initialize_distributed
-
-    # Before any other JAX call: every process of a multi-host job must join before devices are listed.
-    initialize_distributed(config.mesh.coordinator, config.mesh.num_processes, config.mesh.process_id)
-    try:
-        summary = train_run(config, args.out, resume=args.resume, on_finish=_finish_on_terminate)
-    except RunStopped as err:
-        print(f"lspo-train: stopped: {err}", file=sys.stderr)
-        return 3
+    # SIGTERM and Ctrl-C set a flag from here on, read at start-up's own points and then by the loop: a handler that
+    # raised could land in a garbage-collector callback, where the exception is dropped and the run goes on.
+    with StopFlag() as stop:
+        try:
+            summary = _start_and_train(args, stop)
+        except StartupStopped as err:
+            print(f"lspo-train: {err}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    if isinstance(summary, int):  # --print-config, or stopped after non-finite updates
+        return summary
+    _finish_on_terminate()  # the run has ended: a SIGTERM while it prints and plots lets it finish
     print(format_summary(summary))
     import jax
 
@@ -233,6 +223,36 @@ def _train(args) -> int:
               f"(exit status {EXIT_STOPPED})", file=sys.stderr)  # fmt: skip
         return EXIT_STOPPED
     return 0
+
+
+def _start_and_train(args, stop) -> dict | int:
+    """The run's summary, or an exit status: 0 after ``--print-config``, 3 stopped after non-finite updates.
+    ``stop`` (entered) is asked between the parts of start-up; the run reads it from then on."""
+    from lspo_jax.train_config import to_dict
+
+    config = _train_config(args)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    stop.startup_point()
+    from lspo_jax.job.build import claim_device_memory
+    from lspo_jax.job.compiles import use_cache
+
+    config = claim_device_memory(config)  # before JAX's backends start: the allocator reads it once
+    use_cache(config.compile_cache)  # before anything compiles: JAX decides once per process
+    from lspo_jax.job.run import RunStopped, train_run
+    from lspo_jax.models.sharding import initialize_distributed
+
+    # Before any other JAX call: every process of a multi-host job must join before devices are listed.
+    initialize_distributed(config.mesh.coordinator, config.mesh.num_processes, config.mesh.process_id)
+    stop.startup_point(single_process=config.mesh.num_processes in (None, 1))
+    try:
+        return train_run(config, args.out, resume=args.resume, on_finish=_finish_on_terminate, stop=stop)
+    except RunStopped as err:
+        print(f"lspo-train: stopped: {err}", file=sys.stderr)
+        return 3
 
 
 def format_summary(summary: dict) -> str:

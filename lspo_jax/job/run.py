@@ -41,7 +41,8 @@ from lspo_jax.job.progress import Progress
 from lspo_jax.job.run_lock import take_run_lock
 from lspo_jax.rl.checkpoint import Checkpointer, TrainState
 from lspo_jax.rl.learner import Learner
-from lspo_jax.rl.train import Phases, StepAbandoned, StopFlag, step_rates, train_step
+from lspo_jax.rl.train import Phases, StepAbandoned, step_rates, train_step
+from lspo_jax.signals import StartupStopped, StopFlag
 from lspo_jax.tasks import data, example_store
 from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
 
@@ -174,9 +175,10 @@ class Run:
     """
 
     def __init__(
-        self, run: TrainConfig, out_dir: str, *, resume: bool = False, verifier: Any = None, judge: Any = None
-    ):
-        self.run, self.out_dir = run, out_dir
+        self, run: TrainConfig, out_dir: str, *, resume: bool = False, verifier: Any = None, judge: Any = None,
+        stop: StopFlag | None = None,
+    ):  # fmt: skip
+        self.run, self.out_dir, self.stop = run, out_dir, stop
         os.makedirs(out_dir, exist_ok=True)
         # Several hosts share out_dir: process 0 writes the files, all of them write checkpoint shards.
         self.writer = jax.process_index() == 0
@@ -204,6 +206,7 @@ class Run:
         try:
             if latest is not None:
                 check_resumable(run, out_dir)
+            self._startup_point()
             self._load(run, resume=latest is not None, verifier=verifier, judge=judge)
         except BaseException:
             _close_after_failure(self.checkpointer, "checkpointer")
@@ -214,6 +217,7 @@ class Run:
         config.yaml and the metrics log. What started is closed if a later part fails."""
         out_dir = self.out_dir
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
+        self._startup_point()
         check_positions(run, self.policy.config, validate=bool(validation_specs(run)))
         mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
         engine = ENGINES.resolve(run.rollout.engine)
@@ -225,6 +229,7 @@ class Run:
             print(f"lspo-train: data.train {run.data.train}: {line}", file=sys.stderr)  # also in summary.json
         self.data_digest = example_store.source_digest(run.data.train)  # read with the store's key: no second pass
         self.examples = self.examples[: run.data.limit]  # the first `limit` usable prompts (all when null)
+        self._startup_point()
         self.held_out, self.held_out_data = self._held_out()
         self.prompts = prompt_source(run, self.examples, self.policy)
         self.history: list[dict[str, Any]] = []  # every record of the run, those before a resume included
@@ -244,12 +249,24 @@ class Run:
             _close_after_failure(verifier, "verifier")
             raise
         try:
+            # The learner built (the engine started, a checkpoint restored), the longest part; the last point before
+            # anything is written, so every process agrees here. A stop after it is the loop's (a checkpoint, 75).
+            self._startup_point(agree=True)
             if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
                 record_config(run, out_dir, self.state.step if resume else None)
             self.log = self._open_log() if self.writer else NullLog()
         except BaseException:
             _close_after_failure(self.learner, "learner")
             raise
+
+    def _startup_point(self, agree: bool = False) -> None:
+        """End start-up here if a stop was asked for (``StopFlag.startup_point``). A job of several processes stops
+        only where they all ``agree`` (a collective every process reaches), so that none waits for another."""
+        if self.stop is None:
+            return
+        if agree and self.stop.agreed():
+            raise StartupStopped("interrupted during start-up; nothing was trained")
+        self.stop.startup_point(single_process=jax.process_count() == 1)
 
     @property
     def state(self) -> TrainState:
@@ -367,26 +384,31 @@ class Run:
         if self.state.step == run.steps and self.writer:
             print(f"lspo-train: {self.out_dir} is at step {run.steps} of steps={run.steps}: nothing to train "
                   f"(pass steps=N above {run.steps} to go on)", file=sys.stderr)  # fmt: skip
-        progress = None
+        if self.stop is not None:  # entered by the caller before start-up: a stop asked for then is seen here
+            return self._train(self.stop, start)
         # The handlers stay until the end: a signal during the last save or validation is a stop, not a kill.
         with StopFlag() as stop:
+            return self._train(stop, start)
+
+    def _train(self, stop: StopFlag, start: float) -> dict[str, Any]:
+        run, progress = self.run, None
+        try:
+            if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
+                self._validate_once(stop)  # stop or a kill cut short
+            progress = Progress(run.steps, self.state.step, enabled=self.writer)  # the first step's time its own
+            stopped = self._steps(stop, progress)
+        except evaluation.ValidationStopped:  # its records are not written, so a resume validates again
+            stopped = True
+        if progress is not None:
+            progress.close()
+        if self.checkpointer.latest_step() != self.state.step:
+            self.save()
+        if not stopped:
             try:
-                if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
-                    self._validate_once(stop)  # stop or a kill cut short
-                progress = Progress(run.steps, self.state.step, enabled=self.writer)  # the first step's time its own
-                stopped = self._steps(stop, progress)
-            except evaluation.ValidationStopped:  # its records are not written, so a resume validates again
+                self._validate_once(stop)
+            except evaluation.ValidationStopped:
                 stopped = True
-            if progress is not None:
-                progress.close()
-            if self.checkpointer.latest_step() != self.state.step:
-                self.save()
-            if not stopped:
-                try:
-                    self._validate_once(stop)
-                except evaluation.ValidationStopped:
-                    stopped = True
-            return self._summary(time.perf_counter() - start, stopped)
+        return self._summary(time.perf_counter() - start, stopped)
 
     def _due(self, step: int) -> bool:
         """Whether validation is scheduled at ``step`` (before training, every ``eval.every``, at the end)."""
@@ -514,11 +536,14 @@ SUMMED = ("cliff_groups", "scaffold_attempted", "scaffold_no_solution", "surpass
 
 
 def train_run(
-    run: TrainConfig, out_dir: str, *, resume: bool = False, on_finish: Callable[[], None] | None = None
-) -> dict[str, Any]:
+    run: TrainConfig, out_dir: str, *, resume: bool = False, on_finish: Callable[[], None] | None = None,
+    stop: StopFlag | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Train, write everything under ``out_dir``, and return the summary. ``on_finish`` is called once training
-    has ended (or failed), before the run's resources close: ``lspo-train`` lets a SIGTERM from then on finish."""
-    job = Run(run, out_dir, resume=resume)
+    has ended (or failed), before the run's resources close: ``lspo-train`` lets a SIGTERM from then on finish.
+    ``stop``: a ``StopFlag`` the caller entered before start-up (a stop asked for during it ends start-up at its
+    next point with ``StartupStopped``); None: the run sets its own when training begins."""
+    job = Run(run, out_dir, resume=resume, stop=stop)
     try:
         return job.train()
     finally:

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import time
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from lspo_jax import options
 from lspo_jax.rl import corrections, losses, packing, scaffold
@@ -412,34 +410,3 @@ def spliced_diagnostics(base_logp, behaviour_logp, token_mask, spliced_rows: np.
         **{f"spliced_log_ratio_q{q}": float(v) for q, v in zip((10, 50, 90), quantiles, strict=True)},
         "spliced_token_share": float(mask.sum() / max(1, np.sum(token_mask > 0))),
     }
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT: the loop abandons its step at the next phase (or finishes it once its update has
-    begun), writes a checkpoint and exits cleanly."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def agreed(self) -> bool:
-        """Whether any process of the job was asked to stop. Every process gets the same answer, so they all
-        leave the loop at the same point: a scheduler's signals reach the hosts at slightly different times,
-        and one host leaving a collective the others entered would hang them. Each call is a collective when
-        there are several processes: call it at the same points on all of them."""
-        if jax.process_count() == 1:
-            return self.requested
-        flags = multihost_utils.process_allgather(np.asarray(self.requested, np.int32))
-        return bool(np.any(flags))
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
