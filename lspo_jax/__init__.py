@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.util
 import sys
 from typing import Any
 
@@ -61,6 +62,12 @@ class _OldPaths:
 
     def exec_module(self, module: Any) -> None:
         module.__spec__ = module.__spec__.loader_state  # already executed under its own name: its own spec back
+
+    def get_code(self, fullname: str) -> Any:
+        """The moved module's code: ``python -m lspo_jax.<old>`` runs it as ``python -m`` of its new path would."""
+        new = f"{__name__}.{MOVED[fullname.rpartition('.')[2]]}"
+        spec = importlib.util.find_spec(new)
+        return spec.loader.get_code(new)
 
 
 if not any(isinstance(finder, _OldPaths) for finder in sys.meta_path):

@@ -61,3 +61,18 @@ def test_importing_the_package_or_a_command_imports_no_jax():
     code = "import sys, lspo_jax.cli, lspo_jax.job, lspo_jax.rl, lspo_jax.methods.l2rr; print('jax' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_python_dash_m_on_an_old_path_runs_the_moved_module():
+    """``python -m lspo_jax.make_toy_model``-style calls by an old path ran into ``AttributeError`` in runpy (the
+    finder had no ``get_code``); they run the moved module's code."""
+    done = subprocess.run([sys.executable, "-m", "lspo_jax.compiles"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_an_empty_out_is_a_usage_error_naming_the_flag(capsys):
+    from lspo_jax.job import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.train_main(["--config", "configs/demo.yaml", "--out", ""])
+    assert exit_info.value.code == 2 and "--out '': name the run's directory" in capsys.readouterr().err

@@ -196,6 +196,8 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None and (args.resume or not args.print_config):
         parser.error("--out is required" + (" to resume" if args.resume else " (only --print-config runs without it)"))
+    if args.out is not None and not args.out.strip():
+        parser.error(f"--out {args.out!r}: name the run's directory")
     return _run_command("lspo-train", _train, args, "interrupted during start-up; nothing was trained")
 
 
