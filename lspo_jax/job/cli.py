@@ -624,5 +624,7 @@ def _export(args) -> int:
     from lspo_jax.job.export import export_checkpoint
 
     path = export_checkpoint(args.run_dir, args.out, step=args.step)
+    if threading.current_thread() is threading.main_thread():  # the export is in place: a SIGTERM changes nothing
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the command returns and its handler is put back
     print(json.dumps({"exported": os.path.abspath(path)}))  # absolute: the line is read by scripts run elsewhere
     return 0

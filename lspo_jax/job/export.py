@@ -5,12 +5,20 @@ base params of the latest (or a chosen) checkpoint and writes ``config.json``, `
 tokenizer files. There is no adapter to export: LSPO discards it every step and never checkpoints it. Weights that
 hold a NaN or an infinity are refused, naming the tensor and the step.
 ``lspo-eval`` restores a run's checkpoint the same way (``restore_run``).
+
+OUT is written beside itself (``OUT.partial-<pid>``) and renamed into place once complete, so a stop or a failure
+leaves it as it was: "nothing was written" stays true, and transformers never finds a directory with a shard
+missing. An OUT that exists is replaced whole, never mixed with the new files; only an empty directory or a Hugging
+Face model's (a ``config.json`` and files) is replaced, and never the run's own directory or its checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import shutil
+import threading
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +30,7 @@ from lspo_jax.models import hf
 from lspo_jax.models.model import Params
 from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError
 from lspo_jax.rl.learner import Policy
+from lspo_jax.signals import StopFlag
 from lspo_jax.train_config import TrainConfig, load_config
 
 
@@ -65,14 +74,112 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def export_checkpoint(run_dir: str, out: str, step: int | None = None) -> str:
-    """Write the base params of checkpoint ``step`` (default: the latest) of ``run_dir`` to ``out``; return ``out``."""
+    """Write the base params of checkpoint ``step`` (default: the latest) of ``run_dir`` to ``out``; return ``out``.
+
+    ``out`` ends up either the whole export or as it was: the files are written beside it and renamed into place
+    (``_staged``). Once the rename is done, a SIGTERM or Ctrl-C that came during it is dropped: the export is
+    complete, so the call returns as a success."""
     check_run_dir(run_dir)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise FileExistsError(f"{out} exists and is not a directory: lspo-export writes a Hugging Face directory")
+    check_out(run_dir, out)
     run, policy, params, step = restore_run(run_dir, step)
     check_finite(policy.config, params, step)
-    hf.save_pretrained(out, policy.config, params, tokenizer_from=model_dir(run, os.path.join(run_dir, "cache")))
+    tokenizer_from = model_dir(run, os.path.join(run_dir, "cache"))
+    with _staged(os.path.realpath(out)) as staging:
+        hf.save_pretrained(staging, policy.config, params, tokenizer_from=tokenizer_from)
     return out
+
+
+def check_out(run_dir: str, out: str) -> None:
+    """Refuse, in one line, an ``out`` that an export must not replace: a file; the run's directory or one that
+    holds it, or a place among its checkpoints (an export there mixes a model with the run's records); a directory
+    holding anything but a Hugging Face model's files (an export replaces ``out`` whole: they would be deleted)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"{out} exists and is not a directory: lspo-export writes a Hugging Face directory")
+    target, run = os.path.realpath(out), os.path.realpath(run_dir)
+    if os.path.commonpath([target, run]) == target:
+        raise FileExistsError(
+            f"{out} is the run directory {run_dir} or holds it: export to a new directory, beside the run or "
+            f"inside it (e.g. {os.path.join(run_dir, 'hf')})"
+        )
+    for records in ("checkpoints", "checkpoints.unreadable"):  # the Checkpointer's, and where it sets steps aside
+        if os.path.commonpath([target, os.path.join(run, records)]) == os.path.join(run, records):
+            raise CheckpointError(f"{out} is inside {os.path.join(run_dir, records)}: export outside the checkpoints")
+    entries = sorted(os.listdir(target)) if os.path.isdir(target) else []
+    foreign = [name for name in entries if not os.path.isfile(os.path.join(target, name))]
+    if entries and (foreign or "config.json" not in entries):
+        held = f"{foreign[0]}, not a file" if foreign else "no config.json"
+        raise FileExistsError(
+            f"{out} holds {held}: lspo-export replaces OUT whole, so only an empty directory or a Hugging Face "
+            "model's (a config.json and files); choose a new OUT"
+        )
+
+
+@contextlib.contextmanager
+def _staged(target: str) -> Iterator[str]:
+    """A new directory beside ``target`` (same parent: the rename is atomic, on one file system) for the block to
+    write; renamed to ``target`` when the block ends, removed (with the parents made for it) when the block raises,
+    a KeyboardInterrupt included. The renames and the removal run with stops held (``_stops_held``): a stop
+    between them would leave ``target`` set aside, or half removed."""
+    made = _make_parents(target)
+    staging = f"{target}.partial-{os.getpid()}"
+    try:
+        os.mkdir(staging)  # not ``exist_ok``: a directory of that name is not this call's to fill or remove
+    except BaseException:
+        _remove_empty(made)
+        raise
+    try:
+        yield staging
+        with _stops_held():
+            _replace(staging, target)
+        # Nothing after the rename may raise: the caller's next act is its success line.
+    except BaseException:
+        with _stops_held():
+            shutil.rmtree(staging, ignore_errors=True)
+            _remove_empty(made)
+        raise
+
+
+def _replace(staging: str, target: str) -> None:
+    """Rename ``staging`` to ``target``. An existing ``target`` is renamed aside first and removed after, so that
+    ``target`` never holds a mix of its old files and the new ones (and comes back if the second rename fails)."""
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        return
+    aside = f"{target}.replaced-{os.getpid()}"
+    os.rename(target, aside)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(aside, target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _stops_held() -> contextlib.AbstractContextManager:
+    """SIGTERM and Ctrl-C recorded, not raised, while entered; the record is dropped. Around the last rename of an
+    export the stop would otherwise read as "interrupted; nothing was written" of a complete export, and around a
+    cleanup it would cut the cleanup short. Signals reach Python's handlers in the main thread only."""
+    return StopFlag() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
+
+
+def _make_parents(path: str) -> list[str]:
+    """Make the missing directories above ``path`` (OUT's parent may not exist yet); return them, deepest first."""
+    missing, parent = [], os.path.dirname(path)
+    while not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except BaseException:
+        _remove_empty(missing)
+        raise
+    return missing
+
+
+def _remove_empty(directories: list[str]) -> None:
+    for directory in directories:
+        with contextlib.suppress(OSError):  # not empty (another writer's files) or already gone: left as it is
+            os.rmdir(directory)
 
 
 def check_finite(config: ModelConfig, params: Params, step: int) -> None:
