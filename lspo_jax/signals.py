@@ -28,6 +28,12 @@ class StopFlag:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def reclaim(self) -> None:
+        """Set this flag's handlers again, after a library replaced them: ``jax.distributed.initialize`` installs
+        its own SIGTERM handler (its preemption notice), which would take a scheduler's stop from the run."""
+        for sig in self._previous:
+            signal.signal(sig, self._handle)
+
     def _handle(self, signum, frame):
         self.requested = True
 

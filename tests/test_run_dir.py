@@ -12,7 +12,7 @@ import pytest
 from run_fixtures import PAPER_CONFIG, one_line
 
 from lspo_jax.job import cli
-from lspo_jax.job.run import run_records
+from lspo_jax.job.run_dir import run_records
 from lspo_jax.job.run_lock import LOCK_NAME, RunLock
 
 # Another process taking the lock of the directory argv[1]: exit 0 when it got it, else the refusal's traceback.

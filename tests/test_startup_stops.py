@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from lspo_jax.job.run import run_records
+from lspo_jax.job.run_dir import run_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LSPO_TRAIN = os.path.join(os.path.dirname(sys.executable), "lspo-train")

@@ -249,7 +249,10 @@ def _start_and_train(args, stop) -> dict | int:
 
     # Before any other JAX call: every process of a multi-host job must join before devices are listed.
     initialize_distributed(config.mesh.coordinator, config.mesh.num_processes, config.mesh.process_id)
-    stop.startup_point(single_process=config.mesh.num_processes in (None, 1))
+    stop.reclaim()  # jax.distributed sets its own SIGTERM handler
+    import jax
+
+    stop.startup_point(single_process=jax.process_count() == 1)  # joined: the job's processes are known
     try:
         return train_run(config, args.out, resume=args.resume, on_finish=_finish_on_terminate, stop=stop)
     except RunStopped as err:

@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -17,10 +17,8 @@ from typing import Any
 
 import jax
 import numpy as np
-import yaml
 from jax.experimental import multihost_utils
 
-from lspo_jax import options
 from lspo_jax.job import evaluation
 from lspo_jax.job.build import (
     ENGINES,
@@ -31,6 +29,7 @@ from lspo_jax.job.build import (
     load_policy,
     make_token_advantages,
     make_verifier,
+    model_dir,
     prompt_source,
     run_mesh,
     validation_specs,
@@ -38,110 +37,18 @@ from lspo_jax.job.build import (
 from lspo_jax.job.compiles import CompileCount
 from lspo_jax.job.metrics_log import MetricsLog, NullLog, records_until, rewrite, wandb_options
 from lspo_jax.job.progress import Progress
+from lspo_jax.job.run_dir import check_resumable, model_shapes, new_run_refused, record_config, run_records
 from lspo_jax.job.run_lock import take_run_lock
-from lspo_jax.rl.checkpoint import Checkpointer, TrainState
+from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError, TrainState
 from lspo_jax.rl.learner import Learner
 from lspo_jax.rl.train import Phases, StepAbandoned, step_rates, train_step
 from lspo_jax.signals import StartupStopped, StopFlag
 from lspo_jax.tasks import data, example_store
-from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
+from lspo_jax.train_config import ConfigError, TrainConfig
 
 
 class RunStopped(RuntimeError):
     """The run stopped early (non-finite updates in a row); a checkpoint was written first."""
-
-
-def check_resumable(run: TrainConfig, out_dir: str) -> None:
-    """Refuse to resume what the checkpoints cannot hold: another model than the run's own (its ``config.yaml``:
-    the arrays would not fit it, and the error would come from deep inside the restore), or an adapter lifetime
-    that checkpoints the adapter where the run's did not (or the reverse). How the model computes (dtype, remat,
-    attention) may change."""
-    path = os.path.join(out_dir, "config.yaml")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        saved = yaml.safe_load(f) or {}
-    saved_path = (saved.get("model") or {}).get("path")
-    if saved_path is not None and saved_path != run.model.path:
-        raise ConfigError(
-            f"--resume: model.path {run.model.path!r} is not the run's {saved_path!r} ({path}); resume without "
-            "--config to use the run's own config"
-        )
-    lifetimes = options.ADAPTER_LIFETIMES
-    saved_adapter = (saved.get("scaffold") or {}).get("adapter", run.scaffold.adapter)
-    if saved_adapter not in lifetimes:
-        return  # a config.yaml from another version: the restore says what does not fit
-    if lifetimes.resolve(saved_adapter).checkpointed != lifetimes.resolve(run.scaffold.adapter).checkpointed:
-        raise ConfigError(
-            f"--resume: scaffold.adapter {run.scaffold.adapter!r} cannot continue the run's checkpoints, written "
-            f"with {saved_adapter!r} (one keeps the adapter in them, the other not); start a new run to change it"
-        )
-
-
-# What a run leaves in its directory, as ``Run`` writes it: a new run would mix its own into them (TensorBoard shows
-# both runs' events as one, W&B continues the old run) or replace them. Plots and the model cache are not records.
-RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "tensorboard", "wandb_id", "checkpoints")
-
-
-def run_records(out_dir: str) -> list[str]:
-    """The ``RECORDS`` in ``out_dir`` (a folder among them when it holds anything), folders with a ``/``."""
-    held = []
-    for name in RECORDS:
-        path = os.path.join(out_dir, name)
-        if os.path.isdir(path):
-            held += [f"{name}/"] if os.listdir(path) else []
-        elif os.path.exists(path):
-            held.append(name)
-    return held
-
-
-def new_run_refused(out_dir: str, records: list[str]) -> FileExistsError:
-    """The refusal of a new run (no ``--resume``) into a directory holding an earlier run's ``records``, with the
-    newest checkpoint step that ``--resume`` would continue (orbax names finished steps by number)."""
-    held = ", ".join(records)
-    checkpoints = os.path.join(out_dir, "checkpoints")
-    steps = [int(name) for name in os.listdir(checkpoints) if name.isdigit()] if "checkpoints/" in records else []
-    if steps:
-        return FileExistsError(f"--out {out_dir} already holds a run ({held}; checkpoint at step {max(steps)}): pass "
-                               "--resume to continue it, or choose another --out")  # fmt: skip
-    return FileExistsError(f"--out {out_dir} already holds a run's records ({held}) and no checkpoint to resume from: "
-                           "choose another --out, or remove them to start a new run there")  # fmt: skip
-
-
-def record_config(run: TrainConfig, out_dir: str, step: int | None) -> None:
-    """Write the run's ``config.yaml``. Resuming at ``step`` with settings that differ from the file's, the file
-    the steps so far ran with is kept beside it as ``config.step<step>.yaml`` (the first such file for that step
-    stays), and a line names what changed."""
-    path = os.path.join(out_dir, "config.yaml")
-    new = to_dict(run)
-    if step and os.path.exists(path):
-        with open(path) as f:
-            old = yaml.safe_load(f) or {}
-        changed = [key for key in _changed(old, new) if key != "mesh.process_id"]  # each host's own
-        if changed:
-            kept = os.path.join(out_dir, f"config.step{step}.yaml")
-            if not os.path.exists(kept):
-                shutil.copyfile(path, kept)
-            shown = ", ".join(f"{key} {_get(old, key)!r} -> {_get(new, key)!r}" for key in changed[:6])
-            more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
-            print(f"lspo-train: --resume changes {shown}{more}; steps 1-{step} ran with {kept}", file=sys.stderr)
-    with open(path + ".tmp", "w") as f:  # replaced whole: a full disk or a stop leaves the old file, not half one
-        yaml.safe_dump(new, f, sort_keys=False)
-    os.replace(path + ".tmp", path)
-
-
-def _changed(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dicts."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        keys = dict.fromkeys([*old, *new])
-        return [k for key in keys for k in _changed(old.get(key), new.get(key), f"{prefix}{key}.")]
-    return [] if old == new else [prefix[:-1]]
-
-
-def _get(tree: dict[str, Any], key: str) -> Any:
-    for part in key.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
 
 
 class AgreedVerifier:
@@ -204,8 +111,8 @@ class Run:
             self.checkpointer.close()
             raise FileNotFoundError(f"nothing to resume in {out_dir}: it holds no checkpoint")
         try:
-            if latest is not None:
-                check_resumable(run, out_dir)
+            # A moved model whose shapes could not be compared: what the restore says if the checkpoint does not fit.
+            self.unchecked_model = check_resumable(run, out_dir, writer=self.writer) if latest is not None else None
             self._startup_point()
             self._load(run, resume=latest is not None, verifier=verifier, judge=judge)
         except BaseException:
@@ -291,14 +198,25 @@ class Run:
     # ---------------------------------------------------------------------------------- checkpoints
     def save(self) -> None:
         self._check_lock()
-        meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed, "data": self.data_digest}
+        meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed, "data": self.data_digest,
+                "model": self.model_record}  # fmt: skip
         self.checkpointer.save_state(self.state, meta, adapter=self.learner.adapter_lifetime.checkpointed)
 
     def _restore(self, fresh: TrainState, adapter: bool) -> TrainState:
         """The state of the newest readable checkpoint, in ``fresh``'s layout (``adapter``: whether it holds the
         adapter); newer unreadable ones are set aside (and said so), so the run writes those steps again. The run's
         records are taken up to that step: what followed it is redone."""
-        state, meta, failures = self.checkpointer.restore_state(fresh, adapter=adapter)
+        try:
+            state, meta, failures = self.checkpointer.restore_state(fresh, adapter=adapter)
+        except CheckpointError as err:
+            if self.unchecked_model is None:
+                raise
+            # One line a step, all alike: the newest step's cause, its first sentence (orbax's names the shapes).
+            first = str(err).split("; ")[0]
+            cause = first.partition(" is unreadable: ")[2].split(". ")[0] or first
+            raise ConfigError(f"--resume: the run's checkpoint does not fit the model at model.path "
+                              f"{self.run.model.path} ({self.unchecked_model}): {cause}; resume with the run's own "
+                              "model") from None  # fmt: skip
         step = state.step
         if step > self.run.steps:
             raise ConfigError(
@@ -327,6 +245,14 @@ class Run:
         if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
             self.prompts.load_state_dict(meta[self.prompts.meta_key])
         return state
+
+    @functools.cached_property
+    def model_record(self) -> dict[str, Any] | None:
+        """The run's ``model_shapes``, recorded in each checkpoint (None if its files can no longer be read)."""
+        try:
+            return model_shapes(model_dir(self.run, os.path.join(self.out_dir, "cache")))
+        except (OSError, ValueError):
+            return None
 
     def _open_log(self) -> MetricsLog:
         """The run's metrics log, cut back to the restored step: a resumed run's records read as if it had

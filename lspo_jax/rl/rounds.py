@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from lspo_jax.rl.packing import Rows
 from lspo_jax.rl.prompts import Draw
@@ -24,6 +25,9 @@ from lspo_jax.train_config import TrainConfig
 
 # ---------------------------------------------------------------------------------------- draw rounds
 RoundFn = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+DRAWN_ARRAYS = ("indices", "rollouts", "zero_variance", "usable")  # ``DrawResult``'s per-prompt fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,17 +55,25 @@ class DrawResult:
 
 
 def collect_batch(
-    sampler: Any, batch_size: int, rng: np.random.Generator, run_round: RoundFn, max_rounds: int
+    sampler: Any,
+    batch_size: int,
+    rng: np.random.Generator,
+    run_round: RoundFn,
+    max_rounds: int,
+    progress: Callable[[int, int], None] | None = None,
 ) -> DrawResult:
     """Draw rounds until ``batch_size`` usable prompts, ``max_rounds`` rounds, or no prompt is left. ``sampler``:
     anything with ``draw(count, rng)``, ``allocate(indices)`` (rollouts a prompt) and ``remaining()``.
 
     Each round draws the shortfall, allocates its rollouts and calls ``run_round(indices, rollouts) ->
     (zero_variance, usable)``, both ``[len(indices)]`` bool. The batch may come out short; the caller pads it.
+    ``progress(round, kept)`` is called before each round (numbered from 1) with the usable prompts so far.
     """
     parts: list[tuple[np.ndarray, ...]] = []
     kept, rounds = 0, 0
     while rounds < max_rounds and kept < batch_size and sampler.remaining() > 0:
+        if progress is not None:
+            progress(rounds + 1, kept)
         indices = sampler.draw(min(batch_size - kept, sampler.remaining()), rng)
         rollouts = sampler.allocate(indices)
         zero_variance, usable = (np.asarray(x, bool) for x in run_round(indices, rollouts))
@@ -71,6 +83,24 @@ def collect_batch(
     if not parts:
         parts.append((np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0, bool)))
     return DrawResult(*(np.concatenate(column) for column in zip(*parts, strict=True)), rounds=rounds)
+
+
+# A draw says where it is before round PROGRESS_FROM, then before every PROGRESS_EVERY-th: on data without a signal
+# each round is a whole sampling of the batch, and a large bound would otherwise pass them in silence.
+PROGRESS_FROM, PROGRESS_EVERY = 5, 10
+
+
+def draw_progress(what: str, batch_size: int, max_rounds: int) -> Callable[[int, int], None]:
+    """``collect_batch``'s ``progress`` for a draw of ``batch_size`` groups: a line on stderr before rounds 5, 10,
+    20, 30, ... (``lspo-train: step 12: dynamic sampling round 40 of 1000, 3 of 16 groups with a signal so far``)."""
+
+    def say(round_: int, kept: int) -> None:
+        if round_ == PROGRESS_FROM or (round_ > PROGRESS_FROM and round_ % PROGRESS_EVERY == 0):
+            # tqdm's write: the run's progress bar, if it shows one, is redrawn below the line instead of broken.
+            tqdm.write(f"lspo-train: {what} round {round_} of {max_rounds}, {kept} of {batch_size} groups with a "
+                       "signal so far", file=sys.stderr)  # fmt: skip
+
+    return say
 
 
 class DynamicSamplingPrompts:
@@ -83,7 +113,8 @@ class DynamicSamplingPrompts:
     The first round is the call a step without dynamic sampling makes (its key, its prompts, K rollouts each), so
     a batch whose groups all carry a signal is that step's batch exactly; later rounds fold the round into the key.
     Every draw is a function of the step's key and the order's position: a resumed run draws what an uninterrupted
-    one did, and an abandoned step puts the order back (``state_dict``)."""
+    one did, and an abandoned step puts the order back (``state_dict``). A draw of many rounds says where it is
+    (``draw_progress``)."""
 
     meta_key = "order"  # the same state as ``prompts.ShuffledPrompts``': a run may turn the option on or off
 
@@ -92,20 +123,34 @@ class DynamicSamplingPrompts:
         self.order = data.PromptOrder(len(examples), seed=run.seed, shuffle=run.data.shuffle)
 
     def next_batch(self, learner: Any, key: jax.Array, phases: Any) -> Draw:
-        run, k, rounds = self.run, self.run.rollout.group_size, []
+        run, k, rounds, sizes = self.run, self.run.rollout.group_size, [], []
+        batch_size, max_rounds = run.rollout.prompts_per_step, run.rollout.max_draw_rounds
         sample_key = jax.random.split(key)[0]  # ``train.train_step``'s own sampling key
+        fillers = 0  # dropped groups in the rounds kept: the first ``batch_size`` of them may fill the batch
 
         def run_round(indices: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            nonlocal fillers
             round_key = sample_key if not rounds else jax.random.fold_in(sample_key, len(rounds))
             rows, valid, zero_variance, usable = sample_round(
                 learner, run, [self.examples[i] for i in indices], counts, round_key, phases, per_prompt=True
             )
-            rounds.append((rows, valid))
+            # A round without a usable group, once a batch's worth of dropped groups came before it, can never enter
+            # the batch (``assemble_batch`` fills with the first dropped ones): its rows are let go, so a draw of
+            # many rounds holds at most about 2 x ``batch_size`` rounds' rows, not one per round.
+            needed = bool(usable.any()) or fillers < batch_size
+            fillers += int((~usable).sum()) if needed else 0
+            rounds.append((rows, valid) if needed else None)
+            sizes.append(len(indices))
             return zero_variance, usable
 
-        batch_size = run.rollout.prompts_per_step
-        drawn = collect_batch(_OrderDraws(self.order, k), batch_size, None, run_round, run.rollout.max_draw_rounds)
-        examples, rows, valid = assemble_batch(self.examples, drawn, rounds, batch_size, k)
+        say = draw_progress(f"step {learner.state.step + 1}: dynamic sampling", batch_size, max_rounds)
+        say = say if jax.process_index() == 0 else None  # every process draws the same rounds; one says so
+        drawn = collect_batch(_OrderDraws(self.order, k), batch_size, None, run_round, max_rounds, progress=say)
+        held = np.repeat([r is not None for r in rounds], sizes).astype(bool)
+        held_drawn = dataclasses.replace(drawn, **{name: getattr(drawn, name)[held] for name in DRAWN_ARRAYS})
+        examples, rows, valid = assemble_batch(
+            self.examples, held_drawn, [r for r in rounds if r is not None], batch_size, k
+        )
         return Draw(examples, key, rows=rows, valid=valid, record=drawn)
 
     def observe(self, draw: Draw, observation: Any) -> dict[str, Any]:
