@@ -235,7 +235,7 @@ def array_digest(state: Any) -> dict[str, str] | None:
     None when an array is not fully addressable (a multi-host run): each process holds only its shards, and a digest
     of those would need a gather of the whole state to one host; such a checkpoint is stored without one and restored
     unchecked. One host's arrays are read back to it one at a time, once more than orbax's own write does; sha256
-    ran at 1.5 GB/s on one x86 core with SHA-NI (measured on a CPU test machine): about 12 s for the 18 GB of a 1.5B
+    ran at 1.76 GB/s on one core of the work machine (benchmarks/RESULTS.md): about 10 s for the 18 GB of a 1.5B
     model's float32 base and AdamW moments, once every ``checkpoint.every`` steps.
     """
     leaves = jax.tree_util.tree_leaves_with_path(state)
