@@ -109,6 +109,7 @@ def assert_close_relative(actual, desired, rel: float, err_msg: str = "") -> Non
 # of those alone (the fourth, test_run_failures.py, took 11 s: not among the slow ones).
 SLOW_FILES_FIRST = (
     "test_multiprocess.py",
+    "test_vllm_multiprocess.py",
     "test_recipe.py",
     "test_vllm.py",
     "test_gpu_bench.py",

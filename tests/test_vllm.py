@@ -108,6 +108,26 @@ def test_two_step_lspo_run_with_vllm_rollouts_logs_sync_time_and_mismatch(checks
         assert record["vllm_logp_abs_diff"] < 1e-2 and abs(record["vllm_kl"]) < 1e-3  # float32 on both sides
 
 
+def test_the_runs_rerolls_are_proven_adapter_on_and_their_reliance_recorded(checks):
+    records = checks["train"]["train_records"]
+    for record in records:
+        spliced = record["spliced_rows"] > 0
+        assert (record["scaffold/adapter_reliance"] is not None) == spliced
+        # Sampled by the engine with the merged adapter: its log-probs of the spliced tokens are the adapter's.
+        assert record["scaffold/adapter_check"] == (1 if spliced else None)
+        if spliced:
+            assert record["scaffold/engine_adapter_diff"] < min(1e-2, record["scaffold/engine_base_diff"])
+
+
+def test_an_engine_holding_the_base_for_the_merged_adapter_stops_the_step(checks):
+    got = checks["train"]["base_for_adapter"]
+    assert got["error"] is not None, got
+    step = 2 + got["steps_tried"]  # after the run's two steps; the steps before it spliced nothing
+    assert got["error"].startswith(f"rollout.engine vllm sampled the re-rolls of step {step} from the base, not the "
+                                   "adapter: its log-probs are ")  # fmt: skip
+    assert got["step_after"] == step - 1  # the stopped step never reached the update
+
+
 def test_a_head_dim_vllm_lacks_is_refused_in_one_line_before_an_engine_starts(checks):
     got = checks["refusal"]
     assert got["code"] == 2, got["stderr"][-3000:]  # the model's head_dim is 64 / 4 = 16

@@ -2,8 +2,10 @@
 
 After the engine's checks (and with their engine closed), the same process runs two LSPO steps of
 ``configs/demo.yaml`` with ``rollout.engine=vllm``: the result's ``train`` holds the run's train records and whether
-its summary was written. Then ``lspo-train`` of a model whose head_dim vLLM's CPU attention lacks: ``refusal``
-holds its exit status and what it printed.
+its summary was written; then, on the same run and engine, steps whose merged-adapter sync pushes the base weights
+instead: ``train.base_for_adapter`` holds the error the scaffold's adapter check stopped them with. Then
+``lspo-train`` of a model whose head_dim vLLM's CPU attention lacks: ``refusal`` holds its exit status and what it
+printed.
 
 vLLM spawns processes (so its caller needs the main-module guard) and takes about 30 s to start and 20 s to
 warm up, so one engine serves every check here; the script prints one JSON object of measured numbers
@@ -237,18 +239,56 @@ TRAIN_OVERRIDES = ["steps=2", "rollout.engine=vllm", "eval.limit=4", "eval.n=1",
 
 
 def train(workdir: str) -> dict:
-    """Two steps of the demo run with vLLM rollouts: its train records and whether the summary exists."""
-    from lspo_jax.run import train_run
+    """Two steps of the demo run with vLLM rollouts: its train records and whether the summary exists; then
+    ``base_for_adapter`` on the same run (its engine still up: a second start costs tens of seconds)."""
+    from lspo_jax.job.run import Run
     from lspo_jax.train_config import load_config
 
     out_dir = os.path.join(workdir, "run")
-    train_run(load_config(DEMO_CONFIG, TRAIN_OVERRIDES), out_dir)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return {
-        "train_records": [r for r in records if r.get("kind") == "train"],
-        "summary_exists": os.path.exists(os.path.join(out_dir, "summary.json")),
-    }
+    job = Run(load_config(DEMO_CONFIG, TRAIN_OVERRIDES), out_dir)  # what train_run does, the run kept open
+    try:
+        job.train()
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return {
+            "train_records": [r for r in records if r.get("kind") == "train"],
+            "summary_exists": os.path.exists(os.path.join(out_dir, "summary.json")),
+            "base_for_adapter": base_for_adapter(job),
+        }
+    finally:
+        job.close()
+
+
+def base_for_adapter(job, tries: int = 3) -> dict:
+    """Up to ``tries`` more steps of ``job`` with the engine's merged-adapter sync pushing the base weights (the
+    merge replaced by the base: the engine then samples the re-rolls from the base) and every re-roll scored as
+    passing (so each cliff splices rows): the adapter check's error message (None if no step raised it), the steps
+    tried and the step the run is at after them."""
+    from lspo_jax.rl.scaffold import AdapterNotOnError
+    from lspo_jax.rollout import vllm_sampler
+
+    learner, merge = job.learner, vllm_sampler.merge_lora
+    real_score = learner.score
+
+    def score(rows, golds, *, per_row=False):
+        scored = real_score(rows, golds, per_row=per_row)
+        return scored.replace(accuracy=np.ones_like(scored["accuracy"])) if per_row else scored  # re-rolls: per row
+
+    vllm_sampler.merge_lora = lambda config, params, scale: params["base"]
+    learner.score = score
+    out: dict = {"error": None, "steps_tried": 0}
+    try:
+        while out["error"] is None and out["steps_tried"] < tries:
+            out["steps_tried"] += 1
+            try:
+                job.one_step()
+            except AdapterNotOnError as err:
+                out["error"] = str(err)
+    finally:
+        vllm_sampler.merge_lora = merge
+        del learner.score
+    out["step_after"] = job.state.step
+    return out
 
 
 PAPER_CONFIG = os.path.join(os.path.dirname(DEMO_CONFIG), "lspo_deepmath_r1_distill_qwen_1p5b.yaml")

@@ -202,7 +202,8 @@ class JaxEngine:
 class VLLMEngine(JaxEngine):
     """``rollout.engine: vllm`` on the policy's Hugging Face directory. It computes in ``model.compute_dtype``
     and holds sequences of up to ``data.max_prompt_tokens + rollout.max_new_tokens`` tokens; its weights are
-    synced from the trainer's params before each call."""
+    synced from the trainer's params before each call. Every process of a job starts one (run one process per device
+    to sample on all of them: ``docs/multihost.md``)."""
 
     def prepare(self, run: TrainConfig, policy: Policy, out_dir: str, logs: bool) -> None:
         from lspo_jax.rollout import vllm_sampler

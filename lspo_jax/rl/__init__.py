@@ -10,6 +10,6 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "group_advantages": "losses", "policy_loss": "losses", "sft_loss": "losses", "find_cliffs": "scaffold",
-        "Learner": "learner", "train_step": "train",
+        "AdapterNotOnError": "scaffold", "Learner": "learner", "train_step": "train",
     },
 )  # fmt: skip

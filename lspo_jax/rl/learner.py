@@ -12,7 +12,9 @@ config; and the verifier, the token-advantages strategy and the vLLM engine, whi
     rl_step      one update of the base, skipped whole when non-finite
 
 With ``rollout.engine: vllm`` every rollout is sampled by the engine, which syncs the params it is given
-first: ``sample`` is also the weight sync.
+first: ``sample`` is also the weight sync. In a job of several processes each process has its own engine, and every
+call samples a block of the prompts on each (``vllm_sampler.prompt_share``), gathered back in prompt order on every
+process; ``engine_record`` says how many engines there are and how many prompts the busiest sampled in the step.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class Learner:
         if resume is not None:
             self.state = resume(self.state, self.adapter_lifetime.checkpointed)
         rollout = run.rollout
+        self._engine_step = (self.state.step, 0)  # (step, prompts the busiest engine sampled in its rollouts)
         self.generator = Generator(policy, self.mesh, engine and engine(), compact_every=rollout.compact_every)
         self.decoding = self.generator.decoding(
             rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k
@@ -179,10 +182,24 @@ class Learner:
         sample = self.generator.generate(
             self.state.params, prompts, decoding, key=key, n=n, lora_scale=lora_scale, fallback=False
         )
+        if self.vllm is not None:
+            step, count = self._engine_step
+            count = count if step == self.state.step else 0
+            self._engine_step = (self.state.step, count + int(self.vllm.stats["last_engine_prompts"]))
         prompt_slots = self.run.data.max_prompt_tokens
         prompt_part = np.zeros((len(prompts) * sample.n, prompt_slots), np.float32)
         rows = packing.pack_samples(prompts, sample, prompt_slots)
         return rows.replace(sampler_logp=np.concatenate([prompt_part, sample.logprobs], axis=1))
+
+    def engine_record(self) -> dict[str, int]:
+        """The rollout engines of the step in progress, for its train record: ``rollout/engines``, the vLLM engines
+        sampling the run's rollouts (one per process; 0 with the JAX sampler, whose rows split over every device
+        instead), and ``rollout/engine_prompts``, the prompts the busiest engine sampled in the ``sample`` calls of the
+        step that sampled last (first rollouts and re-rolls; the same number on every process; before or after its
+        update). Validation is not counted."""
+        if self.vllm is None:
+            return {"rollout/engines": 0, "rollout/engine_prompts": 0}
+        return {"rollout/engines": int(self.vllm.stats["engines"]), "rollout/engine_prompts": self._engine_step[1]}
 
     def decode(self, rows: Arrays) -> list[str]:
         """The response texts of packed rows (special tokens dropped), as the verifier reads them."""

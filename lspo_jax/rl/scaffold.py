@@ -20,6 +20,10 @@ That is ``partial``, the paper's (the default). The others (``splice(..., varian
                  as ``group``, in another order; the two differ when cliffs may hold successes
                  (``find_cliffs(max_successes=m)``), which only ``group`` replaces
 
+``adapter_check`` proves, on a step whose re-rolls an external engine sampled, that it held the merged adapter and
+not the base: the tokens of the spliced rows, ``spliced_tokens``, are the ones both the check and the step's
+diagnostics read.
+
 This runs in numpy on the host, between sampling and the update: the number of passing re-rollouts is
 data-dependent, so a jitted version would need padding to fixed shapes for no gain on arrays this small
 (a few hundred rows), and the scaffold's logs need concrete Python numbers anyway.
@@ -253,3 +257,59 @@ def _grouped(values: np.ndarray, group_size: int, name: str) -> np.ndarray:
     if group_size < 1 or values.size % group_size:
         raise ValueError(f"{name}: {values.size} rows is not a multiple of group_size={group_size}")
     return values.reshape(-1, group_size)
+
+
+# ------------------------------------------------------------------------------------------ the adapter check
+def spliced_tokens(values: np.ndarray, token_mask: np.ndarray, spliced_rows: np.ndarray) -> np.ndarray:
+    """``[tokens]``: the per-token ``values`` ``[N, T]`` of the spliced rows' response tokens, row by row."""
+    spliced_rows = np.asarray(spliced_rows, bool)
+    return np.asarray(values)[spliced_rows][np.asarray(token_mask)[spliced_rows] > 0]
+
+
+ADAPTER_CHECK = ("scaffold/adapter_check", "scaffold/engine_adapter_diff", "scaffold/engine_base_diff")
+# The adapter and the base tell apart when they differ on the spliced tokens by this many times the engine's noise,
+# measured (``noise``) or at least ``ADAPTER_NOISE_FLOOR`` nats/token. Why 4: per token |e - b| + |e - a| >= |a - b|,
+# so an engine that held the adapter, off it by its noise n (d_adapter = n), is at d_base >= |a - b| - n from the
+# base, and is taken for the base (d_base < d_adapter) only if |a - b| < 2n: at a separation of 4 times the noise
+# measured on the base-sampled rows, only if its noise on the re-rolls is over twice that. The floor keeps the
+# rounding of float32 log-softmax (about 1e-5 nats/token between vLLM and the trainer on CPU) and a step whose rows
+# were all spliced (no base rows to measure the noise on) from deciding on a separation that small.
+ADAPTER_SEPARATION = 4.0
+ADAPTER_NOISE_FLOOR = 1e-3
+
+
+class AdapterNotOnError(options.ConfigError):
+    """An external engine sampled the scaffold's re-rolls from the base where the merged adapter was meant: the
+    spliced rows would carry none of the adapter's behaviour, and the scaffold would learn nothing from its cliffs."""
+
+
+def adapter_check(
+    engine_logp, adapter_logp, base_logp, token_mask, spliced_rows, noise: float, *, step: int, engine: str = "vllm"
+) -> dict[str, float | int | None]:
+    """Whether the engine that sampled the re-rolls held the adapter, from the spliced rows' tokens.
+
+    ``d_adapter = mean |engine - adapter|`` and ``d_base = mean |engine - base|`` over the spliced tokens, with
+    ``engine_logp`` the engine's log-probs of its sampled tokens, ``adapter_logp`` the trainer's log pi_theta+phi and
+    ``base_logp`` its log pi_theta (at the re-rolls' temperature); ``noise``: the engine's own mean |engine - trainer|
+    on the rows the base sampled (``logprob_mismatch``). When the adapter is distinguishable from the base,
+    ``mean |adapter - base| >= ADAPTER_SEPARATION * max(noise, ADAPTER_NOISE_FLOOR)``, an engine nearer the base
+    (``d_base < d_adapter``) raises ``AdapterNotOnError`` naming ``step``; otherwise ``scaffold/adapter_check`` is 1
+    (the engine held the adapter), or 0 when the two are too close to tell apart (not decided). None without
+    spliced tokens. The two distances are recorded as ``scaffold/engine_adapter_diff`` and
+    ``scaffold/engine_base_diff``.
+    """
+    engine_t, adapter_t, base_t = (
+        spliced_tokens(x, token_mask, spliced_rows).astype(np.float64) for x in (engine_logp, adapter_logp, base_logp)
+    )
+    if not engine_t.size:
+        return dict.fromkeys(ADAPTER_CHECK)
+    d_adapter, d_base = float(np.mean(np.abs(engine_t - adapter_t))), float(np.mean(np.abs(engine_t - base_t)))
+    separation = float(np.mean(np.abs(adapter_t - base_t)))
+    distinguishable = separation >= ADAPTER_SEPARATION * max(float(noise), ADAPTER_NOISE_FLOOR)
+    if distinguishable and d_base < d_adapter:
+        raise AdapterNotOnError(
+            f"rollout.engine {engine} sampled the re-rolls of step {step} from the base, not the adapter: its "
+            f"log-probs are {d_base:.3g} nats/token from the base's and {d_adapter:.3g} from the adapter's "
+            f"(rollout.engine: jax samples them with the trainer's own forward)"
+        )
+    return dict(zip(ADAPTER_CHECK, (int(distinguishable), d_adapter, d_base), strict=True))

@@ -12,7 +12,8 @@ timer, named as in its record (``time_<stage>``, ``Phases.NAMES``), in the order
     logprob  old_logp = log pi_theta on base rows, the re-rolls' log pi_theta+phi (carried by the splice) on
              spliced rows
              (``scaffold.correction`` and ``loss.tis_cap`` may change these and add weights:
-             ``corrections.importance_weights``)
+             ``corrections.importance_weights``); with an external engine, proof that it sampled the re-rolls with
+             the adapter on (``engine_adapter_check``: a run whose engine held the base stops)
     judge    with a token-advantages strategy only (``Learner.token_advantages``, e.g. a teacher judging the
              failed rows): ``[rows, length]`` advantages from GRPO's advantages of the spliced batch (taken
              untimed just before; without a strategy, those are the update's)
@@ -122,8 +123,10 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     # The log-probs of the policy that sampled each row: the adapter-on one's on spliced rows, the base's elsewhere.
     behaviour_logp = np.where(spliced_mask[:, None], rows.get("adapter_logp", base_logp), base_logp)
     record.update(spliced_diagnostics(base_logp, behaviour_logp, rows["mask"], spliced_mask))
+    record.update(adapter_reliance(base_logp, behaviour_logp, rows["mask"], spliced_mask))
     if learner.vllm is not None:
         record.update(_engine_metrics(learner, sync_before, base_logp, rows, spliced_mask))
+    record.update(engine_adapter_check(learner, rows, base_logp, behaviour_logp, spliced_mask, record, phases))
     old_logp, weights = corrections.importance_weights(
         learner.run, rows, base_logp, behaviour_logp, spliced_mask, correction=learner.correction
     )
@@ -380,15 +383,37 @@ def _sync_seconds(learner: Learner) -> float:
 
 
 def _engine_metrics(learner: Learner, sync_before: float, base_logp: np.ndarray, rows: Rows, spliced_rows: np.ndarray):
-    """``vllm_sync_seconds`` (weight pushes in this step) and how far the engine's log-probs of its sampled
-    tokens are from the trainer's teacher-forced base log-probs, on the rows the base policy sampled."""
+    """``vllm_sync_seconds`` (weight pushes in this step), how far the engine's log-probs of its sampled tokens are
+    from the trainer's teacher-forced base log-probs on the rows the base policy sampled, and the engines that
+    sampled (``rollout/engines``, ``rollout/engine_prompts``: the busiest engine's prompts this step)."""
     from lspo_jax.rollout.vllm_sampler import logprob_mismatch
 
     mask = (rows["mask"] > 0) & ~spliced_rows[:, None]
     return {
         "vllm_sync_seconds": _sync_seconds(learner) - sync_before,
         **logprob_mismatch(base_logp, rows["sampler_logp"], mask),
+        **learner.engine_record(),
     }
+
+
+def engine_adapter_check(
+    learner: Learner, rows: Rows, base_logp, behaviour_logp, spliced_rows: np.ndarray, record: dict, phases: Phases
+) -> dict[str, Any]:
+    """``scaffold.adapter_check`` of the re-rolls an external engine sampled (``scaffold/adapter_check``: 1 the engine
+    held the adapter, 0 the adapter too close to the base to tell; a run whose engine held the base stops with
+    ``scaffold.AdapterNotOnError``). The engine's noise is its mismatch on the base-sampled rows
+    (``vllm_logp_abs_diff``). None on a step without spliced rows, at ``scaffold.reroll_scale`` 0 (no adapter), and
+    with the JAX sampler, whose re-rolls are the trainer's own forward with the adapter on: nothing to prove."""
+    _, scale, temperature = _reroll_settings(learner.run)
+    if learner.vllm is None or not scale or not spliced_rows.any():
+        return dict.fromkeys(scaffold.ADAPTER_CHECK)
+    if temperature != learner.run.rollout.temperature:  # the base as the engine would have sampled the re-rolls
+        with phases("logprob", check_stop=False):
+            base_logp = learner.logprobs(rows, lora_scale=0.0, temperature=temperature)
+    return scaffold.adapter_check(
+        rows["sampler_logp"], behaviour_logp, base_logp, rows["mask"], spliced_rows, record["vllm_logp_abs_diff"],
+        step=learner.state.step + 1,
+    )  # fmt: skip
 
 
 SPLICED_DIAGNOSTICS = ("spliced_ratio_mean", "spliced_log_ratio_q10", "spliced_log_ratio_q50",
@@ -400,13 +425,27 @@ def spliced_diagnostics(base_logp, behaviour_logp, token_mask, spliced_rows: np.
     pi_theta+phi`` over spliced tokens (``spliced_ratio_mean``), the 10/50/90% quantiles of its log
     (``spliced_log_ratio_q10`` ...; a token with log ratio far below 0 gets almost no gradient under ``token``),
     and the spliced rows' share of the update's tokens (``spliced_token_share``). None on a step without them."""
-    mask = token_mask[spliced_rows] > 0
-    if not mask.any():
+    log_ratio = scaffold.spliced_tokens(base_logp - behaviour_logp, token_mask, spliced_rows)
+    if not log_ratio.size:
         return dict.fromkeys(SPLICED_DIAGNOSTICS)
-    log_ratio = (base_logp[spliced_rows] - behaviour_logp[spliced_rows])[mask]
     quantiles = np.quantile(log_ratio, [0.1, 0.5, 0.9])
     return {
         "spliced_ratio_mean": float(np.exp(log_ratio).mean()),
         **{f"spliced_log_ratio_q{q}": float(v) for q, v in zip((10, 50, 90), quantiles, strict=True)},
-        "spliced_token_share": float(mask.sum() / max(1, np.sum(token_mask > 0))),
+        "spliced_token_share": float(log_ratio.size / max(1, np.sum(token_mask > 0))),
     }
+
+
+def adapter_reliance(base_logp, behaviour_logp, token_mask, spliced_rows: np.ndarray) -> dict[str, float | None]:
+    """``scaffold/adapter_reliance``: the mean over the spliced tokens of ``log pi_theta+phi(y_t) - log
+    pi_theta(y_t)``, minus the mean of the log ratio whose quantiles ``spliced_diagnostics`` records (the same
+    tokens, through ``scaffold.spliced_tokens``). None on a step without spliced rows.
+
+    It is HiLL's reliance (the token mean over the correct guided rows of the log-likelihood gain the hint gives),
+    with the adapter as the hint. Its sign is chosen so that lower means less reliance: near 0 the base already
+    finds the spliced text likely (what transfers to it), large the text is the adapter's. Both log-probs as the
+    update sees them: the base's at the rollout temperature, the adapter's at the re-rolls' (the same unless
+    ``scaffold.reroll_temperature`` is set).
+    """
+    gain = scaffold.spliced_tokens(behaviour_logp - base_logp, token_mask, spliced_rows)
+    return {"scaffold/adapter_reliance": float(gain.mean()) if gain.size else None}

@@ -26,6 +26,14 @@ How the weights get there:
   hands them, as torch tensors, to vLLM's in-place ``reload_weights`` of the running model (modules given
   nothing keep their weights), then resets the prefix cache so no KV block computed with the old weights
   is reused. ``sync_weights`` returns the seconds it took; ``stats`` keeps the counts and times.
+* A tensor is the JAX array's own buffer, through DLPack, where the array sits on the engine's device (JAX's CPU
+  device beside vLLM's CPU build; the same GPU): vLLM's reload copies it into its parameters, and nothing is copied
+  on our side. Elsewhere (another device, a dtype DLPack refuses) it is a host numpy copy (``Handover``);
+  ``stats["sync_host_bytes"]`` counts the bytes of the last sync that took that path (0 on the device path).
+* In a job of several processes (one engine each, ``docs/multihost.md``) the params are sharded over every
+  process's devices: a sync first replicates each leaf whole onto this process's device (a collective, so every
+  process syncs at the same calls, as ``generate_arrays`` does), and each call's prompts are split into one block
+  per engine (``prompt_share``), sampled there and gathered back in prompt order on every process.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here before vLLM starts): the
 weight tensors are then handed over directly, where a separate engine process would have to serialise
@@ -57,7 +65,8 @@ give each framework its share of the device: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` 
 ``gpu_memory_utilization`` for vLLM, whose fraction counts the whole device. A run takes both from one setting,
 ``mesh.memory_fraction`` (0.6 and 0.35 by default: ``MeshSection.memory_fractions``).
 Pass ``dtype="bfloat16"``: the engine computes in it and the params are cast on device before each tensor
-is copied. A push goes through host memory, about 3.5 GB per full sync of a 1.5B model in bfloat16.
+is handed over. A push through host memory moves about 3.5 GB per full sync of a 1.5B model in bfloat16; the
+DLPack path (JAX and vLLM on the same GPU) moves none, but is not yet measured on a GPU.
 
 Adapter-on sampling uses merged weights rather than vLLM's LoRA support. Measured on CPU with the test
 model: both give our sampler's adapter-on greedy tokens, but a generate call with a ``LoRARequest`` took
@@ -68,19 +77,22 @@ model: both give our sampler's adapter-on greedy tokens, but a generate call wit
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import os
 import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import hf
@@ -187,6 +199,136 @@ def _to_torch(array: np.ndarray, torch: Any) -> Any:
     return torch.from_numpy(array)
 
 
+_HF_LINEAR = "linear"  # hf.KeyRule's layout of a matrix stored transposed on the HF side
+
+
+class Handover:
+    """Turns each JAX array of a push into the torch tensor vLLM's reload is given, and counts how.
+
+    Where the array sits on the engine's device (``engine_device``: ``"cpu"``, or ``"cuda:N"``), the tensor is
+    the array's own buffer through DLPack: no copy on our side (vLLM's reload copies it into its parameters).
+    Anywhere else, or for an array DLPack refuses, the array goes through a host numpy copy, whose bytes are
+    counted in ``host_bytes`` (``tensors[path]`` counts the tensors of each path, ``"dlpack"`` and ``"host"``).
+    """
+
+    def __init__(self, torch: Any, engine_device: str):
+        self.torch, self.engine_device = torch, engine_device
+        self.host_bytes = 0
+        self.tensors = {"dlpack": 0, "host": 0}
+        self.fallback: str | None = None  # why the last array went through the host, if one did
+
+    def __call__(self, x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            reason = self._dlpack_refused(x)
+            if reason is None:
+                try:
+                    tensor = self.torch.from_dlpack(x)
+                except (BufferError, RuntimeError, TypeError) as err:  # a dtype or layout DLPack does not carry
+                    reason = f"DLPack refused {x.dtype}: {err}"
+                else:
+                    self.tensors["dlpack"] += 1
+                    return tensor
+            self.fallback = reason
+        host = np.asarray(x)
+        self.host_bytes += host.nbytes
+        self.tensors["host"] += 1
+        return _to_torch(host, self.torch)
+
+    def _dlpack_refused(self, x: jax.Array) -> str | None:
+        devices = x.sharding.device_set
+        if len(devices) != 1:
+            return "the array spans several devices"
+        device = next(iter(devices))
+        kind, _, index = self.engine_device.partition(":")
+        if device.platform == "cpu" and kind == "cpu":
+            return None
+        if device.platform in ("gpu", "cuda") and kind == "cuda" and int(index or 0) == device.local_hardware_id:
+            return None
+        return f"JAX's {device} is not the engine's {self.engine_device}"
+
+
+def _one_device(x: Any) -> Any:
+    """``x`` whole, on one device of this process, as few copies made as the layout allows: a one-device array as it
+    is, a replicated one's local copy, one sharded over this process's devices gathered onto its first. One sharded
+    over other processes' devices too is replicated over its mesh first (a collective: every process of the job
+    makes the same calls in the same order, as every process syncs its engine), so each process gets all of it;
+    reading it as host numpy would fail there (the array spans non-addressable devices)."""
+    if not isinstance(x, jax.Array):
+        return x
+    if len(x.sharding.device_set) == 1:
+        return x
+    if not x.is_fully_addressable:
+        if not isinstance(x.sharding, jax.sharding.NamedSharding):
+            return multihost_utils.process_allgather(x, tiled=True)  # host numpy: counted as host bytes
+        x = _replicator(x.sharding.mesh)(x)
+    if x.sharding.is_fully_replicated:
+        return x.addressable_data(0)
+    return jax.device_put(x, jax.local_devices()[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _replicator(mesh: jax.sharding.Mesh) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def _jax_to_hf(rule: hf.KeyRule, x: Any) -> Any:
+    """``rule.to_hf`` in JAX ops, so a device array stays on its device (a transposed matrix is a new buffer there)."""
+    if rule.layout == _HF_LINEAR:
+        return x.reshape(math.prod(x.shape[: rule.n_in]), -1).T
+    shape = rule.hf_shape(x.shape)
+    return x if tuple(shape) == tuple(x.shape) else x.reshape(shape)
+
+
+def hf_tensors(
+    config: ModelConfig, base: Params, parts: set[str], *, dtype: Any, handover: Handover
+) -> Iterator[tuple[str, Any]]:
+    """``(hf_name, torch tensor)`` of the given parts (``"outer"``: embeddings, final norm, head; ``"layers"``) in
+    ``hf.to_hf_state_dict``'s names, layouts and order, one tensor at a time, each cast on device to ``dtype`` and
+    handed over by ``handover`` (DLPack where the array is on the engine's device). A leaf sharded over several
+    devices or processes is first gathered whole onto one device of this process (``_one_device``); a stacked layer
+    leaf once, then sliced per layer."""
+    want = jnp.dtype(dtype)
+    rules = [r for r in hf.KEY_TABLE if not (config.tie_word_embeddings and r.path == ("lm_head",))]
+
+    def whole(rule: hf.KeyRule) -> Any:
+        x = base
+        for part in rule.path:
+            x = x[part]
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != want:
+            x = x.astype(want)  # before the gather: a narrower dtype moves fewer bytes
+        elif not isinstance(x, jax.Array) and np.issubdtype(np.asarray(x).dtype, np.floating):
+            x = np.asarray(x).astype(want)
+        return _one_device(x)
+
+    def tensor(rule: hf.KeyRule, x: Any) -> Any:
+        return handover(_jax_to_hf(rule, x) if isinstance(x, jax.Array) else rule.to_hf(np.asarray(x)))
+
+    outer = [r for r in rules if not r.layered]
+    if _OUTER in parts:
+        for rule in (r for r in outer if r.path == ("embed",)):
+            yield rule.hf, tensor(rule, whole(rule))
+    if _LAYERS in parts:
+        stacked = {rule.hf: whole(rule) for rule in rules if rule.layered}
+        for i in range(config.num_layers):
+            for rule in (r for r in rules if r.layered):
+                yield rule.hf.format(i=i), tensor(rule, stacked[rule.hf][i])
+        del stacked
+    if _OUTER in parts:
+        for rule in (r for r in outer if r.path != ("embed",)):
+            yield rule.hf, tensor(rule, whole(rule))
+
+
+def prompt_share(prompts: int, process_index: int, process_count: int) -> slice:
+    """The prompts process ``process_index``'s engine samples: contiguous blocks in process order, as the JAX
+    sampler's rows split over hosts (``sharding.host_batch_slice``), the first ``prompts % process_count`` blocks one
+    longer when the count does not divide (a block may be empty)."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+    size, extra = divmod(prompts, process_count)
+    start = process_index * size + min(process_index, extra)
+    return slice(start, start + size + (process_index < extra))
+
+
 class VLLMSampler:
     """A vLLM engine on ``model_dir`` that samples from the JAX params it is given (see the module docstring).
 
@@ -194,8 +336,12 @@ class VLLMSampler:
     is vLLM's fraction of the device. ``dtype`` is the engine's compute dtype ("auto": the checkpoint's).
     ``enforce_eager`` defaults to True on CPU and False (CUDA graphs) elsewhere. ``max_model_len`` bounds
     prompt + new tokens (default: the model's maximum). ``engine_kwargs`` go to ``vllm.LLM`` as they are.
-    ``stats`` holds ``start_s``, ``warmup_s``, ``syncs``, ``sync_s_total``, ``last_sync_s``,
-    ``last_sync_tensors`` and ``last_cached_prompt_tokens`` (prefix-cache hits of the last call).
+    ``stats`` holds ``start_s``, ``warmup_s``, ``syncs``, ``sync_s_total``, ``last_sync_s`` (also ``sync_s``),
+    ``last_sync_tensors``, ``sync_host_bytes`` (of the last sync; ``sync_host_bytes_total`` for all),
+    ``sync_dlpack_tensors`` and ``sync_host_tensors`` (the last sync's tensors by path), ``engines`` (the job's
+    processes, one engine each), ``last_engine_prompts`` (the busiest engine's prompts in the last call;
+    ``engine_prompts_total`` summed over calls) and ``last_cached_prompt_tokens`` (prefix-cache hits of the last
+    call, this engine's).
     """
 
     def __init__(
@@ -243,12 +389,23 @@ class VLLMSampler:
         self.dtype = self.llm.llm_engine.model_config.dtype  # a torch dtype
         self._held: dict[str, _Held | None] = {_LAYERS: None, _OUTER: None}
         self._warned: set[str] = set()
+        # Where the engine computes: a JAX array on the same device is handed over by DLPack (``Handover``).
+        device = current_platform.device_type
+        self.engine_device = "cpu" if current_platform.is_cpu() else f"{device}:{_torch_index(torch)}"
         self.stats: dict[str, float] = {
             "start_s": time.perf_counter() - start,
+            "engines": jax.process_count(),
             "syncs": 0,
             "sync_s_total": 0.0,
             "last_sync_s": 0.0,
             "last_sync_tensors": 0,
+            "sync_s": 0.0,
+            "sync_host_bytes": 0,
+            "sync_host_bytes_total": 0,
+            "sync_dlpack_tensors": 0,
+            "sync_host_tensors": 0,
+            "last_engine_prompts": 0,
+            "engine_prompts_total": 0,
         }
         log.info("vLLM engine on %s started in %.1f s", model_dir, self.stats["start_s"])
 
@@ -281,7 +438,9 @@ class VLLMSampler:
         start = time.perf_counter()
         tree = merge_lora(config, params, scale) if scale != 0.0 else base
         self._held = {part: None if part in stale else held for part, held in self._held.items()}
-        count = self._push(self._hf_tensors(config, tree, stale))
+        handover = Handover(self._torch, self.engine_device)
+        dtype = str(self.dtype).removeprefix("torch.")
+        count = self._push(hf_tensors(config, tree, stale, dtype=dtype, handover=handover))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
         if _OUTER in stale:
@@ -293,38 +452,24 @@ class VLLMSampler:
         self.stats["sync_s_total"] += elapsed
         self.stats["last_sync_s"] = elapsed
         self.stats["last_sync_tensors"] = count
+        self.stats["sync_s"] = elapsed
+        self.stats["sync_host_bytes"] = handover.host_bytes
+        self.stats["sync_host_bytes_total"] += handover.host_bytes
+        self.stats["sync_dlpack_tensors"] = handover.tensors["dlpack"]
+        self.stats["sync_host_tensors"] = handover.tensors["host"]
+        if handover.fallback is not None:
+            self._log_once("host", "weights go to vLLM through host memory: %s", handover.fallback)
         what = "merged adapter" if scale != 0.0 else "base"
         log.info(
-            "synced %s weights (%s; %d tensors) into vLLM in %.3f s", what, "+".join(sorted(stale)), count, elapsed
-        )
+            "synced %s weights (%s; %d tensors, %d through the host) into vLLM in %.3f s",
+            what, "+".join(sorted(stale)), count, handover.tensors["host"], elapsed,
+        )  # fmt: skip
         return elapsed
 
     def _hf_tensors(self, config: ModelConfig, base: Params, parts: set[str]) -> Iterator[tuple[str, Any]]:
-        """``(hf_name, torch tensor)`` of the given parts in ``hf.to_hf_state_dict``'s names, layouts and order,
-        one tensor at a time, each cast on device to the engine's dtype before it is copied to the host."""
-        want = jnp.dtype(str(self.dtype).removeprefix("torch."))
-        rules = [r for r in hf.KEY_TABLE if not (config.tie_word_embeddings and r.path == ("lm_head",))]
-
-        def host(x: jax.Array) -> np.ndarray:
-            return np.asarray(x.astype(want) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != want else x)
-
-        def leaf(rule: hf.KeyRule) -> Any:
-            node = base
-            for part in rule.path:
-                node = node[part]
-            return node
-
-        outer = [r for r in rules if not r.layered]
-        if _OUTER in parts:
-            for rule in (r for r in outer if r.path == ("embed",)):
-                yield rule.hf, _to_torch(rule.to_hf(host(leaf(rule))), self._torch)
-        if _LAYERS in parts:
-            for i in range(config.num_layers):
-                for rule in (r for r in rules if r.layered):
-                    yield rule.hf.format(i=i), _to_torch(rule.to_hf(host(leaf(rule)[i])), self._torch)
-        if _OUTER in parts:
-            for rule in (r for r in outer if r.path != ("embed",)):
-                yield rule.hf, _to_torch(rule.to_hf(host(leaf(rule))), self._torch)
+        """``hf_tensors`` of ``base`` as a sync would hand them to this engine (its dtype and device)."""
+        handover = Handover(self._torch, self.engine_device)
+        return hf_tensors(config, base, parts, dtype=str(self.dtype).removeprefix("torch."), handover=handover)
 
     def _push(self, tensors: Iterator[tuple[str, Any]]) -> int:
         count = 0
@@ -363,9 +508,32 @@ class VLLMSampler:
         greedy: bool = False,
     ) -> SampleBatch:
         """``n`` continuations of each prompt from ``params`` (synced first when stale), as the JAX sampler's
-        ``generate_arrays`` returns them: rows in prompt order, padded with ``PAD_ID`` / 0 past each length."""
+        ``generate_arrays`` returns them: rows in prompt order, padded with ``PAD_ID`` / 0 past each length.
+
+        In a job of several processes (one engine each) every process makes the same call: each engine samples its
+        block of the prompts (``prompt_share``), and the blocks are gathered back in prompt order on every process.
+        Prompt ``i`` is seeded by its index in ``prompts`` whichever engine samples it."""
         self._check(prompts, max_new_tokens, temperature, top_p, top_k, n, greedy)
-        self.sync_weights(self.config, params, lora_scale=lora_scale)
+        self.sync_weights(self.config, params, lora_scale=lora_scale)  # on every process: it may gather the params
+        engines = jax.process_count()
+        share = prompt_share(len(prompts), jax.process_index(), engines)
+        mine = list(prompts)[share]
+        if mine:
+            options = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=eos_token_ids, n=n)
+            local = self._sample(mine, share.start, key=key, max_new_tokens=max_new_tokens, greedy=greedy, **options)
+        else:
+            local = _pack([], max_new_tokens, n)
+            self.stats["last_cached_prompt_tokens"] = 0
+        busiest = prompt_share(len(prompts), 0, engines)  # the first block is never shorter than another
+        self.stats["last_engine_prompts"] = busiest.stop - busiest.start
+        self.stats["engine_prompts_total"] += busiest.stop - busiest.start
+        return local if engines == 1 else _gather(local, len(prompts), n)
+
+    def _sample(
+        self, prompts: Sequence[Sequence[int]], first: int, *, key: jax.Array, max_new_tokens: int,
+        temperature: float, top_p: float, top_k: int, eos_token_ids: Sequence[int], n: int, greedy: bool,
+    ) -> SampleBatch:  # fmt: skip
+        """This engine's rollouts of ``prompts``, the block of the call's prompts that starts at index ``first``."""
         sp = self._vllm.SamplingParams
         common = dict(
             max_tokens=max_new_tokens,
@@ -386,7 +554,7 @@ class VLLMSampler:
                     top_p=top_p,
                     top_k=top_k if top_k > 0 else -1,
                     n=n,
-                    seed=seed + i * n,
+                    seed=seed + (first + i) * n,
                     **common,
                 )
                 for i in range(len(prompts))
@@ -417,6 +585,11 @@ class VLLMSampler:
         elif not greedy and self.logprobs_mode == "raw_logprobs" and temperature != 1.0:
             self._warn_once("raw", "vLLM's raw log-probs ignore the temperature; use processed_logprobs")
 
+    def _log_once(self, tag: str, message: str, *args: Any) -> None:
+        if tag not in self._warned:
+            self._warned.add(tag)
+            log.info(message, *args)
+
     def _warn_once(self, tag: str, message: str) -> None:
         if tag not in self._warned:
             self._warned.add(tag)
@@ -439,6 +612,33 @@ class VLLMSampler:
         self.llm.generate([{"prompt_token_ids": [1] * prompt_len}], sp, use_tqdm=False)
         self.stats["warmup_s"] = time.perf_counter() - start
         return self.stats["warmup_s"]
+
+
+def _torch_index(torch: Any) -> int:
+    return int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
+
+
+def _gather(local: SampleBatch, prompts: int, n: int) -> SampleBatch:
+    """Every process's block of rows (``prompt_share`` of ``prompts``, ``n`` rows each), in prompt order, on every
+    process: each pads its block to the longest block's rows, one all-gather (``process_allgather``, the JAX
+    sampler's gather across hosts) stacks the blocks in process order, and the padding rows are dropped."""
+    count = jax.process_count()
+    blocks = [prompt_share(prompts, p, count) for p in range(count)]
+    width = (blocks[0].stop - blocks[0].start) * n  # the first block is the longest
+
+    def padded(x: np.ndarray) -> np.ndarray:
+        return np.pad(x, [(0, width - len(x))] + [(0, 0)] * (x.ndim - 1))
+
+    arrays = {
+        "tokens": padded(local.tokens), "logprobs": padded(local.logprobs), "lengths": padded(local.lengths),
+        "eos": padded(local.eos.astype(np.int32)), "steps": np.asarray([local.steps], np.int32),
+    }  # fmt: skip
+    got = jax.tree.map(np.asarray, multihost_utils.process_allgather(arrays, tiled=True))
+    keep = np.concatenate([p * width + np.arange((b.stop - b.start) * n) for p, b in enumerate(blocks)])
+    return SampleBatch(
+        tokens=got["tokens"][keep], logprobs=got["logprobs"][keep], lengths=got["lengths"][keep],
+        eos=got["eos"][keep].astype(bool), n=n, steps=int(got["steps"].max()),
+    )  # fmt: skip
 
 
 def _pack(samples: list[Any], max_new_tokens: int, n: int) -> SampleBatch:
