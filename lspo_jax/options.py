@@ -40,7 +40,7 @@ Estimator = Literal["std", "mean_only", "loo"]
 # (the paper's), replace the whole group, or append and keep every failed row.
 Splice = Literal["partial", "group", "keep_failed"]
 # The correction of a spliced row for being sampled with the adapter on (``corrections.importance_weights``).
-Correction = Literal["token", "sequence", "floor", "shaped", "none"]
+Correction = Literal["token", "sequence", "floor", "shaped", "guide", "none"]
 # When the adapter is reset: every step (the paper), or kept across steps with its own SFT state.
 AdapterLifetime = Literal["fresh", "persistent"]
 # What the cliffs' worked solutions train: the adapter, which then re-rolls the cliffs (LSPO), or the base itself

@@ -253,8 +253,9 @@ class ScaffoldConfig:
     ``token`` (per-token ratio over the adapter-on log-prob), ``sequence`` (ratio over the base's own old log-prob
     times the detached row weight ``min(prod_t pi_theta_old / pi_mu, is_cap)``), ``floor`` (the per-token ratio
     clipped from below at ``ratio_floor``), ``shaped`` (LUFFY's ``pi / (pi + shaping_gamma)`` in place of the
-    ratio), ``none`` (treated as on-policy); see ``corrections.importance_weights``. ``reroll_n`` re-rolls per cliff
-    (null: group_size), sampled at ``reroll_temperature`` (null: the rollout's) with the adapter at
+    ratio), ``guide`` (Guide-GRPO's ``rho / (rho + gamma)``, gamma the ``guide_percentile`` quantile of the spliced
+    tokens' ratios), ``none`` (treated as on-policy); see ``corrections.importance_weights``. ``reroll_n`` re-rolls
+    per cliff (null: group_size), sampled at ``reroll_temperature`` (null: the rollout's) with the adapter at
     ``reroll_scale``; the denominators follow both. ``reroll_scale: 0`` is the compute-matched control: no adapter
     is fitted and each cliff is re-rolled by the base itself, so its rescued rows are extra samples (on-policy at
     the rollout's temperature) and what LSPO gains over it is the adapter's, not that of drawing more.
@@ -277,6 +278,7 @@ class ScaffoldConfig:
     is_cap: float = 1.0
     ratio_floor: float = 0.2
     shaping_gamma: float = 0.1
+    guide_percentile: float = 0.9
     grad_share: bool = False
     reroll_n: int | None = None
     reroll_temperature: float | None = None
@@ -299,6 +301,8 @@ class ScaffoldConfig:
         # Above 1 the floor would lift the ratio of tokens the adapter made less likely, past the clip at 1 + eps_high.
         _require(0 < self.ratio_floor <= 1, "scaffold.ratio_floor", "must be in (0, 1]", self.ratio_floor)
         _require(self.shaping_gamma > 0, "scaffold.shaping_gamma", "must be positive", self.shaping_gamma)
+        _require(0 < self.guide_percentile <= 1, "scaffold.guide_percentile", "must be in (0, 1]",
+                 self.guide_percentile)  # fmt: skip
         _require(
             self.reroll_n is None or self.reroll_n > 0, "scaffold.reroll_n", "must be positive or null", self.reroll_n
         )

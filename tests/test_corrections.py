@@ -148,3 +148,29 @@ def test_the_spliced_gradient_norm_keeps_only_the_spliced_rows_advantages():
     assert train.spliced_grad_norm(learner, batch, np.array([False, True, False])) == 1.5
     np.testing.assert_array_equal(learner.batch["advantages"], [[0, 0], [3, 4], [0, 0]])
     np.testing.assert_array_equal(batch["advantages"][0], [1, 2])  # the update's own batch is not touched
+
+
+def test_guide_weights_by_hand_and_only_on_spliced_tokens():
+    # Row 1 spliced, rho = pi_theta_old / pi_mu = [0.5, 1, 2, 4] on its tokens (base - behaviour = log rho).
+    # gamma = the 0.9 quantile of [0.5, 1, 2, 4] by linear interpolation: position 0.9 * 3 = 2.7, 2 + 0.7 * 2 = 3.4.
+    # w = gamma rho / (rho + gamma)^2: 1.7 / 3.9^2 = 0.111769, 3.4 / 4.4^2 = 0.175620, 6.8 / 5.4^2 = 0.233196,
+    # 13.6 / 7.4^2 = 0.248356. Row 0 (not spliced) keeps weight 1.
+    run = run_config("scaffold.correction=guide")
+    base = np.log(np.full((2, 4), 0.5, np.float32))
+    behaviour = base - np.log(np.array([[1, 1, 1, 1], [0.5, 1, 2, 4]], np.float32))
+    old, weights = corrections.importance_weights(
+        run, {"mask": np.ones((2, 4))}, base, behaviour, np.array([False, True])
+    )
+    np.testing.assert_allclose(old, base)  # the base's own denominator: the surrogate's ratio starts at 1
+    want = [[1.0] * 4, [1.7 / 3.9**2, 3.4 / 4.4**2, 6.8 / 5.4**2, 13.6 / 7.4**2]]
+    np.testing.assert_allclose(weights, want, rtol=RTOL)
+
+
+def test_guide_gives_the_gradient_of_its_reshaped_ratio():
+    # d/dz of rho / (rho + gamma), rho = pi(z) / mu, at fixed gamma, equals the weight times d log pi / dz.
+    gamma, mu = 3.4, 0.25
+    logits = jnp.log(jnp.array([0.5, 0.5]))
+    direct = jax.grad(lambda z: (jax.nn.softmax(z)[0] / mu) / (jax.nn.softmax(z)[0] / mu + gamma))(logits)
+    rho = 0.5 / mu
+    weighted = gamma * rho / (rho + gamma) ** 2 * jax.grad(lambda z: jax.nn.log_softmax(z)[0])(logits)
+    np.testing.assert_allclose(direct, weighted, rtol=RTOL)

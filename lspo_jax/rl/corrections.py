@@ -40,6 +40,9 @@ def importance_weights(
         shaped    old = base_logp, and a spliced token's loss is times gamma p / (p + gamma)^2, p = pi_theta_old:
                   the gradient of LUFFY's pi / (pi + gamma), gamma = scaffold.shaping_gamma
                   (``shaping_weights``)
+        guide     old = base_logp, and a spliced token's loss is times gamma rho / (rho + gamma)^2 at
+                  rho = pi_theta_old / pi_mu: the gradient of Guide-GRPO's reshaped ratio rho / (rho + gamma),
+                  unclipped, gamma the scaffold.guide_percentile quantile of the spliced tokens' rho (``guide_weights``)
         none      old = base_logp, no weight: spliced rows count as on-policy
 
     ``loss.tis_cap`` C then multiplies each token's loss by min(exp(behaviour_logp - sampler_logp), C): the
@@ -82,6 +85,14 @@ def shaped(cfg: ScaffoldConfig, base_logp, behaviour_logp, mask, spliced_rows):
         return base_logp, None
     token_weights = np.asarray(shaping_weights(base_logp, mask, cfg.shaping_gamma))
     return base_logp, np.where(spliced_rows[:, None], token_weights, 1.0).astype(np.float32)
+
+
+@CORRECTIONS.register("guide")
+def guide(cfg: ScaffoldConfig, base_logp, behaviour_logp, mask, spliced_rows):
+    """The ratio over the base; a spliced token's loss times Guide-GRPO's reshaping weight."""
+    if not spliced_rows.any():
+        return base_logp, None
+    return base_logp, guide_weights(base_logp, behaviour_logp, mask, spliced_rows, cfg.guide_percentile)
 
 
 @CORRECTIONS.register("none")
@@ -132,3 +143,21 @@ def shaping_weights(base_logp: jax.Array, mask: jax.Array, gamma: float) -> jax.
     """
     p = jnp.exp(base_logp)
     return jnp.where(mask > 0, gamma * p / jnp.square(p + gamma), 1.0)
+
+
+def guide_weights(base_logp, behaviour_logp, mask, spliced_rows: np.ndarray, percentile: float) -> np.ndarray:
+    """``[B, T]`` detached weights of the ``guide`` correction (Guide-GRPO's released configuration), 1 off the
+    spliced tokens.
+
+    Guide puts ``f(rho) = rho / (rho + gamma)`` in place of the clipped ratio on its guided (off-policy) tokens,
+    ``rho = pi_theta / pi_mu``, unclipped, with gamma the ``percentile`` quantile of the batch's ratios: here the
+    spliced tokens' ``rho`` at the update's start (numpy's linear interpolation), since the base rows' ratios are 1
+    there. The loss ``-A f(rho)`` has the gradient ``-A * gamma rho / (rho + gamma)^2 * grad log pi``; with
+    ``old_logp = log pi_theta_old`` the surrogate's own ratio is 1 at the start (the clip does not bind), so the
+    weight ``w = gamma rho / (rho + gamma)^2`` gives Guide's gradient exactly for the first update, as ``shaped``
+    does LUFFY's. A token at the quantile (rho = gamma) gets 1/4; far above or below it, little.
+    """
+    selected = (np.asarray(mask) > 0) & np.asarray(spliced_rows)[:, None]
+    rho = np.exp(np.asarray(base_logp, np.float64) - np.asarray(behaviour_logp, np.float64))
+    gamma = np.quantile(rho[selected], percentile)
+    return np.where(selected, gamma * rho / np.square(rho + gamma), 1.0).astype(np.float32)
