@@ -11,6 +11,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lspo_jax.job import cli
 from lspo_jax.train_config import ConfigError
@@ -62,3 +63,12 @@ def resume_or_restart(out: str, tool: str) -> bool:
         print(f"{tool}: {out} stopped before its first checkpoint; starting it again", file=sys.stderr)
         shutil.rmtree(out)
     return False
+
+
+def write_json(path: str | None, result: Any) -> None:
+    """A tool's ``--json`` output (none: nothing), indented for a reader."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)

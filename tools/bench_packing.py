@@ -32,7 +32,7 @@ from lspo_jax.train_config import ConfigError
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/bench_packing.py: run it from the repository root as python -m tools.bench_packing ...")
-from tools import SHARED_DATA, run_main  # noqa: E402
+from tools import SHARED_DATA, run_main, write_json  # noqa: E402
 
 PAPER = dict(rows=32 * 16, prompt_slots=1024, new_tokens=8192, devices=8, rows_per_micro=16)
 SMALL_MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
@@ -257,9 +257,7 @@ def _bench(argv: list[str] | None) -> int:
         for name in ("padded", "packed", "packed_blocked"):
             print(f"  {name:<14} " + ", ".join(f"{k} {v:.3f}" for k, v in cpu[name].items()))
         print("  speedups " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items() if "speedup" in k))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

@@ -19,7 +19,6 @@ reset; on a GPU the host path also crosses PCIe twice (device to host, host to d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -38,7 +37,7 @@ from lspo_jax.train_config import ConfigError
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/bench_sync.py: run it from the repository root as python -m tools.bench_sync ...")
-from tools import run_main  # noqa: E402
+from tools import run_main, write_json  # noqa: E402
 
 SHAPES = {"r1-1.5b": "deepseek-r1-distill-qwen-1.5b", "tiny": "tiny"}
 PATHS = ("host", "dlpack")
@@ -208,9 +207,7 @@ def _bench(argv: list[str] | None) -> int:
         + (f", {rate:.2f} GB/s of host copy" if rate is not None else "")
     )
     print(f"peak resident memory {result['peak_rss_bytes'] / 1e9:.2f} GB")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

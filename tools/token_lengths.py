@@ -24,7 +24,7 @@ from lspo_jax.train_config import ConfigError, DataConfig
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/token_lengths.py: run it from the repository root as python -m tools.token_lengths ...")
-from tools import SHARED_DATA, run_main  # noqa: E402
+from tools import SHARED_DATA, run_main, write_json  # noqa: E402
 
 FILES = ("math500", "aime24", "aime25", "aime26", "aime_1983_2023", "gsm8k_test", "gsm8k_train")
 
@@ -83,9 +83,7 @@ def _lengths(argv: list[str] | None) -> int:
     print(f"tokenizer built in {time.perf_counter() - start:.1f} s ({len(tokenizer)} tokens)", file=sys.stderr)
     results = {name: file_lengths(tokenizer, read_rows(path)) for name, path in paths.items()}
     print(markdown(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

@@ -439,8 +439,7 @@ class VLLMSampler:
         tree = merge_lora(config, params, scale) if scale != 0.0 else base
         self._held = {part: None if part in stale else held for part, held in self._held.items()}
         handover = Handover(self._torch, self.engine_device)
-        dtype = str(self.dtype).removeprefix("torch.")
-        count = self._push(hf_tensors(config, tree, stale, dtype=dtype, handover=handover))
+        count = self._push(self._hf_tensors(config, tree, stale, handover))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
         if _OUTER in stale:
@@ -466,9 +465,12 @@ class VLLMSampler:
         )  # fmt: skip
         return elapsed
 
-    def _hf_tensors(self, config: ModelConfig, base: Params, parts: set[str]) -> Iterator[tuple[str, Any]]:
-        """``hf_tensors`` of ``base`` as a sync would hand them to this engine (its dtype and device)."""
-        handover = Handover(self._torch, self.engine_device)
+    def _hf_tensors(
+        self, config: ModelConfig, base: Params, parts: set[str], handover: Handover | None = None
+    ) -> Iterator[tuple[str, Any]]:
+        """``hf_tensors`` of ``base`` as a sync hands them to this engine (its dtype and device); ``handover``
+        counts what went which way (a fresh one when not given)."""
+        handover = handover or Handover(self._torch, self.engine_device)
         return hf_tensors(config, base, parts, dtype=str(self.dtype).removeprefix("torch."), handover=handover)
 
     def _push(self, tensors: Iterator[tuple[str, Any]]) -> int:
