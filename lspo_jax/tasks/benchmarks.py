@@ -4,7 +4,7 @@ A bare name (``math500``: no directory, no suffix) is looked for, in this order:
 
 1. ``DATA_DIR/NAME.jsonl`` (or ``.parquet``), ``DATA_DIR`` being the explicit directory (``eval.data_dir``,
    ``lspo-eval --data-dir``), else ``$LSPO_JAX_DATA_DIR`` when set;
-2. the benchmarks that ship inside the package (``PACKAGED``: MATH-500, AIME 2024, AIME 2025, each checked
+2. the benchmarks that ship inside the package (``manifest()``: MATH-500, AIME 2024, AIME 2025, each checked
    against the sha256 of its manifest before it is read);
 3. the Hugging Face hub, for the names with a known dataset there (``HUB_NAMES``).
 
@@ -37,9 +37,6 @@ class BenchmarkNotFound(FileNotFoundError):
 def manifest() -> dict[str, dict]:
     """The packaged benchmarks: name -> ``{file, rows, sha256, license, license_files, origin}``."""
     return json.loads((PACKAGED_DIR / "manifest.json").read_text())["benchmarks"]
-
-
-PACKAGED = ("math500", "aime24", "aime25")
 
 
 def is_bare(value: str) -> bool:
