@@ -63,9 +63,11 @@ def test_offline_wandb_run_holds_the_logged_steps(tmp_path, offline_wandb):
         wandb.teardown()
     assert len(read_metrics(str(run_dir / "metrics.jsonl"))) == 2 * len(RECORDS)
     run_id = (run_dir / "wandb_id").read_text()
-    # Both passes wrote under the stored id (within one second they share a directory).
-    assert {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")} == {run_id}
-    history = wandb_history(next((run_dir / "wandb").glob(f"offline-run-*/run-{run_id}.wandb")))
+    # Both passes wrote under the stored id. Each pass writes its own folder (offline-run-TIME-ID, and W&B adds a
+    # "-1" to the second when both start within one second), so the id is read from the .wandb files' names.
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert files and {f.name for f in files} == {f"run-{run_id}.wandb"}
+    history = wandb_history(files[0])
     assert [row["_step"] for row in history] == [0, 1, 2]
     assert history[0]["eval/math500/pass@1"] == 0.5 and history[0]["eval/math500/accuracy"] == 0.25
     assert history[1]["train/loss"] == 0.5 and "train/entropy" not in history[1]  # NaN is null: not a number
