@@ -1,4 +1,5 @@
-"""One-shot GPU benchmark: our sampler and RL step beside transformers + torch at the same shapes, and one LSPO step.
+"""One-shot GPU benchmark: our sampler and RL step beside transformers + torch at the same shapes, one LSPO step, and
+vLLM engines, one per GPU, sampling the paper's step.
 
 Random weights of the DeepSeek-R1-Distill-Qwen-1.5B shape, bfloat16 compute. Each section runs in its own
 subprocess: a crash or an out-of-memory in one leaves the others and the JSON intact, and each starts with
@@ -53,6 +54,18 @@ lspo     ``train.train_step`` at a reduced shape (4 prompts x 16 rollouts, 64 pr
                                step's) / LSPO step time
          and ``scaffold_share_vs_dapo = 1 - DAPO step / LSPO step``. Without the DAPO step (time budget) the share
          is the lower bound (time_sft + time_reroll) / step time, and ``scaffold_share_method`` says so.
+vllm     the layout of ``rollout.engine: vllm`` (``benchmarks/vllm_layout.py``): one worker process per visible GPU
+         (``CUDA_VISIBLE_DEVICES`` one GPU each), joined by ``jax.distributed``, each with its own in-process engine
+         (``vllm_sampler.VLLMSampler``) started from one Hugging Face directory of the random bf16 weights. Each
+         times a full weight sync from params sharded over all the processes' devices (``vllm_sync_s``: the
+         slowest engine's, after an untimed sync that compiles; ``vllm_sync_host_bytes``, 0 on the DLPack path),
+         then samples its block (``prompt_share``) of the paper's step: 32 prompts of 256 random ids x 16
+         rollouts, exactly 8,192 new tokens each (no EOS). ``vllm_sample_s`` = the slowest engine's own generate
+         call, ``vllm_tokens_per_s`` = every engine's tokens / ``vllm_sample_s`` (``_per_gpu``: over the engines);
+             vllm_step_sample_s = max_e |prompt_share(32, e, N)| x 16 x 8192 / (tokens_e / seconds_e)
+         for N engines, each at its own rate: the measured slowest engine's seconds at the paper's shape, a linear
+         projection at a smaller one (``--shape vllm_new_tokens=2048``: later tokens, over a longer context, cost
+         more, so it is a lower bound). Without vLLM (the GPU machine's Python) the section is recorded as skipped.
 
 Profiles: once their figures are recorded, ``sampler_b256`` (at the section's end) and each train kernel run once
 more under ``jax.profiler``; the ops that took the device's time (self time on the busiest device timeline, top
@@ -69,17 +82,20 @@ batches; ``shapes`` in the JSON holds the sizes used.
     JAX_PLATFORMS=cpu python -m benchmarks.gpu --smoke --out /tmp/gpu_smoke.json
 
 Every part fits no single call of a few minutes: the estimates (``ESTIMATE_S``) add up to about 15 minutes with
-the profiles. Split over calls, each later call merges the sections it does not run from the earlier JSON:
+the profiles, 7 more where vLLM is installed. Split over calls, each later call merges the sections it does not run
+from the earlier JSON:
 
     python3 -m benchmarks.gpu --only sampler,train --time-budget 450 --out $OUT/gpu.json
     # copy that gpu.json to benchmarks/results/gpu.json, then
     python3 -m benchmarks.gpu --only lspo --time-budget 220 --merge benchmarks/results/gpu.json \
         --out $OUT/gpu.json
+    python3 -m benchmarks.gpu --only vllm --merge benchmarks/results/gpu.json --out $OUT/gpu.json  # with vLLM
 
 It runs from the root of a checkout (``-m``: the packages ``benchmarks`` and ``lspo_jax`` import from there), without
 installing the package, on a Python that has jax, flax, optax, orbax-checkpoint, transformers and torch but not
-math-verify, tensorboardX or vLLM (as on the GPU machine); ``tests/test_gpu_bench.py`` runs the smoke shapes with
-those three hidden.
+math-verify, tensorboardX or vLLM (as on the GPU machine; the vllm section then records why it skipped);
+``tests/test_gpu_bench.py`` runs the smoke shapes with those three hidden. With vLLM's CPU build, ``--smoke --only
+vllm`` runs two CPU engines (``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` gives each model every core), in a minute or two.
 """
 
 from __future__ import annotations
@@ -92,6 +108,7 @@ import faulthandler
 import functools
 import gc
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -109,7 +126,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import hf_baseline, trace_summary
+from benchmarks import hf_baseline, trace_summary, vllm_layout
 from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.models import sharding
 from lspo_jax.models.model import count_params, decode_attend, init_params
@@ -121,7 +138,7 @@ from lspo_jax.rollout.kv_cache import cache_nbytes
 from lspo_jax.tasks.data import Example
 from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig, TrainConfig
 
-SECTIONS = ("sampler", "train", "lspo")
+SECTIONS = ("sampler", "train", "lspo", "vllm")
 BATCH_LABELS = ("b256", "b64")
 PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "nvidia-cudnn-cu13", "flax", "optax")
 PACKAGES += ("orbax-checkpoint", "transformers", "torch", "numpy")
@@ -145,12 +162,15 @@ ESTIMATE_S = {
     "lspo": 180,
     "dapo_step": 20,
     "profile": 40,  # one more call under jax.profiler, and reading its trace
+    # Writing the model, an engine start per GPU, two syncs, 32 x 16 x 8192 tokens; nothing where vLLM is absent.
+    "vllm": 420 if importlib.util.find_spec("vllm") else 0,
 }
 PROFILE_WATCHDOG_S = 180  # a profiler that hangs (CUPTI under a sandbox) ends its section after this
 CORE_PARTS = {
     "sampler": ("sampler_b256", "hf_generate_b256"),
     "train": ("hf_train", "attention_check", "train"),
     "lspo": ("lspo",),
+    "vllm": ("vllm",),
 }
 SMOKE_SCALE = 0.05
 
@@ -174,6 +194,10 @@ class Shapes:
     lspo_solution_len: int = 512
     lspo_micro_batches: int = 4
     lspo_sft_steps: int = 4
+    vllm_prompts: int = 32
+    vllm_group: int = 16
+    vllm_prompt_len: int = 256
+    vllm_new_tokens: int = 8192
 
 
 SMOKE_SHAPES = Shapes(
@@ -192,6 +216,10 @@ SMOKE_SHAPES = Shapes(
     lspo_solution_len=16,
     lspo_micro_batches=1,
     lspo_sft_steps=2,
+    vllm_prompts=4,
+    vllm_group=2,
+    vllm_prompt_len=16,
+    vllm_new_tokens=16,
 )
 
 
@@ -920,7 +948,12 @@ def section_lspo(ctx: Context) -> None:
 
 
 # ------------------------------------------------------------------------------------- child process
-SECTION_FUNCTIONS = {"sampler": section_sampler, "train": section_train, "lspo": section_lspo}
+SECTION_FUNCTIONS = {
+    "sampler": section_sampler,
+    "train": section_train,
+    "lspo": section_lspo,
+    "vllm": vllm_layout.section,
+}
 
 
 def run_section(args: argparse.Namespace) -> None:
@@ -936,9 +969,10 @@ def run_section(args: argparse.Namespace) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
     rec = Recorder(args.section_file, args.section, args.t0)
     try:
-        device = jax.devices()[0]
-        rec.set(backend=jax.default_backend(), jax_device=device.device_kind, jax_device_count=jax.device_count())
-        rec.log(f"{jax.default_backend()} {device.device_kind}")
+        if args.section != "vllm":  # that section's workers need the whole devices: no backend starts here
+            device = jax.devices()[0]
+            rec.set(backend=jax.default_backend(), jax_device=device.device_kind, jax_device_count=jax.device_count())
+            rec.log(f"{jax.default_backend()} {device.device_kind}")
         SECTION_FUNCTIONS[args.section](Context(args=args, shapes=shapes_of(args), rec=rec))
     except BaseException as err:  # outside any part (set-up, a kill): recorded, then the process fails
         rec.data["errors"]["section"] = f"{type(err).__name__}: {err}"[:4000]
@@ -971,6 +1005,7 @@ HEADLINE_KEYS = (
     "dapo_step_seconds",
     "scaffold_share_vs_dapo",
     "lspo_phases",
+    *vllm_layout.HEADLINE_KEYS,
 )
 SETTINGS = ("time_budget", "remat", "attention", "lspo_attention", "chunk_size", "repeats", "cache_window")
 SETTINGS += ("hbm_tb_s", "peak_tflops")
@@ -982,6 +1017,7 @@ FORMULAS = {
     "attention's 12 L d_attn T per token halved for the causal mask; remat recomputation not counted",
     "scaffold_share": "(time_sft + time_reroll + LSPO step's reward and logprob time beyond the DAPO step's) / "
     "LSPO step time",
+    "vllm_step_sample_s": vllm_layout.STEP_FORMULA,
 }
 
 
@@ -1021,7 +1057,7 @@ def run_child(args: argparse.Namespace, section: str, soft_deadline: float | Non
     record["seconds"] = round(time.time() - start, 1)
     if failure:
         record["error"] = failure
-    record["status"] = "failed" if failure or record.get("errors") else "ok"
+    record["status"] = "failed" if failure or record.get("errors") else record.get("status", "ok")  # or skipped
     return record
 
 

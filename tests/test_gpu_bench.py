@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from benchmarks import trace_summary
+from benchmarks import trace_summary, vllm_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_HF = all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
@@ -83,6 +83,8 @@ def smoke(tmp_path_factory) -> dict:
 def test_every_key_and_no_failure(smoke):
     assert not [key for key in REQUIRED if key not in smoke]
     for name, section in smoke["sections"].items():
+        if name == "vllm":  # vLLM hidden, as on the GPU machine: test_vllm_section_is_skipped_where_vllm_is_absent
+            continue
         assert section["status"] == "ok", (name, section)
         skipped = section["skipped"]
         assert not skipped if HAS_HF else set(skipped) <= {"hf_generate_b256", "hf_generate_b64", "hf_train"}
@@ -159,6 +161,58 @@ def test_profile_summaries_in_the_smoke_run(smoke):
     for section, part in (("sampler", "sampler_b256"), ("train", "train_xla"), ("train", "train_einsum")):
         summary = smoke["sections"][section][f"profile_{part}"]
         assert summary["top"] and summary["total_ms"] > 0, (part, summary)
+
+
+def test_vllm_section_is_skipped_where_vllm_is_absent(smoke):
+    section = smoke["sections"]["vllm"]
+    assert section["status"] == "skipped" and section["reason"].startswith("vllm cannot be imported here"), section
+    assert "\n" not in section["reason"] and not section["errors"]
+    assert all(smoke[key] is None for key in vllm_layout.HEADLINE_KEYS)
+
+
+def test_vllm_figures_and_the_step_projection():
+    def engine(tokens, seconds, sync_s, host_bytes=0):
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "sync_s": sync_s,
+                "sync_host_bytes": host_bytes, "sync_dlpack_tensors": 339 - (host_bytes > 0)}  # fmt: skip
+
+    # Two engines of 128 tokens, in 2 s (64 tokens/s) and 4 s (32 tokens/s): the step ends at 4 s, 256 / 4 = 64
+    # tokens/s, 32 per GPU. The paper's step gives each 16 prompts x 16 x 8192 = 2,097,152 tokens: 32,768 s at 64
+    # tokens/s, 65,536 s at 32. The sync figures are those of the slower sync.
+    two = vllm_layout.summarize([engine(128, 2.0, 0.5), engine(128, 4.0, 0.7, host_bytes=10)])
+    assert two == pytest.approx({
+        "vllm_engines": 2, "vllm_sample_s": 4.0, "vllm_tokens_per_s": 64.0, "vllm_tokens_per_s_per_gpu": 32.0,
+        "vllm_sync_s": 0.7, "vllm_sync_host_bytes": 10, "vllm_sync_dlpack_tensors": 338, "vllm_step_sample_s": 65536.0,
+    })  # fmt: skip
+    # Three engines: 32 prompts split 11, 11, 10. At 100, 100 and 80 tokens/s: 11 x 16 x 8192 / 100 = 14,417.92 s,
+    # 10 x 16 x 8192 / 80 = 16,384 s, so the smaller block at the lower rate ends the step. 3000 tokens / 12.5 s = 240.
+    three = vllm_layout.summarize([engine(1000, 10.0, 1.0), engine(1000, 10.0, 1.0), engine(1000, 12.5, 1.0)])
+    assert three["vllm_step_sample_s"] == pytest.approx(16384.0)
+    assert (three["vllm_tokens_per_s"], three["vllm_tokens_per_s_per_gpu"]) == pytest.approx((240.0, 80.0))
+
+
+def test_vllm_workers_one_per_gpu_and_their_environment():
+    assert vllm_layout.visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 5"}) == ["3", "5"]
+    assert vllm_layout.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert vllm_layout.engine_devices(False, {}, ["3", "5"]) == (["3", "5"], None)
+    assert vllm_layout.engine_devices(True, {"JAX_PLATFORMS": "cpu"}, ["0"]) == ([None, None], None)  # the smoke
+    devices, why_not = vllm_layout.engine_devices(False, {"JAX_PLATFORMS": "cpu"}, ["0"])
+    assert devices == [] and "no GPU" in why_not
+    base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "3,5", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
+    env = vllm_layout.worker_env(base, 1, 2, 4321, "5", 0.2)
+    assert env == {
+        **base, "CUDA_VISIBLE_DEVICES": "5", "JAX_COORDINATOR_ADDRESS": "localhost:4321", "JAX_NUM_PROCESSES": "2",
+        "JAX_PROCESS_ID": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.2",
+        "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+    }  # fmt: skip
+    cpu = vllm_layout.worker_env({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, 0, 2, 4321, None, 0.2)
+    assert cpu["JAX_PLATFORMS"] == "cpu" and cpu["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # the caller's setting kept
+    assert "CUDA_VISIBLE_DEVICES" not in cpu and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in cpu
+    # JAX's share and vLLM's split the device as mesh.memory_fraction does: 1 - 0.2 - the 0.05 margin.
+    from benchmarks.gpu import Shapes
+
+    spec = vllm_layout.worker_spec(Shapes(), 0, cpu=False)  # the GPU run's shapes: the paper's step
+    assert (spec["dtype"], spec["jax_fraction"], spec["vllm_fraction"]) == ("bfloat16", 0.2, 0.75)
+    assert (spec["prompts"], spec["group"], spec["prompt_len"], spec["new_tokens"]) == (32, 16, 256, 8192)
 
 
 def test_only_out_of_memory_moves_to_the_next_remat_policy():
