@@ -131,9 +131,10 @@ from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.models import sharding
 from lspo_jax.models.model import count_params, decode_attend, init_params
 from lspo_jax.rl import distributed, logprobs, losses, optim, packing, train
-from lspo_jax.rl.learner import Learner, Policy
+from lspo_jax.rl.learner import Learner
 from lspo_jax.rl.prompts import Draw
 from lspo_jax.rollout import sampler
+from lspo_jax.rollout.generator import Policy
 from lspo_jax.rollout.kv_cache import cache_nbytes
 from lspo_jax.tasks.data import Example
 from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig, TrainConfig

@@ -10,68 +10,68 @@
                 (a learned prompt sampler with a target's scores around the update)
     job/        a training run end to end: the loop, validation, metrics, plots, export, the commands
 
-Modules that lived at the package's top before the folders still import by their old dotted names
-(``lspo_jax.losses``, ``lspo_jax.hf``, ...): ``_OldPaths`` resolves each to the moved module itself, so a name
-patched through either path is patched for both. The two modules that were split, ``l2rr`` and ``reweight``,
-resolve to the ``methods.l2rr`` package, which exports the names they held: patch those in the module that defines
-them. Names that moved between modules (e.g. the per-token log-probs from ``losses`` to ``logprobs``) are found at
-their new module only; the public API of DESIGN.md keeps every old path. Importing the package imports nothing else
-(no JAX): the commands start fast.
+The public functional API of DESIGN.md also imports by its pre-folder paths (``lspo_jax.losses.policy_loss``, ...),
+for release 0.1 only: each such name warns with a ``DeprecationWarning`` naming its real path, and every other
+old name is gone. Importing the package imports nothing else (no JAX): the commands start fast.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.machinery
-import importlib.util
 import sys
+import types
+import warnings
 from typing import Any
 
-# Old top-level module -> its module now: the moves by folder, then the ones renamed or split on the way.
-_MOVED_AS_IS = {
-    "models": "axes flash hf kernels model qwen_vocab sharding",
-    "tasks": "data example_store rewards toy verify_pool",
-    "rollout": "kv_cache sampler vllm_sampler",
-    "rl": "checkpoint corrections distributed learner logprobs losses optim packing prompts scaffold train",
-    "job": "cli compiles evaluation export metrics_log plots progress run run_lock tables toy_model",
+REMOVED_IN = "0.2.0"
+# Old top-level module -> (its module now, the public names it keeps there); DESIGN.md's list.
+DEPRECATED = {
+    "losses": ("rl.losses", ("group_advantages", "policy_loss", "sft_loss")),
+    "rewards": ("tasks.rewards", ("overlong_penalty", "math_reward")),
+    "scaffold": ("rl.scaffold", ("find_cliffs",)),
+    "evaluation": ("job.evaluation", ("pass_at_k",)),
+    "hf": ("models.hf", ("load_pretrained", "save_pretrained")),
+    "model": ("models.model", ("forward",)),
 }
-MOVED = {name: f"{folder}.{name}" for folder, names in _MOVED_AS_IS.items() for name in names.split()} | {
-    "first_mistake": "methods.first_mistake.advantages",
-    "sentences": "methods.first_mistake.sentences",
-    "teacher": "methods.first_mistake.teacher",
-    # Both split: the method's folder exports the names they held (dynamic sampling's are in ``rl.rounds``).
-    "l2rr": "methods.l2rr",
-    "reweight": "methods.l2rr",
-}
+
+
+def _deprecated_module(old: str) -> types.ModuleType:
+    """``lspo_jax.<old>``: a module holding only the public names, each read from its real module with a warning."""
+    new, names = DEPRECATED[old]
+    module = types.ModuleType(f"{__name__}.{old}", f"Deprecated: the public names of {__name__}.{new}.")
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"{__name__}.{old} has no {name!r}: import it from {__name__}.{new}")
+        warnings.warn(f"{__name__}.{old}.{name} is {__name__}.{new}.{name}; the old path goes in {REMOVED_IN}",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return getattr(importlib.import_module(f"{__name__}.{new}"), name)
+
+    module.__getattr__ = __getattr__
+    module.__all__ = list(names)
+    return module
 
 
 class _OldPaths:
-    """Imports ``lspo_jax.<old>`` as the module at its new path: the same module object under both names. A meta-path
-    finder and its loader (``importlib.abc``'s protocols, not its classes: importing that costs the commands' start)."""
+    """Imports ``lspo_jax.<old>`` for the names of ``DEPRECATED``. A meta-path finder and its loader
+    (``importlib.abc``'s protocols, not its classes: importing that costs the commands' start)."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         package, _, old = fullname.rpartition(".")
-        if package != __name__ or old not in MOVED:
+        if package != __name__ or old not in DEPRECATED:
             return None
         return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec: Any) -> Any:
-        module = importlib.import_module(f"{__name__}.{MOVED[spec.name.rpartition('.')[2]]}")
-        spec.loader_state = module.__spec__  # the import system keeps the module's __name__ but sets __spec__
-        return module
+        return _deprecated_module(spec.name.rpartition(".")[2])
 
     def exec_module(self, module: Any) -> None:
-        module.__spec__ = module.__spec__.loader_state  # already executed under its own name: its own spec back
-
-    def get_code(self, fullname: str) -> Any:
-        """The moved module's code: ``python -m lspo_jax.<old>`` runs it as ``python -m`` of its new path would."""
-        new = f"{__name__}.{MOVED[fullname.rpartition('.')[2]]}"
-        spec = importlib.util.find_spec(new)
-        return spec.loader.get_code(new)
+        pass
 
 
 if not any(isinstance(finder, _OldPaths) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _OldPaths())  # before an editable install's finder, which knows the old files
+    sys.meta_path.insert(0, _OldPaths())
 
 
 def lazy_exports(package: str, names: dict[str, str]) -> tuple[Any, Any]:

@@ -43,17 +43,17 @@ Splice = Literal["partial", "group", "keep_failed"]
 Correction = Literal["token", "sequence", "floor", "shaped", "guide", "none"]
 # When the adapter is reset: every step (the paper), or kept across steps with its own SFT state.
 AdapterLifetime = Literal["fresh", "persistent"]
-# What the cliffs' worked solutions train: the adapter, which then re-rolls the cliffs (LSPO), or the base itself
-# with the SFT loss and nothing re-rolled (the direct-supervision control: interleaved SFT, as ReLIFT's).
-Supervise = Literal["adapter", "base"]
+# What the worked solutions train: the adapter, which then re-rolls the cliffs (LSPO); the base itself with the SFT
+# loss before the RL update and nothing re-rolled (the direct-supervision control: interleaved SFT, as ReLIFT's); the
+# base through an SFT term in the RL update's own loss (CHORD's mixed objective); or the base once, on the training
+# set's solutions, before RL begins, which then runs as DAPO (SFT then RL).
+Supervise = Literal["adapter", "base", "mixed", "sft_warmup"]
+# The mixed objective's weight mu over the run: cosine decay from ``scaffold.mix_mu`` to 0, or constant.
+MixSchedule = Literal["cosine", "constant"]
+# Per-token weights of the mixed objective's SFT term: none, or CHORD-phi's detached p (1 - p).
+SFTTokenWeight = Literal["none", "p1mp"]
 # What samples the rollouts: the JAX sampler, or a vLLM engine given the base's weights after each update.
 RolloutEngine = Literal["jax", "vllm"]
-# The first-mistake judge's reference solution: the teacher's own verified one, or the dataset's.
-Reference = Literal["teacher", "ground_truth"]
-# L2RR: the scores' normalisation, the target loss, and how a prompt's loss is averaged.
-Normalisation = Literal["std", "max_abs", "none"]
-TargetLoss = Literal["nll_token_mean", "nll_example_mean"]
-PromptLossNorm = Literal["prompt", "batch"]
 # Training data: the row schema, where the instruction goes, and what a too-long prompt or solution gets.
 DataFormat = Literal["auto", "shared", "deepmath"]
 InstructionPosition = Literal["after", "before", "none"]

@@ -31,23 +31,21 @@ from lspo_jax.options import (
     FieldError,
     InstructionPosition,
     LengthPolicy,
-    Normalisation,
-    PromptLossNorm,
+    MixSchedule,
     ProtocolName,
-    Reference,
     Remat,
     RLOptimConfig,
     RolloutEngine,
     SFTOptimConfig,
+    SFTTokenWeight,
     SolutionField,
     Splice,
     Supervise,
-    TargetLoss,
     WandbMode,
 )
 
 
-def _require(ok: bool, key: str, message: str, *value: Any) -> None:
+def require(ok: bool, key: str, message: str, *value: Any) -> None:
     """A ``ConfigError`` in the config's one dialect unless ``ok``: ``key: what is allowed, got value`` (the value
     left out where the message says it, or where no one value is at fault)."""
     if not ok:
@@ -77,9 +75,9 @@ class ModelSource:
 
     def __post_init__(self) -> None:
         options.check(self, "model")
-        _require(bool(self.path), "model.path", "must name a Hugging Face directory, ORG/NAME or 'toy'", self.path)
+        require(bool(self.path), "model.path", "must name a Hugging Face directory, ORG/NAME or 'toy'", self.path)
         if self.attention == "cudnn":
-            _require(self.compute_dtype == "bfloat16", "model.attention", "cudnn needs model.compute_dtype: bfloat16")
+            require(self.compute_dtype == "bfloat16", "model.attention", "cudnn needs model.compute_dtype: bfloat16")
 
 
 R1_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -127,11 +125,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "data")
-        _require(self.limit is None or self.limit > 0, "data.limit", "must be positive or null", self.limit)
-        _require(self.cache_dir is None or bool(self.cache_dir.strip()), "data.cache_dir",
+        require(self.limit is None or self.limit > 0, "data.limit", "must be positive or null", self.limit)
+        require(self.cache_dir is None or bool(self.cache_dir.strip()), "data.cache_dir",
                  "must be a directory, default or null", self.cache_dir)  # fmt: skip
-        _require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be positive", self.max_prompt_tokens)
-        _require(self.max_solution_tokens > 0, "data.max_solution_tokens", "must be positive", self.max_solution_tokens)
+        require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be positive", self.max_prompt_tokens)
+        require(self.max_solution_tokens > 0, "data.max_solution_tokens", "must be positive", self.max_solution_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,27 +162,25 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "rollout")
-        _require(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be positive", self.prompts_per_step)
-        _require(
+        require(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be positive", self.prompts_per_step)
+        require(
             self.group_size > 1,
             "rollout.group_size",
             "must be > 1: advantages are normalised per group",
             self.group_size,
         )
-        _require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive", self.max_new_tokens)
-        _require(self.temperature > 0, "rollout.temperature", "must be positive", self.temperature)
-        _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
-        _require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 disables it)", self.top_k)
-        _require(
+        require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive", self.max_new_tokens)
+        require(self.temperature > 0, "rollout.temperature", "must be positive", self.temperature)
+        require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
+        require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 disables it)", self.top_k)
+        require(
             self.vllm_kv_cache_gib > 0,
             "rollout.vllm_kv_cache_gib",
             "must be a positive number of GiB",
             self.vllm_kv_cache_gib,
         )
-        _require(
-            self.compact_every >= 0, "rollout.compact_every", "must be >= 0 (0 never compacts)", self.compact_every
-        )
-        _require(
+        require(self.compact_every >= 0, "rollout.compact_every", "must be >= 0 (0 never compacts)", self.compact_every)
+        require(
             self.max_draw_rounds >= 1,
             "rollout.max_draw_rounds",
             "must be >= 1 (the first round included)",
@@ -203,9 +199,9 @@ class RewardConfig:
     timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        _require(self.overlong_buffer > 0, "reward.overlong_buffer", "must be positive", self.overlong_buffer)
-        _require(self.workers >= 0, "reward.workers", "must be >= 0 (0 scores in-process)", self.workers)
-        _require(self.timeout_s > 0, "reward.timeout_s", "must be positive", self.timeout_s)
+        require(self.overlong_buffer > 0, "reward.overlong_buffer", "must be positive", self.overlong_buffer)
+        require(self.workers >= 0, "reward.workers", "must be >= 0 (0 scores in-process)", self.workers)
+        require(self.timeout_s > 0, "reward.timeout_s", "must be positive", self.timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,20 +225,20 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "loss")
-        _require(
+        require(
             self.chunk_size is None or self.chunk_size > 0,
             "loss.chunk_size",
             "must be positive or null",
             self.chunk_size,
         )
-        _require(0 <= self.eps_low < 1, "loss.eps_low", "must be in [0, 1)", self.eps_low)
-        _require(self.eps_high >= 0, "loss.eps_high", "must be >= 0", self.eps_high)
+        require(0 <= self.eps_low < 1, "loss.eps_low", "must be in [0, 1)", self.eps_low)
+        require(self.eps_high >= 0, "loss.eps_high", "must be >= 0", self.eps_high)
         # Clip-higher widens the upper side (DAPO: 0.2 / 0.28); a narrower one is a swapped pair.
         pair = f"eps_high {self.eps_high} < eps_low {self.eps_low}"
-        _require(self.eps_high >= self.eps_low, "loss.eps_high", f"must be >= loss.eps_low (clip-higher), got {pair}")
-        _require(self.clip_c is None or self.clip_c > 1, "loss.clip_c", "must be > 1 or null", self.clip_c)
-        _require(self.micro_batches > 0, "loss.micro_batches", "must be positive", self.micro_batches)
-        _require(self.tis_cap is None or self.tis_cap > 0, "loss.tis_cap", "must be positive or null", self.tis_cap)
+        require(self.eps_high >= self.eps_low, "loss.eps_high", f"must be >= loss.eps_low (clip-higher), got {pair}")
+        require(self.clip_c is None or self.clip_c > 1, "loss.clip_c", "must be > 1 or null", self.clip_c)
+        require(self.micro_batches > 0, "loss.micro_batches", "must be positive", self.micro_batches)
+        require(self.tis_cap is None or self.tis_cap > 0, "loss.tis_cap", "must be positive or null", self.tis_cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +263,17 @@ class ScaffoldConfig:
     cliffs' worked solutions train the base itself, the same rows and ``sft_steps`` as the adapter would get, with
     the SFT loss and a fresh AdamW state at the RL optimizer's rate (``optim.lr``, no warm-up), and nothing is
     re-rolled or spliced; it breaks the routing rule on purpose (interleaved SFT, as in ReLIFT).
+
+    Two more arms of the field supervise the base with the worked solutions, nothing re-rolled and no adapter.
+    ``supervise: mixed`` is CHORD's mixed objective: the base's one update of a step minimises
+    ``L_RL + mu_t * L_SFT`` (``losses.mixed_loss``), L_SFT the token-mean NLL of the step's cliffs' solutions
+    (``scaffold.mix_token_weight: p1mp`` weighs each token by its detached ``p (1 - p)``, CHORD-phi), ``mu_t``
+    ``mix_mu`` decayed by ``mix_schedule`` (``cosine``: ``mix_mu * (1 + cos(pi t / steps)) / 2`` at the step that
+    follows t done, over the ``steps`` of the config in force; ``constant``); a step without cliffs adds nothing.
+    ``supervise: sft_warmup`` is SFT then RL: before its first step the base is fine-tuned on the training set's
+    solutions for ``warmup_tokens`` solution tokens (``rl.warmup``; required, read by this arm alone), then every
+    step is DAPO's. To match the direct control's budget, set ``warmup_tokens`` to the sum of its records'
+    ``scaffold/sft_tokens`` over a run (or their mean per step times ``steps``).
     """
 
     enabled: bool = True
@@ -279,6 +286,10 @@ class ScaffoldConfig:
     ratio_floor: float = 0.2
     shaping_gamma: float = 0.1
     guide_percentile: float = 0.9
+    mix_mu: float = 0.1
+    mix_schedule: MixSchedule = "cosine"
+    mix_token_weight: SFTTokenWeight = "none"
+    warmup_tokens: int | None = None
     grad_share: bool = False
     reroll_n: int | None = None
     reroll_temperature: float | None = None
@@ -293,41 +304,51 @@ class ScaffoldConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "scaffold")
-        _require(self.supervise == "adapter" or self.adapter == "fresh", "scaffold.supervise",
-                 "base fits no adapter, so there is none to keep (scaffold.adapter: persistent)")  # fmt: skip
-        _require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive", self.sft_steps)
-        _require(self.min_cliff_bucket > 0, "scaffold.min_cliff_bucket", "must be positive", self.min_cliff_bucket)
-        _require(self.is_cap > 0, "scaffold.is_cap", "must be positive", self.is_cap)
+        require(self.supervise == "adapter" or self.adapter == "fresh", "scaffold.supervise",
+                 f"{self.supervise} fits no adapter, so none is kept (scaffold.adapter: persistent)")  # fmt: skip
+        require(self.mix_mu >= 0, "scaffold.mix_mu", "must be >= 0", self.mix_mu)
+        require(self.warmup_tokens is None or self.warmup_tokens > 0, "scaffold.warmup_tokens",
+                 "must be positive or null", self.warmup_tokens)  # fmt: skip
+        require(not (self.enabled and self.supervise == "sft_warmup") or self.warmup_tokens is not None,
+                 "scaffold.warmup_tokens", "sft_warmup needs its SFT budget in solution tokens: set it, e.g. to the "
+                 "direct arm's (supervise: base) scaffold/sft_tokens summed over a run")  # fmt: skip
+        require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive", self.sft_steps)
+        require(self.min_cliff_bucket > 0, "scaffold.min_cliff_bucket", "must be positive", self.min_cliff_bucket)
+        require(self.is_cap > 0, "scaffold.is_cap", "must be positive", self.is_cap)
         # Above 1 the floor would lift the ratio of tokens the adapter made less likely, past the clip at 1 + eps_high.
-        _require(0 < self.ratio_floor <= 1, "scaffold.ratio_floor", "must be in (0, 1]", self.ratio_floor)
-        _require(self.shaping_gamma > 0, "scaffold.shaping_gamma", "must be positive", self.shaping_gamma)
-        _require(0 < self.guide_percentile <= 1, "scaffold.guide_percentile", "must be in (0, 1]",
+        require(0 < self.ratio_floor <= 1, "scaffold.ratio_floor", "must be in (0, 1]", self.ratio_floor)
+        require(self.shaping_gamma > 0, "scaffold.shaping_gamma", "must be positive", self.shaping_gamma)
+        require(0 < self.guide_percentile <= 1, "scaffold.guide_percentile", "must be in (0, 1]",
                  self.guide_percentile)  # fmt: skip
-        _require(
+        require(
             self.reroll_n is None or self.reroll_n > 0, "scaffold.reroll_n", "must be positive or null", self.reroll_n
         )
         temperature = self.reroll_temperature
-        _require(
+        require(
             temperature is None or temperature > 0,
             "scaffold.reroll_temperature",
             "must be positive or null",
             temperature,
         )
-        _require(self.reroll_scale >= 0, "scaffold.reroll_scale", "must be >= 0", self.reroll_scale)
-        _require(
-            self.cliff_max_successes >= 0, "scaffold.cliff_max_successes", "must be >= 0", self.cliff_max_successes
-        )
-        _require(
+        require(self.reroll_scale >= 0, "scaffold.reroll_scale", "must be >= 0", self.reroll_scale)
+        require(self.cliff_max_successes >= 0, "scaffold.cliff_max_successes", "must be >= 0", self.cliff_max_successes)
+        require(
             self.reset_every is None or self.reset_every > 0,
             "scaffold.reset_every",
             "must be positive or null",
             self.reset_every,
         )
-        _require(
+        require(
             self.reset_every is None or options.ADAPTER_LIFETIMES.resolve(self.adapter).scheduled,
             "scaffold.reset_every",
             "resets a persistent adapter; a fresh one is reset every step (set scaffold.adapter: persistent)",
         )
+
+    @property
+    def uses_cliffs(self) -> bool:
+        """Whether the steps act on their cliffs' worked solutions: the scaffold on, and not the SFT warm-up, whose
+        steps are DAPO's (a draw then keeps no cliff for it)."""
+        return self.enabled and self.supervise != "sft_warmup"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,13 +383,13 @@ class EvalConfig:
     DEFAULT_KS: ClassVar[tuple[int, ...]] = (1, 4, 8, 16)
 
     def __post_init__(self) -> None:
-        _require(self.every >= 0, "eval.every", "must be >= 0", self.every)
-        _require(self.n > 0, "eval.n", "must be positive", self.n)
-        _require(all(0 < k <= self.n for k in self.ks), "eval.ks", f"each k must be in 1..n={self.n}", list(self.ks))
-        _require(self.max_new_tokens > 0, "eval.max_new_tokens", "must be positive", self.max_new_tokens)
-        _require(self.temperature > 0, "eval.temperature", "must be positive", self.temperature)
-        _require(self.limit is None or self.limit > 0, "eval.limit", "must be positive or null", self.limit)
-        _require(self.top_p is None or 0 < self.top_p <= 1, "eval.top_p", "must be in (0, 1] or null", self.top_p)
+        require(self.every >= 0, "eval.every", "must be >= 0", self.every)
+        require(self.n > 0, "eval.n", "must be positive", self.n)
+        require(all(0 < k <= self.n for k in self.ks), "eval.ks", f"each k must be in 1..n={self.n}", list(self.ks))
+        require(self.max_new_tokens > 0, "eval.max_new_tokens", "must be positive", self.max_new_tokens)
+        require(self.temperature > 0, "eval.temperature", "must be positive", self.temperature)
+        require(self.limit is None or self.limit > 0, "eval.limit", "must be positive or null", self.limit)
+        require(self.top_p is None or 0 < self.top_p <= 1, "eval.top_p", "must be in (0, 1] or null", self.top_p)
         if self.protocol is not None:
             options.eval_protocol(self.protocol)
 
@@ -388,8 +409,8 @@ class CheckpointConfig:
     keep: int = 3
 
     def __post_init__(self) -> None:
-        _require(self.every > 0, "checkpoint.every", "must be positive", self.every)
-        _require(self.keep > 0, "checkpoint.keep", "must be positive", self.keep)
+        require(self.every > 0, "checkpoint.every", "must be positive", self.every)
+        require(self.keep > 0, "checkpoint.keep", "must be positive", self.keep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,10 +444,10 @@ class MeshSection:
     def __post_init__(self) -> None:
         for name in ("data", "fsdp", "tp"):
             size = getattr(self, name)
-            _require(size >= 1 or size == -1, f"mesh.{name}", "must be a positive size or -1 (the rest)", size)
-        _require([self.data, self.fsdp, self.tp].count(-1) <= 1, "mesh", "at most one axis may be -1")
+            require(size >= 1 or size == -1, f"mesh.{name}", "must be a positive size or -1 (the rest)", size)
+        require([self.data, self.fsdp, self.tp].count(-1) <= 1, "mesh", "at most one axis may be -1")
         fraction = self.memory_fraction
-        _require(fraction is None or 0.05 <= fraction <= 0.98, "mesh.memory_fraction",
+        require(fraction is None or 0.05 <= fraction <= 0.98, "mesh.memory_fraction",
                  f"must be null or between 0.05 and 0.98, got {fraction}")  # fmt: skip
 
     def memory_fractions(self, engine: str) -> tuple[float, float]:
@@ -447,149 +468,11 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         options.check(self, "log")
-        _require(bool(self.wandb_project), "log.wandb_project", "must not be empty", self.wandb_project)
+        require(bool(self.wandb_project), "log.wandb_project", "must not be empty", self.wandb_project)
 
 
-# ----------------------------------------------------------------------------- the options' configs
-# Here rather than in methods/first_mistake and methods/l2rr: those folders use the lower layers, which read this
-# module, so a config class of theirs here keeps the imports one way.
-@dataclasses.dataclass(frozen=True)
-class FirstMistakeConfig:
-    """First-mistake advantages (see ``first_mistake``'s docstring); ``enabled: false`` leaves GRPO advantages alone.
-
-    ``judge_path``: a Hugging Face directory of the teacher; None judges with the policy itself (the run
-    also takes ``toy:judge``, the demo task's scripted teacher).
-    ``reference``: ``teacher`` (the teacher's verified solution) or ``ground_truth`` (the dataset's).
-    ``lam``: the weight of ``|A_i|`` on a failed rollout's valid prefix. ``max_new_tokens``,
-    ``teacher_temperature`` (0: greedy; 0.6, the method's own setting) and ``seed``: the teacher's sampling, in
-    both stages. ``max_sentences``: sentences numbered per rollout. ``judge_correct``: also judge passing
-    rollouts (for the agreement metric only).
-    ``max_batch``: prompts per sampler call inside one batched ``generate``. ``sentence_breaks``: characters
-    that also end a sentence (``split_sentences``), for tasks whose steps are not written as sentences.
-    """
-
-    enabled: bool = False
-    judge_path: str | None = None
-    reference: Reference = "teacher"
-    lam: float = 0.0
-    max_new_tokens: int = 2048
-    teacher_temperature: float = 0.6
-    seed: int = 0
-    max_sentences: int = 256
-    judge_correct: bool = False
-    max_batch: int = 64
-    sentence_breaks: str = ""
-
-    def __post_init__(self) -> None:
-        options.check(self, "first_mistake")
-        _require_field(
-            self.judge_path is None or bool(self.judge_path.strip()),
-            "FirstMistakeConfig",
-            "judge_path",
-            "must be a path or null",
-            self.judge_path,
-        )
-        _require_field(
-            math.isfinite(self.lam) and self.lam >= 0,
-            "FirstMistakeConfig",
-            "lam",
-            "must be a finite number >= 0",
-            self.lam,
-        )
-        _require_field(
-            self.max_new_tokens > 0, "FirstMistakeConfig", "max_new_tokens", "must be positive", self.max_new_tokens
-        )
-        temperature = self.teacher_temperature
-        _require_field(
-            math.isfinite(temperature) and temperature >= 0,
-            "FirstMistakeConfig",
-            "teacher_temperature",
-            "must be >= 0",
-            temperature,
-        )
-        _require_field(
-            self.max_sentences > 0, "FirstMistakeConfig", "max_sentences", "must be positive", self.max_sentences
-        )
-        _require_field(self.max_batch > 0, "FirstMistakeConfig", "max_batch", "must be positive", self.max_batch)
-
-
-def _require_field(ok: bool, owner: str, field: str, allowed: str, value: Any) -> None:
-    if not ok:
-        raise FieldError(owner, field, allowed, value)
-
-
-@dataclasses.dataclass(frozen=True)
-class L2RRConfig:
-    """L2RR's settings (see ``l2rr``'s docstring for the method); ``enabled: false`` samples uniformly.
-
-    ``a``: EG step scale, ``eta = a / sqrt(horizon)`` (``horizon`` None: ``a / sqrt(t)`` at the t-th update).
-    ``rho_min``: the smallest budget fraction. ``g_min``: the fewest rollouts a drawn prompt gets (>= 2: one
-    rollout has no variance). ``p_e``: the waste decay. ``waste_weight``: the penalty's weight beside the
-    target signal. ``normalise``, ``target_loss``, ``prompt_loss_norm``: as in the module docstring.
-    ``alloc_power``: the exponent of ``w`` in the allocation (3/2). ``explore``: the uniform share of the
-    draw distribution. ``max_draw_rounds``: draw rounds per step. ``score_micro_batches`` and
-    ``target_micro_batches``: chunks of prompts (rows) for the jvp and the target gradient; null (the default)
-    sizes each chunk to the tokens of one micro-batch of the padded update (``TrainConfig.l2rr_micro_batches``),
-    so their memory follows ``loss.micro_batches`` at any row length. ``top_k``: the
-    top-weighted prompts reported by ``metrics``. ``target``: the held-out target set (a data file or a
-    benchmark name, as in ``eval.benchmarks``; ``toy:target`` for the demo task), its first
-    ``target_limit`` examples with worked solutions. ``lookahead`` (the method's own): ``g_tgt`` is taken at the
-    base after the step's update (t + 1) and each ``g_i`` at the base that sampled; false takes both before the
-    update. The look-ahead holds a second copy of the base during the update.
-    """
-
-    enabled: bool = False
-    target: str | None = None
-    target_limit: int | None = 64
-    a: float = 1.0
-    horizon: int | None = None
-    rho_min: float = 0.25
-    g_min: int = 2
-    p_e: float = 0.5
-    waste_weight: float = 1.0
-    normalise: Normalisation = "std"
-    target_loss: TargetLoss = "nll_token_mean"
-    prompt_loss_norm: PromptLossNorm = "prompt"
-    alloc_power: float = 1.5
-    explore: float = 0.0
-    max_draw_rounds: int = 4
-    lookahead: bool = True
-    score_micro_batches: int | None = None
-    target_micro_batches: int | None = None
-    top_k: int = 5
-
-    def __post_init__(self) -> None:
-        options.check(self, "l2rr")
-        checks = {
-            "a": (self.a > 0, "must be positive"),
-            "horizon": (self.horizon is None or _positive_int(self.horizon), "must be None or a positive int"),
-            "rho_min": (0 < self.rho_min <= 1, "must be in (0, 1]"),
-            "g_min": (isinstance(self.g_min, int) and self.g_min >= 2, "must be an int >= 2"),
-            "p_e": (0 <= self.p_e <= 1, "must be in [0, 1]"),
-            "waste_weight": (self.waste_weight >= 0, "must be >= 0"),
-            "alloc_power": (self.alloc_power >= 0, "must be >= 0"),
-            "explore": (0 <= self.explore < 1, "must be in [0, 1)"),
-            "max_draw_rounds": (_positive_int(self.max_draw_rounds), "must be a positive int"),
-            "score_micro_batches": (_null_or_positive(self.score_micro_batches), "must be null or a positive int"),
-            "target_micro_batches": (_null_or_positive(self.target_micro_batches), "must be null or a positive int"),
-            "top_k": (isinstance(self.top_k, int) and self.top_k >= 0, "must be an int >= 0"),
-            "target_limit": (self.target_limit is None or _positive_int(self.target_limit), "must be None or > 0"),
-        }
-        for field, (ok, why) in checks.items():
-            if not ok:
-                raise FieldError("L2RRConfig", field, why, getattr(self, field))
-
-    def step_size(self, updates_done: int) -> float:
-        """``eta = a / sqrt(T)``: T the horizon, or the number of this update (1, 2, ...) without one."""
-        return self.a / math.sqrt(self.horizon if self.horizon is not None else updates_done + 1)
-
-
-def _positive_int(value: Any) -> bool:
+def positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _null_or_positive(value: Any) -> bool:
-    return value is None or _positive_int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,8 +495,6 @@ class TrainConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
-    first_mistake: FirstMistakeConfig = dataclasses.field(default_factory=FirstMistakeConfig)
-    l2rr: L2RRConfig = dataclasses.field(default_factory=L2RRConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     steps: int = 1500
     seed: int = 42
@@ -621,73 +502,52 @@ class TrainConfig:
     compile_cache: str | None = "default"
 
     def __post_init__(self) -> None:
-        _require(self.compile_cache is None or bool(self.compile_cache.strip()), "compile_cache",
+        require(self.compile_cache is None or bool(self.compile_cache.strip()), "compile_cache",
                  "must be a directory, default or null", self.compile_cache)  # fmt: skip
-        _require(self.steps > 0, "steps", "must be positive", self.steps)
+        require(self.steps > 0, "steps", "must be positive", self.steps)
         # JAX keys and numpy's generators take unsigned seeds: a negative one fails deep in the first draw.
-        _require(0 <= self.seed < 2**32, "seed", "must be in 0..2**32-1", self.seed)
-        _require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive", self.max_nonfinite_in_row)
+        require(0 <= self.seed < 2**32, "seed", "must be in 0..2**32-1", self.seed)
+        require(self.max_nonfinite_in_row > 0, "max_nonfinite_in_row", "must be positive", self.max_nonfinite_in_row)
         # The penalty starts at max_new_tokens - buffer tokens: a larger buffer penalises every response.
         buffer, limit = self.reward.overlong_buffer, self.rollout.max_new_tokens
-        _require(buffer <= limit or self.reward.overlong_factor == 0, "reward.overlong_buffer",
+        require(buffer <= limit or self.reward.overlong_factor == 0, "reward.overlong_buffer",
                  f"{buffer} is more than rollout.max_new_tokens {limit}: every response would be penalised; "
                  "set it <= max_new_tokens (or reward.overlong_factor: 0)")  # fmt: skip
-        _require(self.l2rr.g_min <= self.rollout.group_size, "l2rr.g_min",
-                 f"must not exceed rollout.group_size {self.rollout.group_size}", self.l2rr.g_min)  # fmt: skip
         rows = self.rollout.prompts_per_step * self.rollout.group_size
-        _require(self.optim.mini_batches <= rows, "optim.mini_batches",
+        require(self.optim.mini_batches <= rows, "optim.mini_batches",
                  f"must be at most the step's {rows} rows", self.optim.mini_batches)  # fmt: skip
+        updates = self.optim.mini_batches * self.optim.epochs
+        require(not (self.scaffold.enabled and self.scaffold.supervise == "mixed") or updates == 1,
+                 "scaffold.supervise", "mixed adds its SFT term to the step's one update; set optim.mini_batches "
+                 f"and optim.epochs to 1 (they make {updates})")  # fmt: skip
         m, k = self.scaffold.cliff_max_successes, self.rollout.group_size
-        _require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
-        _require(not self.l2rr.enabled or bool(self.l2rr.target), "l2rr.target", "must name the target set")
-        _require(not (self.rollout.dynamic_sampling and self.l2rr.enabled), "rollout.dynamic_sampling",
-                 "and l2rr.enabled both draw the step's rounds; L2RR already drops groups without a signal "
-                 "(l2rr.max_draw_rounds): turn one off")  # fmt: skip
+        require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
 
     def update_rows_per_micro(self) -> int:
         """Rows of ``max_prompt_tokens + max_new_tokens`` slots in one micro-batch of the padded update."""
         return -(-self.rollout.prompts_per_step * self.rollout.group_size // self.loss.micro_batches)
 
-    def l2rr_score_micro_batches(self) -> int:
-        """``l2rr.score_micro_batches``, or (null) the fewest chunks of whole groups that split the step's prompts
-        evenly with no chunk holding more rows than a micro-batch of the padded update (the rows are as long)."""
-        prompts, group, rows = self.rollout.prompts_per_step, self.rollout.group_size, self.update_rows_per_micro()
-        fits = lambda m: prompts % m == 0 and (prompts // m) * group <= max(rows, group)
-        return self.l2rr.score_micro_batches or next(m for m in range(1, prompts + 1) if fits(m))
-
-    def l2rr_target_micro_batches(self, target_rows: int) -> int:
-        """``l2rr.target_micro_batches``, or (null) as many as keep each chunk of the ``target_rows`` rows of
-        ``max_prompt_tokens + max_solution_tokens`` slots within a micro-batch of the padded update's tokens."""
-        data = self.data
-        slots = self.update_rows_per_micro() * (data.max_prompt_tokens + self.rollout.max_new_tokens)
-        per_micro = max(1, slots // (data.max_prompt_tokens + data.max_solution_tokens))
-        return self.l2rr.target_micro_batches or -(-max(1, target_rows) // per_micro)
-
 
 # ------------------------------------------------------------------------------------------ reading
-# Keys that a config of an earlier version may hold (a run's own config.yaml, resumed): read under their new name.
-RENAMED = {"first_mistake.temperature": "first_mistake.teacher_temperature"}
-
-
-def _renamed(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """``data`` with its keys of ``RENAMED`` under their new names; the old and the new one together is an error."""
-    for old, new in RENAMED.items():
-        section, _, name = old.rpartition(".")
-        if f"{section}." == where and name in data:
-            new_name = new.rpartition(".")[2]
-            _require(new_name not in data, old, f"renamed {new}, which is also given; keep one")
-            data = {(new_name if key == name else key): value for key, value in data.items()}
+def _renamed(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``data`` with the keys of an earlier version that section ``cls`` names in its ``RENAMED`` (old -> new; a
+    run's own config.yaml, resumed, may hold them) under their new names; the old and the new one together is an
+    error."""
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if old in data:
+            require(new not in data, f"{where}{old}", f"renamed {where}{new}, which is also given; keep one")
+            data = {(new if key == old else key): value for key, value in data.items()}
     return data
 
 
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
     """Build dataclass ``cls`` from a nested dict, checking every key and type; errors name the key."""
-    _require(isinstance(data, dict), where.rstrip(".") or "config", f"expected a mapping, got {type(data).__name__}")
+    require(isinstance(data, dict), where.rstrip(".") or "config", f"expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    data = _renamed(data, where)
+    data = _renamed(cls, data, where)
     unknown = sorted(set(data) - set(fields))
-    _require(not unknown, f"{where}{unknown[0]}" if unknown else where, f"unknown key; known: {sorted(fields)}")
+    require(not unknown, f"{where}{unknown[0]}" if unknown else where, f"unknown key; known: {sorted(fields)}")
     values = {name: _coerce(hints[name], value, f"{where}{name}") for name, value in data.items()}
     try:
         return cls(**values)
@@ -717,12 +577,12 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, f"{key}.")
     if origin is tuple:
-        _require(isinstance(value, list | tuple), key, f"expected a list, got {value!r}")
+        require(isinstance(value, list | tuple), key, f"expected a list, got {value!r}")
         return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
     if hint is float:
         return _finite_float(value, key)
     ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
-    _require(ok, key, f"expected {hint.__name__}, got {value!r}")
+    require(ok, key, f"expected {hint.__name__}, got {value!r}")
     return value
 
 
@@ -739,8 +599,8 @@ def _finite_float(value: Any, key: str) -> float:
             pass
     elif isinstance(value, int) and not isinstance(value, bool):
         number = float(value)
-    _require(isinstance(number, float), key, f"expected float, got {value!r}")
-    _require(math.isfinite(number), key, "must be finite", number)
+    require(isinstance(number, float), key, f"expected float, got {value!r}")
+    require(math.isfinite(number), key, "must be finite", number)
     return number
 
 
@@ -762,12 +622,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     data = to_plain_copy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
-        _require(bool(sep) and bool(key), item, "an override is written dotted.key=value")
+        require(bool(sep) and bool(key), item, "an override is written dotted.key=value")
         *parents, leaf = key.split(".")
         node = data
         for part in parents:
             node = node.setdefault(part, {})
-            _require(isinstance(node, dict), key, f"{part!r} is not a section")
+            require(isinstance(node, dict), key, f"{part!r} is not a section")
         node[leaf] = yaml.safe_load(raw)
     return data
 
@@ -776,14 +636,15 @@ def to_plain_copy(data: dict[str, Any]) -> dict[str, Any]:
     return {k: to_plain_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Read a YAML file (or the defaults when ``path`` is None), apply overrides, check everything.
+def load_config(path: str | Path | None, overrides: list[str] = (), cls: type = TrainConfig) -> Any:
+    """Read a YAML file (or the defaults when ``path`` is None), apply overrides, check everything, into ``cls``:
+    the core sections here; a run's whole config, the methods' sections included, is ``job.config.load_config``'s.
 
     A file may start from another: ``base_config: other.yaml`` (relative to the file) reads that one first and
     lays this file's keys over it, section by section (a recipe for another chip names only what differs)."""
     data = {} if path is None else _read_yaml(Path(path), ())
     merged = apply_overrides(data, list(overrides))
-    return from_dict(TrainConfig, _with_eval_protocol(merged, apply_overrides({}, list(overrides))))
+    return from_dict(cls, _with_eval_protocol(merged, apply_overrides({}, list(overrides))))
 
 
 def _with_eval_protocol(data: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -60,7 +60,7 @@ def _shared_compile_cache() -> None:
     compile."""
     import jax
 
-    from lspo_jax import compiles
+    from lspo_jax.job import compiles
 
     if compiles.use_cache("default") is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.02)
@@ -228,7 +228,7 @@ def tiny_params(tiny_config):
     import jax
     import jax.numpy as jnp
 
-    from lspo_jax.model import abstract_params
+    from lspo_jax.models.model import abstract_params
 
     rng = np.random.default_rng(0)
 

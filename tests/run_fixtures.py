@@ -23,13 +23,14 @@ import jax
 import numpy as np
 import pytest
 
-from lspo_jax import compiles, toy, toy_model
-from lspo_jax import run as run_module
-from lspo_jax.checkpoint import checkpoint_state
-from lspo_jax.learner import Generator
-from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import Run
-from lspo_jax.train_config import load_config
+from lspo_jax.job import compiles, toy_model
+from lspo_jax.job import run as run_module
+from lspo_jax.job.config import load_config
+from lspo_jax.job.metrics_log import read_metrics
+from lspo_jax.job.run import Run
+from lspo_jax.rl.checkpoint import checkpoint_state
+from lspo_jax.rollout.generator import Generator
+from lspo_jax.tasks import toy
 
 K = 2  # rollouts per prompt in every run of the training-loop tests
 LONG_PROBLEM = "+".join("123456789") + "="  # 18 characters and BOS: over make_config's 16 prompt slots

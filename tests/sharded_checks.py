@@ -22,9 +22,12 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from lspo_jax import distributed, logprobs, losses, model, optim, packing, sampler, sharding, toy_model
-from lspo_jax.checkpoint import Checkpointer
 from lspo_jax.config import ModelConfig
+from lspo_jax.job import toy_model
+from lspo_jax.models import model, sharding
+from lspo_jax.rl import distributed, logprobs, losses, optim, packing
+from lspo_jax.rl.checkpoint import Checkpointer
+from lspo_jax.rollout import sampler
 
 # Before the first use of JAX (nothing above touches a device): 8 CPU devices to build meshes from.
 jax.config.update("jax_num_cpu_devices", 8)
@@ -331,8 +334,8 @@ class _Verifier:
 
 
 def _train_config(workdir: str, **mesh):
-    from lspo_jax import toy
-    from lspo_jax.train_config import load_config
+    from lspo_jax.job.config import load_config
+    from lspo_jax.tasks import toy
 
     rows = toy.addition_rows(8, (2, 2), seed=0)
     train_file = os.path.join(workdir, "train.jsonl")
@@ -354,8 +357,8 @@ def _train_config(workdir: str, **mesh):
 def _train(config, golds, out: str, *, steps: int, resume: bool = False):
     import dataclasses
 
-    from lspo_jax.metrics_log import read_metrics
-    from lspo_jax.run import Run
+    from lspo_jax.job.metrics_log import read_metrics
+    from lspo_jax.job.run import Run
 
     job = Run(dataclasses.replace(config, steps=steps), out, resume=resume, verifier=_Verifier(golds))
     try:
@@ -397,7 +400,7 @@ def check_train_loop(params) -> dict:
 
 
 def _train_config_base(config):
-    from lspo_jax import hf
+    from lspo_jax.models import hf
 
     return jax.tree.map(np.asarray, hf.load_pretrained(config.model.path)[1]["base"])
 

@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent(
     """
     import gc, os, sys, time
     import jax.numpy as jnp
-    from lspo_jax.checkpoint import Checkpointer
+    from lspo_jax.rl.checkpoint import Checkpointer
 
     directory, mode = sys.argv[1], sys.argv[2]
     state = {"base": {"w": jnp.arange(4096.0).reshape(64, 64), "b": jnp.ones(64)}, "rl_opt": {"m": jnp.zeros(64)}}
@@ -54,7 +54,7 @@ def test_a_damaged_step_falls_back_with_one_line_and_no_traceback(tmp_path):
 LEFTOVERS = textwrap.dedent(
     """
     import asyncio, gc, sys, types
-    from lspo_jax import checkpoint
+    from lspo_jax.rl import checkpoint
 
     SOURCE = '''
     import types
@@ -130,8 +130,8 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_naming_the_os_error(tmp
     import orbax.checkpoint as ocp
     import pytest
 
-    from lspo_jax import cli
-    from lspo_jax.checkpoint import Checkpointer, CheckpointError
+    from lspo_jax.job import cli
+    from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError
 
     checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
 

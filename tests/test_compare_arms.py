@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lspo_jax.train_config import ConfigError, load_config, to_dict
+from lspo_jax.job.config import load_config
+from lspo_jax.train_config import ConfigError, to_dict
 from tools import compare_arms
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
@@ -50,10 +51,27 @@ def test_arm_parser_good(tool, base):
     assert list(arms) == ["dapo", "lspo", "none"] and arms["none"] == ["scaffold.correction=none"]
 
 
+def test_the_built_in_arms_of_the_field_by_name(tool, base):
+    """Each built-in arm makes the config it names; the default set stays LSPO and DAPO. The SFT warm-up's budget
+    is given after the arms (the other arms do not read it), and without it the arm is refused in one line."""
+    arms = tool.parse_arms(["guide", "shaped", "floor", "direct", "mixed"], base)
+    made = {name: tool.cell_config(base, overrides, 42).scaffold for name, overrides in arms.items()}
+    assert [made[name].correction for name in ("guide", "shaped", "floor")] == ["guide", "shaped", "floor"]
+    assert [made[name].supervise for name in ("guide", "direct", "mixed")] == ["adapter", "base", "mixed"]
+    assert all(scaffold.enabled for scaffold in made.values())
+    with pytest.raises(ConfigError, match=r"^--arm sft_warmup: scaffold\.warmup_tokens: sft_warmup needs") as err:
+        tool.parse_arms(["direct", "sft_warmup"], base)
+    assert "\n" not in str(err.value)
+    budgeted = load_config(DEMO, ["scaffold.warmup_tokens=5000"])
+    warm = tool.cell_config(budgeted, tool.parse_arms(["sft_warmup"], budgeted)["sft_warmup"], 42).scaffold
+    assert (warm.supervise, warm.warmup_tokens, warm.uses_cliffs) == ("sft_warmup", 5000, False)
+    assert list(tool.parse_arms([], base)) == ["lspo", "dapo"]
+
+
 @pytest.mark.parametrize(
     "item, message",
     [
-        ("grpo", "--arm grpo: not a built-in arm (lspo, dapo); write grpo:key=value,..."),
+        ("grpo", "--arm grpo: not a built-in arm (lspo, dapo, guide, shaped, floor, direct, mixed, sft_warmup);"),
         ("lspo:scaffold.sft_steps=2", "lspo is built in (scaffold.enabled=true); give the variant a new name"),
         ("", "write NAME:key=value,... with NAME"),
         (":scaffold.splice=group", "write NAME:key=value,... with NAME"),

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lspo_jax import compiles
-from lspo_jax.train_config import ConfigError, load_config
+from lspo_jax.job import compiles
+from lspo_jax.job.config import load_config
+from lspo_jax.train_config import ConfigError
 
 
 def test_a_new_shape_is_one_compile_and_a_repeated_call_none():
@@ -50,7 +51,7 @@ def test_cache_dir_of_each_setting(monkeypatch, tmp_path):
 SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp
-from lspo_jax import compiles
+from lspo_jax.job import compiles
 compiles.use_cache(sys.argv[1])
 count = compiles.CompileCount()
 jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
@@ -81,7 +82,7 @@ def test_a_compile_cache_deleted_mid_run_is_said_once(tmp_path):
     directory was deleted); the run says it once and compiles on."""
     code = (
         "import shutil, sys, jax, jax.numpy as jnp\n"
-        "from lspo_jax import compiles\n"
+        "from lspo_jax.job import compiles\n"
         "compiles.use_cache(sys.argv[1])\n"
         "jax.jit(lambda x: x + 1)(jnp.ones(3))\n"
         "shutil.rmtree(sys.argv[1])\n"

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from lspo_jax import progress as progress_module
-from lspo_jax.progress import Progress
+from lspo_jax.job import progress as progress_module
+from lspo_jax.job.progress import Progress
 
 METRICS = {"accuracy_mean": 0.25, "cliff_groups": 3, "surpassed_groups": 1}
 
@@ -79,7 +79,7 @@ importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] == "
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_no_pytorch_advice_from_the_entry_points(quiet):
-    code = NO_TORCH + ("from lspo_jax import cli; cli._quiet_imports()\n" if quiet else "") + "import transformers"
+    code = NO_TORCH + ("from lspo_jax.job import cli; cli._quiet_imports()\n" if quiet else "") + "import transformers"
     env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stderr
     assert ("PyTorch was not found" in err) is not quiet  # without the entry point's setting it is printed
@@ -88,7 +88,7 @@ def test_no_pytorch_advice_from_the_entry_points(quiet):
 def test_vllm_log_lines_go_to_the_run_directory_and_only_errors_to_the_console(tmp_path, capsys, monkeypatch):
     import logging
 
-    from lspo_jax.vllm_sampler import route_logs
+    from lspo_jax.rollout.vllm_sampler import route_logs
 
     for name in ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH"):  # restored after the test
         monkeypatch.setenv(name, "")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lspo_jax import corrections, losses, train
+from lspo_jax.rl import corrections, losses, train
 from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
 
 

@@ -12,10 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lspo_jax import data, packing, qwen_vocab, toy, toy_model
-from lspo_jax.rewards import math_reward
-from lspo_jax.tasks import benchmarks
+from lspo_jax.job import toy_model
+from lspo_jax.rl import packing
+from lspo_jax.tasks import benchmarks, data, toy
+from lspo_jax.tasks.rewards import math_reward
 from lspo_jax.train_config import DataConfig
+from tools import qwen_vocab
 
 TRACE = "Add them: 2+3=5.\n</think>\n\nThe sum is \\boxed{5}."  # an R1 trace: no opening <think>, one </think>
 

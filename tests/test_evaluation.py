@@ -12,10 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from lspo_jax import cli, data, evaluation, hf, toy_model
-from lspo_jax.evaluation import pass_at_k
-from lspo_jax.rewards import math_reward
-from lspo_jax.tasks import benchmarks
+from lspo_jax.job import cli, evaluation, toy_model
+from lspo_jax.job.evaluation import pass_at_k
+from lspo_jax.models import hf
+from lspo_jax.tasks import benchmarks, data
+from lspo_jax.tasks.rewards import math_reward
 
 F, T = False, True
 
@@ -134,8 +135,8 @@ def test_validation_scores_gold_solutions_against_transformers(tmp_path, monkeyp
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from lspo_jax.run import Run
-    from lspo_jax.train_config import load_config
+    from lspo_jax.job.config import load_config
+    from lspo_jax.job.run import Run
 
     sums, bare = tmp_path / "sums.jsonl", tmp_path / "bare.jsonl"
     rows = [("93+67=", "160", "3+7=10;9+6+1=16;\\boxed{160}"), ("12+32=", "44", "2+2=4;1+3=4;\\boxed{44}"),
@@ -251,15 +252,15 @@ SAMPLE_FIELDS = {"benchmark", "seed", "id", "gold", "sample", "text", "tokens", 
 
 def test_lspo_eval_by_a_protocol_over_two_seeds(model_dir, tmp_path, monkeypatch):
     from lspo_jax.job import build
-    from lspo_jax.rl import learner
+    from lspo_jax.rollout import generator
 
-    decodings, generate = [], learner.Generator.generate
+    decodings, generate = [], generator.Generator.generate
 
     def spy(self, params, prompts, decoding, **kwargs):
         decodings.append(decoding)
         return generate(self, params, prompts, decoding, **kwargs)
 
-    monkeypatch.setattr(learner.Generator, "generate", spy)
+    monkeypatch.setattr(generator.Generator, "generate", spy)
     monkeypatch.setattr(build, "make_verifier", lambda run: _EvenLengthPasses())
     out = tmp_path / "r.json"
     argv = ["--model", model_dir, "--protocol", "deepscaler", "--benchmarks", "toy:heldout", "--limit", "2", "--n", "2",
@@ -352,8 +353,8 @@ def test_answer_entropy_by_hand():
 
 
 def test_lspo_eval_from_a_checkpoint(model_dir, tmp_path, monkeypatch):
-    from lspo_jax.run import Run
-    from lspo_jax.train_config import load_config
+    from lspo_jax.job.config import load_config
+    from lspo_jax.job.run import Run
 
     rows = [("p0", "2"), ("p1", "3"), ("p2", "5"), ("p3", "2")]
     bench = tmp_path / "sums.jsonl"

@@ -9,8 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lspo_jax import data, example_store, prompts, qwen_vocab, rewards, toy
+from lspo_jax.rl import prompts
+from lspo_jax.tasks import data, example_store, rewards, toy
 from lspo_jax.train_config import DataConfig
+from tools import qwen_vocab
 
 TRACE = "Add them: 2+3=5.\n</think>\n\nThe sum is \\boxed{5}."
 

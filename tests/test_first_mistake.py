@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lspo_jax import toy, toy_model
-from lspo_jax.first_mistake import FirstMistakeConfig, first_mistake_advantages, token_advantages
-from lspo_jax.sampler import SampleBatch
-from lspo_jax.sentences import sentence_token_starts, split_sentences, token_char_ends
-from lspo_jax.teacher import (
+from lspo_jax.job import toy_model
+from lspo_jax.methods.first_mistake.advantages import first_mistake_advantages, token_advantages
+from lspo_jax.methods.first_mistake.config import FirstMistakeConfig
+from lspo_jax.methods.first_mistake.sentences import sentence_token_starts, split_sentences, token_char_ends
+from lspo_jax.methods.first_mistake.teacher import (
     CORRECT,
     MISTAKE,
     OUT_OF_RANGE,
@@ -21,6 +21,8 @@ from lspo_jax.teacher import (
     make_judge,
     parse_verdict,
 )
+from lspo_jax.rollout.sampler import SampleBatch
+from lspo_jax.tasks import toy
 from lspo_jax.train_config import from_dict
 
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import assert_close_relative
 
-from lspo_jax import flash, kernels, logprobs, model
 from lspo_jax.config import ModelConfig
+from lspo_jax.models import flash, kernels, model
+from lspo_jax.rl import logprobs
 
 B, T, H, K, E = 5, 37, 4, 2, 16  # T is no multiple of the blocks below: the last block is padded inside
 

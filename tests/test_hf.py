@@ -16,8 +16,8 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from lspo_jax.config import ModelConfig
-from lspo_jax.hf import load_pretrained, load_tokenizer, save_pretrained, to_hf_state_dict
-from lspo_jax.model import forward, init_lora
+from lspo_jax.models.hf import load_pretrained, load_tokenizer, save_pretrained, to_hf_state_dict
+from lspo_jax.models.model import forward, init_lora
 
 _forward = jax.jit(forward, static_argnums=0)
 
@@ -234,7 +234,8 @@ def test_a_model_directory_that_cannot_load_is_one_config_error_naming_it(hf_unt
     """What lspo-train and lspo-eval say of ``model.path``: a damaged ``model.safetensors``, a ``config.json`` the
     weights disagree with, another architecture; each a ``ConfigError`` (one line, exit 2) naming the directory."""
     from lspo_jax.job.build import load_policy
-    from lspo_jax.train_config import ConfigError, load_config
+    from lspo_jax.job.config import load_config
+    from lspo_jax.train_config import ConfigError
 
     model = tmp_path / "model"
     shutil.copytree(hf_untied_dir, model)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 
-from lspo_jax.job import tables
-from tools import horizon_study
+from tools import horizon_study, tables
 
 # (step, pass@8) of the frontier class per arm and seed; every run starts at 0.1 (the same base model).
 TRACES = {

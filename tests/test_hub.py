@@ -19,9 +19,9 @@ from hub_cache import files_of, write_repo
 
 from lspo_jax import hub
 from lspo_jax.job import build, cli
+from lspo_jax.job.config import load_config
 from lspo_jax.models import hf
 from lspo_jax.tasks import benchmarks, data
-from lspo_jax.train_config import load_config
 
 BIN = os.path.dirname(sys.executable)  # the console commands installed beside this interpreter
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from conftest import assert_close_relative
 
-from lspo_jax import l2rr, logprobs, losses, packing
 from lspo_jax.config import ModelConfig
-from lspo_jax.train_config import L2RRConfig
+from lspo_jax.methods import l2rr
+from lspo_jax.methods.l2rr.config import L2RRConfig
+from lspo_jax.rl import logprobs, losses, packing, rounds
 
 CONFIG = ModelConfig.preset("tiny")
 
@@ -144,7 +145,7 @@ def _run_steps(sampler, steps, *, first_step=0, batch=3):
     log = []
     for step in range(first_step, first_step + steps):
         rng = np.random.default_rng([7, step])
-        drawn = l2rr.collect_batch(sampler, batch, rng, _fake_round, max_rounds=3)
+        drawn = rounds.collect_batch(sampler, batch, rng, _fake_round, max_rounds=3)
         assert len(np.unique(drawn.indices)) == len(drawn.indices)  # without replacement within the step
         scores = np.sin(drawn.batch.astype(np.float64))
         sampler.observe(drawn.indices, drawn.zero_variance, drawn.scores_for_observe(scores))
@@ -168,7 +169,7 @@ def test_l2rr_sampler_is_deterministic_and_resumes_from_its_state():
 
 def test_l2rr_draw_rounds_collect_a_full_batch_and_charge_every_rollout():
     sampler = _sampler(10, 8)
-    drawn = l2rr.collect_batch(sampler, 4, np.random.default_rng(0), _fake_round, max_rounds=10)
+    drawn = rounds.collect_batch(sampler, 4, np.random.default_rng(0), _fake_round, max_rounds=10)
     assert int(drawn.usable.sum()) == 4 and np.all(drawn.batch % 3 != 0)
     assert sampler.rollouts_step == 0  # charged at the step's end
     sampler.observe(drawn.indices, drawn.zero_variance)

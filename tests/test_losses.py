@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lspo_jax import corrections, logprobs, losses
+from lspo_jax.rl import corrections, logprobs, losses
 
 PROPERTY = settings(max_examples=25, deadline=None)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from lspo_jax import kernels
+from lspo_jax.models import kernels
 from tools import lower_check
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,6 +8,7 @@ cliffs) is described in ``run_fixtures``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 
@@ -23,10 +24,12 @@ from run_fixtures import (
     write_jsonl,
 )
 
-from lspo_jax import losses, toy, toy_model
-from lspo_jax.checkpoint import Checkpointer, checkpoint_state
-from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import Run
+from lspo_jax.job import toy_model
+from lspo_jax.job.metrics_log import read_metrics
+from lspo_jax.job.run import Run
+from lspo_jax.rl import losses
+from lspo_jax.rl.checkpoint import Checkpointer, checkpoint_state
+from lspo_jax.tasks import toy
 
 
 def run_capturing_advantages(job):
@@ -50,7 +53,9 @@ def test_first_mistake_run_with_a_scripted_judge(tmp_path, make_config, monkeypa
     its response tokens, so the group's token advantages sum to 0 and the failed row's suffix sits exactly
     A = -0.70711 below its prefix.
     """
-    from lspo_jax.teacher import Judge
+    from lspo_jax.job import build
+    from lspo_jax.methods.first_mistake import strategy
+    from lspo_jax.methods.first_mistake.teacher import Judge
 
     config = make_config(
         model__path=toy_model.model_dir(str(tmp_path / "cache")), reward__overlong_factor=0.0, scaffold__enabled=False,
@@ -63,7 +68,10 @@ def test_first_mistake_run_with_a_scripted_judge(tmp_path, make_config, monkeypa
         prompts.extend(texts)
         return [toy.first_mistake_judge(t) if "[2] " not in t else "Step 2 is wrong. \\boxed{2}" for t in texts]
 
-    job = Run(config, str(tmp_path / "run"), verifier=FakeVerifier(lambda r, g, slot: slot == 1), judge=Judge(judge))
+    # The test's judge goes in through the plug the method itself uses, the builder's table of methods.
+    scripted = functools.partial(strategy.make_token_advantages, judge=Judge(judge))
+    monkeypatch.setitem(build.ADVANTAGE_METHODS, "first_mistake", scripted)
+    job = Run(config, str(tmp_path / "run"), verifier=FakeVerifier(lambda r, g, slot: slot == 1))
     seen = run_capturing_advantages(job)
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
     assert [a.shape for a in seen] == [(2 * K, 16 + 32)] * 2  # token level: [rows, prompt + response slots]
@@ -91,7 +99,7 @@ def test_first_mistake_with_a_real_tiny_judge_falls_back(tmp_path, make_config, 
     """An untrained toy-shaped Qwen2 with 2048 positions as the judge, loaded from its directory and sampled
     by the JAX sampler, of the warm-started policy: its replies are noise, and what is counted is the
     fall-back, with the plain GRPO advantages kept."""
-    from lspo_jax import sampler
+    from lspo_jax.rollout import sampler
 
     judge_dir = toy_model.ensure_model(str(tmp_path / "judge"), steps=0, max_positions=2048)
     config = make_config(

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lspo_jax.metrics_log import MetricsError, MetricsLog, read_metrics, wandb_options
-from lspo_jax.train_config import ConfigError, load_config
+from lspo_jax.job.config import load_config
+from lspo_jax.job.metrics_log import MetricsError, MetricsLog, read_metrics, wandb_options
+from lspo_jax.train_config import ConfigError
 
 RECORDS = [
     {"kind": "eval", "step": 0, "benchmark": "math500", "accuracy": 0.25, "pass@1": 0.5},
@@ -110,7 +111,7 @@ def test_a_cut_off_last_line_is_left_out_and_a_bad_line_elsewhere_is_named(tmp_p
 
 
 def test_lspo_eval_refuses_zero_samples_instead_of_taking_the_default():
-    from lspo_jax import cli
+    from lspo_jax.job import cli
 
     args = cli._eval_parser().parse_args(["--model", "toy", "--n", "0"])
     with pytest.raises(ConfigError, match=r"^eval\.(n|ks)"):

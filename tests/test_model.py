@@ -15,8 +15,7 @@ import pytest
 from conftest import assert_close_relative
 
 from lspo_jax.config import LoraConfig, ModelConfig
-from lspo_jax.kv_cache import init_cache
-from lspo_jax.model import (
+from lspo_jax.models.model import (
     abstract_params,
     attention_positions,
     causal_padding_mask,
@@ -32,6 +31,7 @@ from lspo_jax.model import (
     merge_lora,
     param_specs,
 )
+from lspo_jax.rollout.kv_cache import init_cache
 
 # One compiled forward per (config, shapes, params structure); a traced lora_scale never takes the
 # trace-time shortcut for a Python 0, so both code paths of the adapter get exercised below.

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from lspo_jax.metrics_log import read_metrics
+from lspo_jax.job.metrics_log import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3  # stopped after step 1 or 2, so the resume has at least one step to run
@@ -45,8 +45,8 @@ def launch(out: str, port: int, process_id: int, *, resume: bool = False) -> sub
     # ones compiled, as a restarted job would.
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     # No plots and no verifier processes: each would cost every start seconds that test nothing of the job's own.
-    cmd = [sys.executable, "-c", "from lspo_jax.cli import train_main; raise SystemExit(train_main())", "--out", out,
-           "--no-plots"]  # fmt: skip
+    main = "from lspo_jax.job.cli import train_main; raise SystemExit(train_main())"
+    cmd = [sys.executable, "-c", main, "--out", out, "--no-plots"]
     if resume:  # the run's own config.yaml, as a restarted job would
         cmd += ["--resume", *join]
     else:
@@ -134,7 +134,7 @@ def test_both_processes_resume_the_stopped_run_to_its_end(stopped_job):
 def test_a_refused_lock_ends_every_process_in_one_line(tmp_path):
     """Another run holds the directory: process 0 is refused its lock, and process 1, which takes no lock, learns it
     from process 0 instead of waiting for it at the first collective."""
-    from lspo_jax.run_lock import RunLock
+    from lspo_jax.job.run_lock import RunLock
 
     out = str(tmp_path / "run")
     os.makedirs(out)

@@ -10,8 +10,9 @@ import optax
 import pytest
 from conftest import assert_close_relative
 
-from lspo_jax import logprobs, losses, model, optim
 from lspo_jax.config import ModelConfig
+from lspo_jax.models import model
+from lspo_jax.rl import logprobs, losses, optim
 
 CONFIG = ModelConfig.preset("tiny")
 # A large SFT lr so that a few steps visibly fit; routing does not depend on it.
@@ -259,7 +260,8 @@ def test_remat_gives_the_same_gradient(remat):
 def test_learner_logprobs_in_micro_batches_and_chunks_equal_one_pass():
     """The learner's log-prob pass over 3 padded rows, in 2 micro-batches (rows padded to 4) with a 5-token head
     chunk, equals the plain pass; so does the packed pass; positions off the response mask are 0."""
-    from lspo_jax.learner import Learner, Policy
+    from lspo_jax.rl.learner import Learner
+    from lspo_jax.rollout.generator import Policy
     from lspo_jax.train_config import LossConfig, RolloutConfig, TrainConfig
 
     batch = _batch()
@@ -278,7 +280,7 @@ def test_learner_logprobs_in_micro_batches_and_chunks_equal_one_pass():
 
 
 def test_learning_rate_follows_the_warm_up():
-    from lspo_jax.optim import RLOptimConfig, learning_rate
+    from lspo_jax.rl.optim import RLOptimConfig, learning_rate
 
     config = RLOptimConfig(lr=1e-3, warmup_steps=4)
     # lr * min(1, (count + 1) / warmup): 1e-3 * 1/4, 1e-3 * 4/4, then flat. The schedule computes in float32
@@ -289,9 +291,11 @@ def test_learning_rate_follows_the_warm_up():
 def test_one_loss_spec_reaches_the_update_the_logprob_passes_and_the_l2rr_target(monkeypatch):
     """The run's clip, temperature and LM-head chunk reach every program that reads the policy's tokens by one
     object: the update's, the log-prob pass's (the re-rolls' at their own temperature) and L2RR's prompt losses."""
-    from lspo_jax import distributed, reweight
-    from lspo_jax.learner import Learner, Policy
-    from lspo_jax.train_config import load_config
+    from lspo_jax.job.config import load_config
+    from lspo_jax.methods import l2rr
+    from lspo_jax.rl import distributed
+    from lspo_jax.rl.learner import Learner
+    from lspo_jax.rollout.generator import Policy
 
     overrides = ["loss.eps_high=0.3", "loss.clip_c=3.0", "rollout.temperature=0.7", "loss.chunk_size=8"]
     run = load_config(None, [*overrides, "loss.packing=false"])
@@ -315,11 +319,12 @@ def test_one_loss_spec_reaches_the_update_the_logprob_passes_and_the_l2rr_target
     learner.logprobs(rows, lora_scale=1.0, temperature=0.9)
     learner.rl_step(rows)
     assert built == [spec, dataclasses.replace(spec, temperature=0.9), spec]
-    assert reweight.TargetScorer(run, CONFIG, None).losses.spec == spec
+    assert l2rr.TargetScorer(run, CONFIG, None).losses.spec == spec
 
 
 def test_the_learner_is_built_whole_restoring_before_the_engine_starts_and_closing_both():
-    from lspo_jax.learner import Learner, Policy
+    from lspo_jax.rl.learner import Learner
+    from lspo_jax.rollout.generator import Policy
     from lspo_jax.train_config import TrainConfig
 
     events = []
@@ -354,7 +359,8 @@ def test_an_update_that_would_write_nan_into_the_base_is_skipped_and_counted():
     the update m / (sqrt(v) + eps) writes NaN into the base: the learner's step skips it whole and counts it."""
     from run_fixtures import assert_trees_equal, copy_tree
 
-    from lspo_jax.rl.learner import Learner, Policy
+    from lspo_jax.rl.learner import Learner
+    from lspo_jax.rollout.generator import Policy
     from lspo_jax.train_config import TrainConfig
 
     def poison(path, leaf):

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from lspo_jax.config import LoraConfig
-from lspo_jax.train_config import ModelSource, TrainConfig
+from lspo_jax.job.config import RunConfig
+from lspo_jax.train_config import ModelSource
 from tools import options_reference as ref
 
 PAGE_TEXT = ref.PAGE.read_text(encoding="utf-8")
@@ -31,7 +32,7 @@ def page_with(tmp_path, old: str, new: str):
 
 
 def run_config(lora_field=None, **top):
-    """``TrainConfig`` with a field added to ``model.lora`` (``lora_field``: name, type, default) and its own fields'
+    """``RunConfig`` with a field added to ``model.lora`` (``lora_field``: name, type, default) and its own fields'
     defaults changed (``top``), as a new option or a changed default would change the code."""
     fields = [(name, type(value), value) for name, value in top.items()]
     if lora_field:
@@ -39,7 +40,7 @@ def run_config(lora_field=None, **top):
         model_fields = [("lora", lora, dataclasses.field(default_factory=lora))]
         model = dataclasses.make_dataclass("Model", model_fields, bases=(ModelSource,), frozen=True)
         fields.append(("model", model, dataclasses.field(default_factory=model)))
-    return dataclasses.make_dataclass("Run", fields, bases=(TrainConfig,), frozen=True)
+    return dataclasses.make_dataclass("Run", fields, bases=(RunConfig,), frozen=True)
 
 
 def test_the_shipped_page_matches_the_code(capsys):

@@ -10,11 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from lspo_jax import logprobs, losses, model, optim, packing
 from lspo_jax.config import ModelConfig
-from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import Run
-from lspo_jax.train_config import load_config
+from lspo_jax.job.config import load_config
+from lspo_jax.job.metrics_log import read_metrics
+from lspo_jax.job.run import Run
+from lspo_jax.models import model
+from lspo_jax.rl import logprobs, losses, optim, packing
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 CONFIG = ModelConfig.preset("tiny")

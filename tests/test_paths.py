@@ -1,52 +1,60 @@
-"""The old dotted paths: every module that lived at the package's top imports by its old name as the very module
-at its new path (a name patched through either is patched for both), the public functional API among them, and
-importing the package or a command's module imports no JAX."""
+"""The public functional API by its real paths and, for one release, its pre-folder ones (with a warning naming
+the real path; every other old name is gone); importing the package or a command's module imports no JAX."""
 
 from __future__ import annotations
 
 import importlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 import lspo_jax
 
-# The public functional API, by the paths users import it from (DESIGN.md).
+# DESIGN.md's public functional API: (real module, name).
 PUBLIC_API = [
-    ("lspo_jax.losses", "group_advantages"), ("lspo_jax.losses", "policy_loss"), ("lspo_jax.losses", "sft_loss"),
-    ("lspo_jax.rewards", "overlong_penalty"), ("lspo_jax.rewards", "math_reward"),
-    ("lspo_jax.scaffold", "find_cliffs"), ("lspo_jax.evaluation", "pass_at_k"), ("lspo_jax.hf", "load_pretrained"),
-    ("lspo_jax.hf", "save_pretrained"), ("lspo_jax.model", "forward"),
+    ("rl.losses", "group_advantages"), ("rl.losses", "policy_loss"), ("rl.losses", "sft_loss"),
+    ("tasks.rewards", "overlong_penalty"), ("tasks.rewards", "math_reward"), ("rl.scaffold", "find_cliffs"),
+    ("job.evaluation", "pass_at_k"), ("models.hf", "load_pretrained"), ("models.hf", "save_pretrained"),
+    ("models.model", "forward"),
 ]  # fmt: skip
+OLD = {new: old for old, (new, _) in lspo_jax.DEPRECATED.items()}
 
 
-@pytest.mark.parametrize(("old", "name"), PUBLIC_API)
-def test_the_public_api_imports_by_its_old_path(old, name):
-    new = f"lspo_jax.{lspo_jax.MOVED[old.rpartition('.')[2]]}"
-    assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
-    exec(f"from {old} import {name}", {})  # the form users write
+def test_the_deprecation_table_is_the_public_api():
+    assert sorted((new, name) for new, names in lspo_jax.DEPRECATED.values() for name in names) == sorted(PUBLIC_API)
 
 
-@pytest.mark.parametrize("old", sorted(lspo_jax.MOVED))
-def test_every_old_module_is_the_moved_one(old):
-    module = importlib.import_module(f"lspo_jax.{old}")
-    assert module is importlib.import_module(f"lspo_jax.{lspo_jax.MOVED[old]}")
-    assert sys.modules[f"lspo_jax.{old}"] is module and getattr(lspo_jax, old) is module
-    assert module.__spec__.name == module.__name__  # its own spec, not the old path's
+@pytest.mark.parametrize(("new", "name"), PUBLIC_API)
+def test_the_public_api_by_its_old_path_warns_with_the_real_one(new, name):
+    old = f"lspo_jax.{OLD[new]}"
+    with pytest.warns(DeprecationWarning, match=rf"^{old}\.{name} is lspo_jax\.{new}\.{name}; the old path goes in"):
+        exec(f"from {old} import {name} as got", scope := {})  # the form users write
+    assert scope["got"] is getattr(importlib.import_module(f"lspo_jax.{new}"), name)
 
 
-def test_patching_through_the_old_path_patches_the_module(monkeypatch):
+def test_an_old_path_keeps_only_the_public_names():
     from lspo_jax import losses
-    from lspo_jax.rl import losses as moved
 
-    monkeypatch.setattr(losses, "sft_loss", "patched")
-    assert moved.sft_loss == "patched"
+    with pytest.raises(AttributeError, match=r"^lspo_jax\.losses has no 'token_mean': import it from lspo_jax\.rl"):
+        losses.token_mean  # noqa: B018
+    with pytest.raises(ImportError):
+        exec("from lspo_jax.losses import token_mean", {})
 
 
-def test_an_unknown_old_name_is_an_import_error():
+@pytest.mark.parametrize("old", ["compiles", "cli", "sampler", "l2rr", "first_mistake", "no_such_module"])
+def test_an_old_module_outside_the_public_api_is_gone(old):
     with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("lspo_jax.no_such_module")
+        importlib.import_module(f"lspo_jax.{old}")
+
+
+def test_importing_the_package_warns_of_nothing():
+    done = subprocess.run([sys.executable, "-W", "error", "-c", "import lspo_jax"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        importlib.import_module("lspo_jax.rl.losses")  # a real path never warns
 
 
 def test_a_folder_exports_resolve():
@@ -58,16 +66,9 @@ def test_a_folder_exports_resolve():
 
 def test_importing_the_package_or_a_command_imports_no_jax():
     """The commands start fast: their module imports JAX only when a command runs."""
-    code = "import sys, lspo_jax.cli, lspo_jax.job, lspo_jax.rl, lspo_jax.methods.l2rr; print('jax' in sys.modules)"
+    code = "import sys, lspo_jax.job.cli, lspo_jax.job, lspo_jax.rl, lspo_jax.methods.l2rr; print('jax' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
-
-
-def test_python_dash_m_on_an_old_path_runs_the_moved_module():
-    """``python -m lspo_jax.make_toy_model``-style calls by an old path ran into ``AttributeError`` in runpy (the
-    finder had no ``get_code``); they run the moved module's code."""
-    done = subprocess.run([sys.executable, "-m", "lspo_jax.compiles"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 def test_an_empty_out_is_a_usage_error_naming_the_flag(capsys):

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from lspo_jax import plots
+from lspo_jax.job import plots
 
 # Step 3 is logged twice (a resume after a crash re-ran it): the second record, loss 0.9, is the one kept.
 TRAIN = [

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from lspo_jax.metrics_log import read_metrics
+from lspo_jax.job.metrics_log import read_metrics
 from tools import recipe_toy  # the tool builds the same model and rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

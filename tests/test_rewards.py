@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from math_verify.errors import TimeoutException
 
-from lspo_jax import rewards
-from lspo_jax.rewards import (
+from lspo_jax.tasks import benchmarks, rewards
+from lspo_jax.tasks.rewards import (
     GoldReport,
     math_reward,
     overlong_penalty,
@@ -21,8 +21,7 @@ from lspo_jax.rewards import (
     parse_golds,
     shaped_rewards,
 )
-from lspo_jax.tasks import benchmarks
-from lspo_jax.verify_pool import VerifierPool
+from lspo_jax.tasks.verify_pool import VerifierPool
 
 POOL_TIMEOUT = 3.0
 # Comparing this tower with a number makes sympy evaluate it: still running after 70 s without a timeout.

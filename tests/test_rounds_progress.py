@@ -11,8 +11,8 @@ import weakref
 import jax
 import numpy as np
 
+from lspo_jax.job.config import load_config
 from lspo_jax.rl.rounds import DynamicSamplingPrompts
-from lspo_jax.train_config import load_config
 
 K, B = 2, 4  # rollouts a prompt, groups a batch
 

@@ -31,11 +31,12 @@ from run_fixtures import (
     write_jsonl,
 )
 
-from lspo_jax import cli, evaluation, train
-from lspo_jax import run as run_module
-from lspo_jax.checkpoint import Checkpointer, checkpoint_state
-from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import Run, RunStopped
+from lspo_jax.job import cli, evaluation
+from lspo_jax.job import run as run_module
+from lspo_jax.job.metrics_log import read_metrics
+from lspo_jax.job.run import Run, RunStopped
+from lspo_jax.rl import train
+from lspo_jax.rl.checkpoint import Checkpointer, checkpoint_state
 
 # A new run of the paper's recipe (PAPER_CONFIG), its paths overridden: the paper's lengths (1024 + 8192 tokens) are
 # beyond the test models' 256 positions, and refused as such first.
@@ -300,8 +301,7 @@ def test_ctrl_c_during_start_up_is_one_line(trained_run, tmp_path, capsys, monke
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    from lspo_jax import export
-    from lspo_jax.job import build
+    from lspo_jax.job import build, export
 
     for module in (run_module, build, export):  # the run's start, lspo-eval's and lspo-export's
         monkeypatch.setattr(module, "load_policy", interrupted)
@@ -332,8 +332,8 @@ def test_ctrl_c_during_start_up_is_one_line(trained_run, tmp_path, capsys, monke
 def test_describe_says_what_failed_without_calling_a_read_a_write():
     import errno
 
-    from lspo_jax.checkpoint import CheckpointError
-    from lspo_jax.data import DataError
+    from lspo_jax.rl.checkpoint import CheckpointError
+    from lspo_jax.tasks.data import DataError
 
     denied = PermissionError(errno.EACCES, "Permission denied", "/data/x.jsonl")
     assert cli.describe(denied) == "cannot use /data/x.jsonl: Permission denied; check its permissions"
@@ -351,7 +351,7 @@ def test_the_machine_refusing_a_write_is_one_line_and_the_traceback_is_there_whe
                                                                                         monkeypatch):  # fmt: skip
     import errno
 
-    from lspo_jax import run_lock
+    from lspo_jax.job import run_lock
 
     def read_only(path, *args):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)

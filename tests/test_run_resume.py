@@ -33,14 +33,17 @@ from run_fixtures import (
     write_jsonl,
 )
 
-from lspo_jax import cli, compiles, evaluation, model, toy
-from lspo_jax import run as run_module
-from lspo_jax.checkpoint import Checkpointer, checkpoint_state
-from lspo_jax.cli import format_summary
-from lspo_jax.export import export_checkpoint
-from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import Run
-from lspo_jax.train_config import ConfigError, load_config
+from lspo_jax.job import cli, compiles, evaluation
+from lspo_jax.job import run as run_module
+from lspo_jax.job.cli import format_summary
+from lspo_jax.job.config import load_config
+from lspo_jax.job.export import export_checkpoint
+from lspo_jax.job.metrics_log import read_metrics
+from lspo_jax.job.run import Run
+from lspo_jax.models import model
+from lspo_jax.rl.checkpoint import Checkpointer, checkpoint_state
+from lspo_jax.tasks import toy
+from lspo_jax.train_config import ConfigError
 
 
 # ----------------------------------------------------------------------- resume, checkpoints, export
@@ -256,7 +259,7 @@ def test_a_run_directory_has_one_writer(trained_run, tmp_path, capsys):
     import sys
 
     run_dir = copy_run(trained_run["dir"], tmp_path / "run")
-    hold = "import sys, time; from lspo_jax.run_lock import RunLock; RunLock(sys.argv[1]); print('held', flush=True); time.sleep(120)"  # noqa: E501
+    hold = "import sys, time; from lspo_jax.job.run_lock import RunLock; RunLock(sys.argv[1]); print('held', flush=True); time.sleep(120)"  # noqa: E501
     holder = subprocess.Popen([sys.executable, "-c", hold, run_dir], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"

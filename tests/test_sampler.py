@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from conftest import assert_close_relative
 
-from lspo_jax import sampler
-from lspo_jax.model import forward
-from lspo_jax.sampler import generate, generate_arrays, sample_token
+from lspo_jax.models.model import forward
+from lspo_jax.rollout import sampler
+from lspo_jax.rollout.sampler import generate, generate_arrays, sample_token
 
 T = 0.7
 PROMPTS = [[5, 9, 13, 17, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38], [60, 61]]
@@ -44,7 +44,7 @@ def test_greedy_matches_transformers_generate(hf_untied_dir, decode_attention):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from lspo_jax.hf import load_pretrained
+    from lspo_jax.models.hf import load_pretrained
 
     config, params = load_pretrained(hf_untied_dir)
     config = dataclasses.replace(config, decode_attention=decode_attention)

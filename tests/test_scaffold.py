@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from lspo_jax.scaffold import SpliceStats, find_cliffs, splice
+from lspo_jax.rl.scaffold import SpliceStats, find_cliffs, splice
 
 K, T = 4, 5
 

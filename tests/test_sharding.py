@@ -14,9 +14,9 @@ import sys
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from lspo_jax import axes as mesh_axes
-from lspo_jax import model, sharding
 from lspo_jax.config import ModelConfig
+from lspo_jax.models import axes as mesh_axes
+from lspo_jax.models import model, sharding
 
 # A sharded program sums in another order (and XLA's CPU kernels differ between x86 builds): float32 rounding only.
 # Logits (up to 1.5), log-probs (near -ln 96 = -4.6), the loss (0.19) and metrics differ by <= 1e-6 measured, a
@@ -176,7 +176,7 @@ def test_the_runs_sampler_splits_rows_over_every_device_of_a_tp_mesh():
     copied a cache split over ``tp``); a mesh without ``tp`` is its own sampling mesh."""
     from jax.sharding import AxisType
 
-    from lspo_jax.learner import Generator
+    from lspo_jax.rollout.generator import Generator
 
     auto = (AxisType.Auto,) * 3
     tp_mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tp"), axis_types=auto)

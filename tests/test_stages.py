@@ -12,10 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from lspo_jax import corrections, losses, scaffold, train
-from lspo_jax.packing import Rows
-from lspo_jax.prompts import Draw
-from lspo_jax.train_config import load_config
+from lspo_jax.job.config import load_config
+from lspo_jax.rl import corrections, losses, scaffold, train
+from lspo_jax.rl.packing import Rows
+from lspo_jax.rl.prompts import Draw
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, K, RESPONSE = 2, 2, 4  # group 0 has one passing rollout; group 1 is a cliff

@@ -28,11 +28,11 @@ from run_fixtures import (
     wrap,
 )
 
-from lspo_jax import logprobs, optim, packing
-from lspo_jax.checkpoint import checkpoint_state
-from lspo_jax.learner import Learner, TrainState
-from lspo_jax.metrics_log import read_metrics
-from lspo_jax.run import Run
+from lspo_jax.job.metrics_log import read_metrics
+from lspo_jax.job.run import Run
+from lspo_jax.rl import logprobs, optim, packing
+from lspo_jax.rl.checkpoint import checkpoint_state
+from lspo_jax.rl.learner import Learner, TrainState
 
 
 # ------------------------------------------------------------------------------------ loop mechanics
@@ -425,7 +425,7 @@ def test_direct_supervision_moves_the_base_by_the_sft_gradient_and_leaves_the_rl
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lspo_jax import hf
+    from lspo_jax.models import hf
 
     # lr 0.1: the update (about lr * g, g ~ 4e-3) must stand well above the float32 rounding of the weights it is
     # read from (after - before: an ulp of a 0.03 weight is 2e-9, 5e-6 of the update here, 1e-3 at lr 1e-3).

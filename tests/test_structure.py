@@ -124,22 +124,69 @@ def test_every_import_inside_the_package_names_a_module_where_it_is():
     assert {m: deps for m, deps in unresolved.items() if deps} == {}
 
 
-def test_the_tools_use_the_package_where_it_lives_and_the_tests_import_the_tools():
-    """``tools`` and ``benchmarks`` are packages of the repository: they import each module of ``lspo_jax`` where it
-    lives (the old paths are for users' code), and the tests import them as modules, never by a file's path."""
+def test_the_repository_uses_the_package_where_it_lives_and_the_tests_import_the_tools():
+    """``tests``, ``tools`` and ``benchmarks`` import each module of ``lspo_jax`` where it lives (the deprecated paths
+    are for users' code, and only ``test_paths.py`` uses them, to test them), and the tests import the tools as
+    modules, never by a file's path."""
     repo = PACKAGE.parent
     modules = {module_name(path, PACKAGE) for path in PACKAGE.rglob("*.py")}
-    scripts = sorted([*repo.glob("tools/*.py"), *repo.glob("benchmarks/*.py")])
+    tests = [p for p in sorted(repo.glob("tests/*.py")) if p.name != "test_paths.py"]
+    scripts = sorted([*repo.glob("tools/*.py"), *repo.glob("benchmarks/*.py"), *tests])
     assert (
-        len(scripts) > 15
+        len(tests) > 30
+        and len(scripts) > 45
         and (repo / "tools" / "__init__.py").exists()
         and (repo / "benchmarks" / "__init__.py").exists()
     )
     stale = {str(p.relative_to(repo)): sorted(package_imports(p, PACKAGE.name, modules) - modules) for p in scripts}
     assert {path: old for path, old in stale.items() if old} == {}
     by_path = re.compile(r"spec_from_file_location|syspath_prepend|sys\.path\.(insert|append)")
-    tests = [p for p in sorted(repo.glob("tests/*.py")) if p.name != Path(__file__).name]
-    assert len(tests) > 30 and [p.name for p in tests if by_path.search(p.read_text())] == []
+    assert [p.name for p in tests if by_path.search(p.read_text()) and p.name != Path(__file__).name] == []
+
+
+def dotted_path_is_real(dotted: str, top: set[str]) -> bool:
+    """``.a.b.c`` after ``lspo_jax``: ``a`` one of ``top``; then, while the path is a folder, each part a module or
+    folder in it or a name its ``__init__`` names (the rest, inside a module, is not followed)."""
+    first, *rest = dotted.lstrip(".").split(".")
+    if first not in top:
+        return False
+    path = PACKAGE / first
+    for part in rest:
+        if not path.is_dir():
+            return True
+        if not ((path / f"{part}.py").exists() or (path / part).is_dir() or part in (path / "__init__.py").read_text()):
+            return False
+        path = path / part
+    return True
+
+
+def test_every_dotted_name_in_the_repository_text_is_a_real_path():
+    """Code in strings, docs and config comments name modules by the same paths: after ``lspo_jax.`` a module or
+    folder of the package or a name its ``__init__`` defines, wherever it is written. A deprecated path appears only
+    in the deprecation table and on a line that says it is deprecated."""
+    repo = PACKAGE.parent
+    init = ast.parse((PACKAGE / "__init__.py").read_text())
+    top = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if p.is_dir()}
+    top |= {n.id for n in ast.walk(init) if isinstance(n, ast.Name)}
+    top |= {n.name for n in init.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+    kinds = ("*.py", "*.md", "*.toml", "*.yaml", "*.sh", "*.cfg")
+    files = [p for kind in kinds for p in repo.rglob(kind) if ".venv" not in p.parts]
+    table = {PACKAGE / "__init__.py", repo / "tests" / "test_paths.py"}  # the deprecation table and its test
+    files = [p for p in files if not {"runs", "results", ".git"} & set(p.relative_to(repo).parts) and p not in table]
+    found = {
+        f"{p.relative_to(repo)}: {m.group(0)}"
+        for p in files
+        for line in p.read_text(errors="replace").splitlines()
+        for m in re.finditer(r"\blspo_jax((?:\.\w+)+)|\bfrom lspo_jax import (\w+)", line)
+        if not dotted_path_is_real(m.group(1) or f".{m.group(2)}", top) and "deprecat" not in line.lower()
+    }
+    files_named = {
+        f"{p.relative_to(repo)}: {m.group(0)}"
+        for p in files
+        for m in re.finditer(r"\blspo_jax/([\w/]+\.py)\b", p.read_text(errors="replace"))
+        if not (PACKAGE / m.group(1)).exists()
+    }
+    assert len(files) > 80 and sorted(found) == [] and sorted(files_named) == []
 
 
 def test_imports_run_down_the_layers():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lspo_jax import tables
+from tools import tables
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,7 +171,8 @@ def _ablate(monkeypatch):
 
 def test_ablate_grid_cells_and_refusals(monkeypatch, capsys):
     ablate = _ablate(monkeypatch)
-    from lspo_jax.train_config import ConfigError, load_config
+    from lspo_jax.job.config import load_config
+    from lspo_jax.train_config import ConfigError
 
     base = load_config(str(ROOT / "configs" / "demo.yaml"))
     grid = ablate.parse_grid(["scaffold.splice=partial,group", "scaffold.correction=token,sequence,none"])

@@ -8,14 +8,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lspo_jax.train_config import ConfigError, TrainConfig, from_dict, load_config, to_dict
+from lspo_jax.job.config import RunConfig, load_config
+from lspo_jax.methods.l2rr.config import score_micro_batches, target_micro_batches
+from lspo_jax.train_config import ConfigError, from_dict, to_dict
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
 def test_defaults_are_the_papers_recipe():
     config = load_config(None)
-    assert config == TrainConfig()
+    assert config == RunConfig()
     assert (config.rollout.prompts_per_step, config.rollout.group_size, config.rollout.max_new_tokens) == (32, 16, 8192)
     assert (config.loss.eps_low, config.loss.eps_high, config.loss.clip_c) == (0.2, 0.28, None)
     assert (config.optim.lr, config.scaffold.sft.lr, config.scaffold.sft_steps) == (1e-6, 2.5e-5, 4)
@@ -97,13 +99,13 @@ def test_a_renamed_key_is_read_under_its_new_name():
 
 
 def test_the_options_default_to_the_papers_method():
-    loss, scaffold = TrainConfig().loss, TrainConfig().scaffold
+    loss, scaffold = RunConfig().loss, RunConfig().scaffold
     assert (loss.advantage, loss.tis_cap) == ("std", None)
     assert (scaffold.splice, scaffold.correction, scaffold.reroll_n, scaffold.reroll_temperature) == (
         "partial", "token", None, None)  # fmt: skip
     assert (scaffold.reroll_scale, scaffold.cliff_max_successes, scaffold.adapter, scaffold.reset_every) == (
         1.0, 0, "fresh", None)  # fmt: skip
-    assert (TrainConfig().optim.mini_batches, TrainConfig().optim.epochs) == (1, 1)
+    assert (RunConfig().optim.mini_batches, RunConfig().optim.epochs) == (1, 1)
 
 
 def test_check_of_a_nested_optimizer_config_names_its_section():
@@ -143,8 +145,8 @@ def test_dotted_overrides_apply_over_the_file():
 
 
 def test_to_dict_round_trips(tmp_path):
-    for config in (TrainConfig(), load_config(DEMO, ["eval.benchmarks=[a.jsonl, b.jsonl]", "loss.clip_c=3"])):
-        assert from_dict(TrainConfig, to_dict(config)) == config
+    for config in (RunConfig(), load_config(DEMO, ["eval.benchmarks=[a.jsonl, b.jsonl]", "loss.clip_c=3"])):
+        assert from_dict(RunConfig, to_dict(config)) == config
         path = tmp_path / "config.yaml"  # the way a run writes its config.yaml
         path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         assert load_config(path) == config
@@ -228,19 +230,17 @@ def test_l2rr_micro_batches_follow_the_updates_tokens_unless_set():
     run = load_config(recipe, ["l2rr.enabled=true", "l2rr.target=math500"])
     # 32 x 16 rows in 32 micro-batches: 16 rows of 1024 + 8192 slots a micro-batch. The scores take whole groups
     # of 16: 32 chunks of one prompt. Target rows are 1024 + 8192 slots too: 16 a chunk, 64 rows in 4.
-    assert (run.update_rows_per_micro(), run.l2rr_score_micro_batches(), run.l2rr_target_micro_batches(64)) == (
-        16, 32, 4
-    )  # fmt: skip
+    assert (run.update_rows_per_micro(), score_micro_batches(run), target_micro_batches(run, 64)) == (16, 32, 4)
     # Target rows of 1024 + 2048 slots hold 16 x 9216 / 3072 = 48 a chunk: 64 rows in 2; 48 rows in 1.
     short = load_config(recipe, ["data.max_solution_tokens=2048"])
-    assert (short.l2rr_target_micro_batches(64), short.l2rr_target_micro_batches(48)) == (2, 1)
+    assert (target_micro_batches(short, 64), target_micro_batches(short, 48)) == (2, 1)
     # 8 micro-batches of 64 rows: 4 groups a chunk, 8 chunks. 12 prompts in 4 micro-batches of 48 rows: 3 groups
     # a chunk, 4 chunks. 10 prompts in 4 micro-batches of 40 rows: at most 2 groups a chunk, and 10 / 2 = 5 chunks.
-    assert load_config(recipe, ["loss.micro_batches=8"]).l2rr_score_micro_batches() == 8
-    assert load_config(recipe, ["rollout.prompts_per_step=12", "loss.micro_batches=4"]).l2rr_score_micro_batches() == 4
-    assert load_config(recipe, ["rollout.prompts_per_step=10", "loss.micro_batches=4"]).l2rr_score_micro_batches() == 5
+    assert score_micro_batches(load_config(recipe, ["loss.micro_batches=8"])) == 8
+    assert score_micro_batches(load_config(recipe, ["rollout.prompts_per_step=12", "loss.micro_batches=4"])) == 4
+    assert score_micro_batches(load_config(recipe, ["rollout.prompts_per_step=10", "loss.micro_batches=4"])) == 5
     set_by_hand = load_config(recipe, ["l2rr.score_micro_batches=2", "l2rr.target_micro_batches=3"])
-    assert (set_by_hand.l2rr_score_micro_batches(), set_by_hand.l2rr_target_micro_batches(64)) == (2, 3)
+    assert (score_micro_batches(set_by_hand), target_micro_batches(set_by_hand, 64)) == (2, 3)
 
 
 def test_option_sections_errors_name_the_key():
@@ -255,12 +255,12 @@ def test_option_sections_errors_name_the_key():
 
 
 def _option_fields():
-    """(section, field, option type) of every field of TrainConfig's sections typed as one of ``options``' options."""
+    """(section, field, option type) of every field of RunConfig's sections typed as one of ``options``' options."""
     import dataclasses
     import typing
 
-    for section in dataclasses.fields(TrainConfig):
-        cls = typing.get_type_hints(TrainConfig)[section.name]
+    for section in dataclasses.fields(RunConfig):
+        cls = typing.get_type_hints(RunConfig)[section.name]
         if dataclasses.is_dataclass(cls):
             for name, hint in typing.get_type_hints(cls).items():
                 if typing.get_origin(hint) is typing.Literal:
@@ -282,7 +282,7 @@ def test_every_option_is_typed_and_checked_one_way_from_yaml_and_from_python():
         message = "^" + re.escape(f"{section}.{name}: must be one of {known!r}, got 'bogus'") + "$"
         with pytest.raises(ConfigError, match=message):  # from YAML, the reader's check
             load_config(None, [f"{section}.{name}=bogus"])
-        defaults = getattr(TrainConfig(), section)
+        defaults = getattr(RunConfig(), section)
         with pytest.raises(ConfigError, match=message):  # built in Python, the section's own check
             dataclasses.replace(defaults, **{name: "bogus"})
         for value in known:  # every declared value passes the option's check (a rule on a pair may still refuse it)
@@ -293,7 +293,10 @@ def test_every_option_is_typed_and_checked_one_way_from_yaml_and_from_python():
 
 
 def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup():
-    from lspo_jax import corrections, losses, model, options, run, scaffold, train
+    from lspo_jax import options
+    from lspo_jax.job import run
+    from lspo_jax.models import model
+    from lspo_jax.rl import corrections, losses, scaffold, train
 
     registries = {
         "rollout.engine": run.ENGINES,
@@ -339,16 +342,16 @@ def test_every_shipped_config_loads():
 
 
 def test_rollout_compact_every_reaches_the_jax_sampler(monkeypatch):
-    from lspo_jax import learner
     from lspo_jax.config import ModelConfig
+    from lspo_jax.rollout import generator
 
     seen = {}
-    monkeypatch.setattr(learner, "generate_arrays", lambda *args, **kw: seen.update(kw))
-    policy = learner.Policy(config=ModelConfig.preset("tiny"), tokenizer=None, eos_ids=(1,))
+    monkeypatch.setattr(generator, "generate_arrays", lambda *args, **kw: seen.update(kw))
+    policy = generator.Policy(config=ModelConfig.preset("tiny"), tokenizer=None, eos_ids=(1,))
     for value, expected in ((0, 0), (None, None)):
         seen.clear()
-        generator = learner.Generator(policy, compact_every=value)
-        generator.generate({}, [[5]], generator.decoding(4, 1.0, 1.0, 0), key=None)
+        sampler = generator.Generator(policy, compact_every=value)
+        sampler.generate({}, [[5]], sampler.decoding(4, 1.0, 1.0, 0), key=None)
         assert seen.get("compact_every") == expected  # None: not passed, the sampler's default applies
 
 
@@ -416,9 +419,9 @@ def test_a_config_file_that_is_not_a_mapping_or_not_text_is_named(tmp_path):
 def test_lengths_beyond_the_model_and_a_cache_beyond_the_memory_are_refused_before_anything_runs(monkeypatch):
     import jax
 
-    from lspo_jax import sharding
     from lspo_jax.config import ModelConfig
     from lspo_jax.job import build
+    from lspo_jax.models import sharding
 
     tiny = ModelConfig.preset("tiny", compute_dtype="float32")  # 512 positions; 2 layers x 2 KV heads x head_dim 16
     run = load_config(
@@ -456,9 +459,9 @@ def test_lengths_beyond_the_model_and_a_cache_beyond_the_memory_are_refused_befo
 
 
 def apply(run, *overrides):
-    from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
+    from lspo_jax.train_config import apply_overrides, from_dict, to_dict
 
-    return from_dict(TrainConfig, apply_overrides(to_dict(run), list(overrides)))
+    return from_dict(RunConfig, apply_overrides(to_dict(run), list(overrides)))
 
 
 def test_dynamic_sampling_and_l2rr_are_not_both_drawing_the_rounds():

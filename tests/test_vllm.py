@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lspo_jax.sampler import PAD_ID
-from lspo_jax.vllm_sampler import _pack, logprob_mismatch
+from lspo_jax.rollout.sampler import PAD_ID
+from lspo_jax.rollout.vllm_sampler import _pack, logprob_mismatch
 
 TOL = 1e-3  # float32 on both sides; measured differences are about 3e-5
 LAYERS = 2  # of the checks' model

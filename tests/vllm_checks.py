@@ -29,9 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lspo_jax import hf, logprobs, sampler, toy
 from lspo_jax.config import LoraConfig, ModelConfig
-from lspo_jax.model import abstract_params
+from lspo_jax.models import hf
+from lspo_jax.models.model import abstract_params
+from lspo_jax.rl import logprobs
+from lspo_jax.rollout import sampler
+from lspo_jax.tasks import toy
 
 CONFIG = ModelConfig(
     vocab_size=toy.vocab_size(), hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
@@ -108,7 +111,7 @@ def compare(engine_batch, jax_batch) -> dict:
 
 
 def main(workdir: str) -> dict:
-    from lspo_jax.vllm_sampler import VLLMSampler, logprob_mismatch
+    from lspo_jax.rollout.vllm_sampler import VLLMSampler, logprob_mismatch
 
     out: dict = {}
     params = random_params()
@@ -241,8 +244,8 @@ TRAIN_OVERRIDES = ["steps=2", "rollout.engine=vllm", "eval.limit=4", "eval.n=1",
 def train(workdir: str) -> dict:
     """Two steps of the demo run with vLLM rollouts: its train records and whether the summary exists; then
     ``base_for_adapter`` on the same run (its engine still up: a second start costs tens of seconds)."""
+    from lspo_jax.job.config import load_config
     from lspo_jax.job.run import Run
-    from lspo_jax.train_config import load_config
 
     out_dir = os.path.join(workdir, "run")
     job = Run(load_config(DEMO_CONFIG, TRAIN_OVERRIDES), out_dir)  # what train_run does, the run kept open
@@ -301,7 +304,8 @@ def refusal(workdir: str) -> dict:
     import dataclasses
     import io
 
-    from lspo_jax import cli, vllm_sampler
+    from lspo_jax.job import cli
+    from lspo_jax.rollout import vllm_sampler
 
     config = dataclasses.replace(CONFIG, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
     model_dir = os.path.join(workdir, "head_dim_16")

@@ -24,7 +24,7 @@ N, NEW = 2, 12
 
 
 def prompts() -> list[list[int]]:
-    from lspo_jax import toy
+    from lspo_jax.tasks import toy
 
     rng = np.random.default_rng(3)
     return [[toy.BOS_ID, *rng.integers(4, toy.vocab_size(), size=k - 1).tolist()] for k in PROMPT_LENGTHS]
@@ -33,8 +33,9 @@ def prompts() -> list[list[int]]:
 def main(out: str, workdir: str) -> None:
     from vllm_checks import CONFIG, random_params
 
-    from lspo_jax import hf, toy
-    from lspo_jax.vllm_sampler import VLLMSampler
+    from lspo_jax.models import hf
+    from lspo_jax.rollout.vllm_sampler import VLLMSampler
+    from lspo_jax.tasks import toy
 
     params = random_params()
     hf.save_pretrained(workdir, CONFIG, params)

@@ -30,9 +30,10 @@ from datetime import date
 
 import yaml
 
-from lspo_jax.job import tables
 from lspo_jax.job.compiles import use_cache
-from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
+from lspo_jax.job.config import load_config
+from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, to_dict
+from tools import tables
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/ablate.py: run it from the repository root as python -m tools.ablate ...")

@@ -33,10 +33,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 (pa.compute)
 
-from lspo_jax.models import qwen_vocab
 from lspo_jax.rl import packing, prompts
 from lspo_jax.tasks import data, example_store
 from lspo_jax.train_config import ConfigError, DataConfig
+from tools import qwen_vocab
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/bench_loader.py: run it from the repository root as python -m tools.bench_loader ...")

@@ -72,9 +72,9 @@ def response_lengths(spec: str, n: int, cap: int, rng: np.random.Generator) -> n
 
 def r1_prompt_lengths(data_dir: str, name: str) -> np.ndarray:
     """The R1 prompts' token counts of one benchmark file (the chat template and instruction included)."""
-    from lspo_jax.models import qwen_vocab
     from lspo_jax.tasks import data
     from lspo_jax.train_config import DataConfig
+    from tools import qwen_vocab
 
     path = os.path.join(data_dir, f"{name}.jsonl")
     if not os.path.isfile(path):

@@ -1,4 +1,4 @@
-"""Sampler throughput: new tokens per second of ``lspo_jax.sampler`` at a fixed shape, random weights.
+"""Sampler throughput: new tokens per second of ``lspo_jax.rollout.sampler`` at a fixed shape, random weights.
 
 Prompts are ``--prompt-len`` random ids; no EOS, so each row generates exactly its stated number of new tokens.
 ``--lengths`` states those numbers per row (``uniform``: all ``--new-tokens``; ``mixed`` and ``r1``: uneven,

@@ -1,7 +1,7 @@
 """How far each of the demo's held-out classes is from the warm start's reach: the figures that place a class at the
 frontier (mostly cliffs at the run's K, yet solved within many samples) or beyond it.
 
-Per class (``lspo_jax.toy.CLASSES``), with the run's sampling settings and ``--samples`` draws per problem:
+Per class (``lspo_jax.tasks.toy.CLASSES``), with the run's sampling settings and ``--samples`` draws per problem:
 the per-sample accuracy; the cliff share at K (the share of problems whose K samples all fail, averaged over the
 ``samples // K`` disjoint slices of K samples); pass@``samples``; and the base's teacher-forced log-prob of the gold
 worked solutions (per sequence, and the per-token quantiles, the share of tokens with p < 0.01 and p > 0.95).
@@ -84,9 +84,9 @@ def _calibrate(argv: list[str] | None) -> int:
     from lspo_jax.job import evaluation, toy_model
     from lspo_jax.job.build import load_benchmarks, load_policy, make_verifier
     from lspo_jax.job.compiles import use_cache
-    from lspo_jax.rl.learner import Generator
+    from lspo_jax.job.config import load_config
+    from lspo_jax.rollout.generator import Generator
     from lspo_jax.tasks import toy
-    from lspo_jax.train_config import load_config
 
     names = args.classes.split(",") if args.classes else list(toy.CLASSES)
     unknown = sorted(set(names) - set(toy.CLASSES))

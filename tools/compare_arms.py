@@ -2,13 +2,16 @@
 paper's Table 1.
 
 Each seed trains every arm from the same model with the same data order; an arm is a name and the config
-overrides that make it (``--arm NAME:key=value,key=value``, repeatable). Two are built in and run when no ``--arm``
-is given: ``dapo`` (``scaffold.enabled=false``, the baseline) and ``lspo`` (``scaffold.enabled=true``). Per
+overrides that make it (``--arm NAME:key=value,key=value``, repeatable). Two run when no ``--arm`` is given: ``dapo``
+(``scaffold.enabled=false``, the baseline) and ``lspo`` (``scaffold.enabled=true``). More are built in by name
+(``ARMS``): the corrections of spliced rows ``guide``, ``shaped`` and ``floor``; the supervisions of the base
+``direct`` (``scaffold.supervise=base``), ``mixed`` (CHORD's mixed objective) and ``sft_warmup`` (SFT then DAPO,
+whose budget ``scaffold.warmup_tokens=N`` is given after the arms: the other arms do not read it). Per
 (run, benchmark) the peak of held-out pass@k and of ``gold_logprob`` (the base's log-likelihood per token of the
 gold solutions) over the validation trace is taken, up to ``--horizon`` steps (default: the config's ``steps``, so
 a reused run that trained longer is cut back to the matched horizon), then the mean and range over seeds per arm,
 and each arm minus DAPO (the first arm, without a ``dapo`` arm) paired by seed: the mean and range of the per-seed
-differences (``lspo_jax.tables``). The scaffold's own figures (cliff groups, surpass rate, per-rollout pass rate
+differences (``tools.tables``). The scaffold's own figures (cliff groups, surpass rate, per-rollout pass rate
 of the re-rollouts) are reported per arm.
 
     .venv/bin/python -m tools.compare_arms --config configs/demo.yaml --seeds 42 43 44 --out runs/arms \\
@@ -41,18 +44,30 @@ from datetime import date
 import jax
 import yaml
 
-from lspo_jax.job import tables
 from lspo_jax.job.compiles import use_cache
+from lspo_jax.job.config import load_config
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import surpass_distribution, train_run
-from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, load_config, to_dict
+from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, to_dict
+from tools import tables
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/compare_arms.py: run it from the repository root as python -m tools.compare_arms ...")
 from tools import resume_or_restart, run_main  # noqa: E402
 
-# The built-in arms, in the order they train when no --arm is given.
-ARMS = {"lspo": ("scaffold.enabled=true",), "dapo": ("scaffold.enabled=false",)}
+# The built-in arms by name; DEFAULT_ARMS train, in this order, when no --arm is given.
+_ADAPTER = ("scaffold.enabled=true", "scaffold.supervise=adapter")
+ARMS = {
+    "lspo": ("scaffold.enabled=true",),
+    "dapo": ("scaffold.enabled=false",),
+    "guide": (*_ADAPTER, "scaffold.correction=guide"),
+    "shaped": (*_ADAPTER, "scaffold.correction=shaped"),
+    "floor": (*_ADAPTER, "scaffold.correction=floor"),
+    "direct": ("scaffold.enabled=true", "scaffold.supervise=base"),
+    "mixed": ("scaffold.enabled=true", "scaffold.supervise=mixed"),
+    "sft_warmup": ("scaffold.enabled=true", "scaffold.supervise=sft_warmup"),
+}
+DEFAULT_ARMS = ("lspo", "dapo")
 BASELINE = "dapo"
 ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # the run directory's name before _seedSEED
 
@@ -89,7 +104,7 @@ def parse_arms(items: list[str], base_config) -> dict[str, list[str]]:
     """Arm name -> overrides of every ``--arm`` (the built-in arms without any), each checked to make a valid config
     on ``base_config``: a bad one fails here, before anything trains, naming its arm and key."""
     arms: dict[str, list[str]] = {}
-    for name, overrides in [parse_arm(item) for item in items] or [(n, list(o)) for n, o in ARMS.items()]:
+    for name, overrides in [parse_arm(item) for item in items] or [(n, list(ARMS[n])) for n in DEFAULT_ARMS]:
         if name in arms:
             raise ConfigError(f"--arm {name}: given twice")
         try:
@@ -159,7 +174,7 @@ def run_cell(base_config, name: str, overrides: list[str], seed: int, out_root: 
     evals = [r for r in records if r.get("kind") == "eval"]
     train = [r for r in records if r.get("kind", "train") == "train"]
     return {"arm": name, "seed": seed, "summary": summary, "evals": evals, "train": train, "steps": config.steps,
-            "scaffold": config.scaffold.enabled}  # fmt: skip
+            "scaffold": config.scaffold.uses_cliffs}  # fmt: skip
 
 
 def traces(results: list[dict]) -> list[tables.RunTrace]:
@@ -170,7 +185,7 @@ def peak_table(
     results: list[dict], ks: list[int], horizon: int | None, baseline: str = BASELINE
 ) -> tuple[tables.PeakTable, str]:
     """Peak held-out pass@k (and gold_logprob, where recorded) per (run, benchmark), per arm and seed
-    (``lspo_jax.tables``), ``baseline`` the arm the others are paired with (the first arm when it has no runs), up
+    (``tools.tables``), ``baseline`` the arm the others are paired with (the first arm when it has no runs), up
     to ``horizon`` (None: the runs' ``steps``), and the line that says which horizon it was."""
     runs = traces(results)
     horizon, horizon_line = tables.resolve_horizon(runs, horizon)
@@ -245,7 +260,7 @@ def _compare(argv: list[str] | None) -> int:
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--arm", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                    help=f"an arm: a built-in name ({', '.join(ARMS)}) or NAME:overrides; repeatable (default: "
-                        f"{' and '.join(ARMS)})")  # fmt: skip
+                        f"{' and '.join(DEFAULT_ARMS)})")  # fmt: skip
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
     p.add_argument("--out", default="runs/arms")
     p.add_argument("--horizon", type=int, default=None, help="only validation steps <= this count (default: steps)")

@@ -5,7 +5,7 @@ given as ``DIR`` (arm from ``scaffold.enabled``: lspo or dapo; seed from the con
 ``ARM:SEED=DIR``. Per (run, benchmark, k) the peak of validation pass@k (and of ``gold_logprob``, the gold
 solutions' log-likelihood per token, where the records hold it) up to ``--horizon`` steps (default: the runs'
 configured ``steps``, the smallest when they differ), then the mean and [min, max] per arm and the difference from
-the baseline arm, paired by seed where the arms ran the same seeds (``lspo_jax.tables``). The output says which
+the baseline arm, paired by seed where the arms ran the same seeds (``tools.tables``). The output says which
 horizon it used.
 
     .venv/bin/python -m tools.compare_runs runs/lspo_seed4{2,3,4} runs/dapo_seed4{2,3,4} --horizon 500 \\
@@ -18,9 +18,9 @@ import argparse
 import os
 import sys
 
-from lspo_jax.job import tables
 from lspo_jax.job.metrics_log import MetricsError
 from lspo_jax.train_config import ConfigError
+from tools import tables
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/compare_runs.py: run it from the repository root as python -m tools.compare_runs ...")

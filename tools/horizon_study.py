@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lspo_jax.job import tables
+from tools import tables
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/horizon_study.py: run it from the repository root as python -m tools.horizon_study ...")

@@ -75,13 +75,15 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from lspo_jax.config import ModelConfig
+from lspo_jax.job.config import load_config
+from lspo_jax.methods.l2rr import config as l2rr_config
 from lspo_jax.methods.l2rr import target as l2rr_target
 from lspo_jax.models import model, sharding
 from lspo_jax.models.axes import MESH_AXES
 from lspo_jax.rl import distributed, losses, optim, packing
 from lspo_jax.rl.learner import Learner
 from lspo_jax.rollout import lowering
-from lspo_jax.train_config import ConfigError, TrainConfig, load_config
+from lspo_jax.train_config import ConfigError, TrainConfig
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/lower_check.py: run it from the repository root as python -m tools.lower_check ...")
@@ -258,7 +260,7 @@ def l2rr_target_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -
     ``TargetSide`` places them."""
     run = shape.run
     limit = run.l2rr.target_limit or 1
-    options = {"num_micro_batches": run.l2rr_target_micro_batches(limit), "chunk_size": run.loss.chunk_size}
+    options = {"num_micro_batches": l2rr_config.target_micro_batches(run, limit), "chunk_size": run.loss.chunk_size}
     length = run.data.max_prompt_tokens + run.data.max_solution_tokens
     count = -(-limit // options["num_micro_batches"]) * options["num_micro_batches"]
     rows = _rows(count, length, ("tokens", "attention_mask", "mask", "weight"), sharding.batch_sharding(mesh, count))

@@ -2,7 +2,7 @@
 
 Full-parameter SFT of a 3-layer Qwen2 on generated 1-3 digit sums, and a ``--frontier-share`` of three-operand
 2-digit sums, with worked solutions by a teacher who drops each carry with probability ``--forget-carry``
-(``lspo_jax.toy_model.ensure_model``). Deterministic on the CPU for a given seed.
+(``lspo_jax.job.toy_model.ensure_model``). Deterministic on the CPU for a given seed.
 
     .venv/bin/python -m tools.make_toy_model [--steps 1200] [--seed 0] [--forget-carry 0.4] \\
         [--frontier-share 0.02] [--out lspo_jax/assets/toy_model]

@@ -3,7 +3,7 @@
 .venv/bin/python -m tools.options_reference --check docs/options.md   # exit 2, one line, when the page has drifted
 .venv/bin/python -m tools.options_reference --write docs/options.md   # rewrite it, keeping each key's meaning
 
-The keys, types and defaults come from walking ``TrainConfig`` (its sections, and theirs: ``model.lora``,
+The keys, types and defaults come from walking ``job.config.RunConfig`` (its sections, and theirs: ``model.lora``,
 ``scaffold.sft``); only the meaning column is written by hand, and ``--write`` keeps it (a new key gets ``TODO``).
 With neither option the page that ``--write`` would make is printed.
 """
@@ -22,16 +22,17 @@ from typing import Any
 
 import yaml
 
-from lspo_jax.train_config import ConfigError, TrainConfig
+from lspo_jax.job.config import RunConfig
+from lspo_jax.train_config import ConfigError
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/options_reference.py: run it from the repository root as python -m tools.options_reference ...")
 from tools import run_main  # noqa: E402
 
-ROOT = TrainConfig  # the config walked; the tests put a class with one more field here
+ROOT = RunConfig  # the config walked; the tests put a class with one more field here
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 TODO = "TODO"
-TOP = "top level"  # the heading of ``TrainConfig``'s own keys (``steps``, ``seed``), which have no section
+TOP = "top level"  # the heading of the config's own keys (``steps``, ``seed``), which have no section
 HEADER = ("key", "type", "default", "meaning")
 INTRO = """\
 # Options
@@ -132,7 +133,7 @@ def sections_in(cls: type, prefix: str) -> Iterator[tuple[str, type]]:
 
 
 def render(options: list[Option], meanings: dict[str, str]) -> str:
-    """The page: ``INTRO``, then one table per section in the config's order, ``TrainConfig``'s own keys last."""
+    """The page: ``INTRO``, then one table per section in the config's order, the config's own keys last."""
     sections: dict[str, list[Option]] = {}
     for option in options:
         sections.setdefault(option.section, []).append(option)

@@ -45,7 +45,7 @@ def tiny_r1_model(path: str, hidden: int = 32, layers: int = 2) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lspo_jax.models import qwen_vocab
+    from tools import qwen_vocab
 
     torch.manual_seed(0)
     tokenizer = qwen_vocab.r1_tokenizer()

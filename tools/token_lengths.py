@@ -1,4 +1,4 @@
-"""Token lengths of the shared benchmark and training files in the real Qwen2 vocabulary (``lspo_jax.qwen_vocab``).
+"""Token lengths of the shared benchmark and training files in the real Qwen2 vocabulary (``tools.qwen_vocab``).
 
 For each file: the problems' tokens, the R1 prompts' (the chat template and the recipe's instruction, as
 ``data.render_prompt`` makes them: what a rollout row's prompt part holds) and the worked solutions' where the
@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from lspo_jax.models import qwen_vocab
 from lspo_jax.tasks import data
 from lspo_jax.train_config import ConfigError, DataConfig
+from tools import qwen_vocab
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/token_lengths.py: run it from the repository root as python -m tools.token_lengths ...")

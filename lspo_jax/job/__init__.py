@@ -1,6 +1,6 @@
 """A training run end to end: the loop (``run``) and what it is built from (``build``: the policy, mesh, verifier,
 engines, data, and the optional methods wired in), validation (``evaluation``), the metrics log, progress line,
-plots and tables, checkpoint export, the run's lock and the console commands (``cli``). Imports every layer below
+plots, checkpoint export, the run's lock and the console commands (``cli``). Imports every layer below
 it."""
 
 from lspo_jax import lazy_exports

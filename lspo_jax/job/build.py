@@ -24,10 +24,10 @@ from lspo_jax.models import hf, model, sharding
 from lspo_jax.models.model import Params
 from lspo_jax.rl import optim
 from lspo_jax.rl.checkpoint import checkpoint_state
-from lspo_jax.rl.learner import Policy
 from lspo_jax.rl.prompts import ShuffledPrompts
 from lspo_jax.rl.rounds import DynamicSamplingPrompts
 from lspo_jax.rollout import sampler
+from lspo_jax.rollout.generator import Policy
 from lspo_jax.tasks import benchmarks, data, example_store, toy, verify_pool
 from lspo_jax.train_config import ConfigError, TrainConfig
 
@@ -279,31 +279,39 @@ def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str
     return jax.eval_shape(build)
 
 
-# The optional methods, one builder each: it returns its part of the run from the config's section, or None when
-# the section leaves the method off. A prompt method's: (run, examples, model config, load_examples) -> a prompt
-# source; a token-advantages method's: (run, policy, base params, mesh, judge=) -> a ``train.TokenAdvantages``.
-PROMPT_METHODS = (l2rr.make_prompt_source,)
-ADVANTAGE_METHODS = (first_mistake.make_token_advantages,)
+# The optional methods by their config section, one builder each: it returns its part of the run from the section,
+# or None when the section leaves the method off. A prompt method's: (run, examples, model config, load_examples)
+# -> a prompt source; a token-advantages method's: (run, policy, base params, mesh) -> a ``train.TokenAdvantages``.
+# At most one method of a kind is on in a run (``enabled_method``).
+PROMPT_METHODS = {"l2rr": l2rr.make_prompt_source}
+ADVANTAGE_METHODS = {"first_mistake": first_mistake.make_token_advantages}
+
+
+def enabled_method(run: TrainConfig, methods: dict[str, Any], kind: str) -> str | None:
+    """The section of ``methods`` that ``run`` turns on (``SECTION.enabled``), or None; two are a ``ConfigError``
+    naming both: each would take the step's ``kind`` and one would be silently ignored."""
+    on = [section for section in methods if getattr(run, section).enabled]
+    if len(on) > 1:
+        raise ConfigError(f"{on[0]}.enabled and {on[1]}.enabled: both are {kind} methods and a run takes one; "
+                          "turn one off")  # fmt: skip
+    return on[0] if on else None
 
 
 def prompt_source(run: TrainConfig, examples: list[data.Example], policy: Policy) -> Any:
-    """The run's prompt source: dynamic sampling, a method's (the first of ``PROMPT_METHODS`` its config turns on),
-    or the seeded order."""
+    """The run's prompt source: dynamic sampling, the prompt method the config turns on, or the seeded order."""
     if not examples:
         raise data.DataError("no training prompts left after loading; see the data report")
+    section = enabled_method(run, PROMPT_METHODS, "prompt")
     if run.rollout.dynamic_sampling:
         return DynamicSamplingPrompts(run, examples)
     load = lambda path: load_examples(run, policy, path, run.seed)
-    for make in PROMPT_METHODS:
-        if (source := make(run, examples, policy.config, load)) is not None:
-            return source
+    if section is not None and (source := PROMPT_METHODS[section](run, examples, policy.config, load)) is not None:
+        return source
     return ShuffledPrompts(examples, run.rollout.prompts_per_step, seed=run.seed, shuffle=run.data.shuffle)
 
 
-def make_token_advantages(run: TrainConfig, policy: Policy, base_params: Any, mesh: Mesh, judge: Any = None) -> Any:
-    """The step's token-advantages strategy: the first of ``ADVANTAGE_METHODS`` the config turns on, or None.
-    ``judge`` replaces the first-mistake judge; ``base_params`` returns the policy's current base."""
-    for make in ADVANTAGE_METHODS:
-        if (strategy := make(run, policy, base_params, mesh, judge=judge)) is not None:
-            return strategy
-    return None
+def make_token_advantages(run: TrainConfig, policy: Policy, base_params: Any, mesh: Mesh) -> Any:
+    """The step's token-advantages strategy: the method the config turns on, or None. ``base_params`` returns the
+    policy's current base."""
+    section = enabled_method(run, ADVANTAGE_METHODS, "token-advantages")
+    return None if section is None else ADVANTAGE_METHODS[section](run, policy, base_params, mesh)

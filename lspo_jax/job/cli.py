@@ -169,7 +169,8 @@ def has_checkpoint(out_dir: str) -> bool:
 
 def _train_config(args):
     """The run's config: ``--config`` (or, resuming without one, the run's own ``config.yaml``) and overrides."""
-    from lspo_jax.train_config import ConfigError, load_config
+    from lspo_jax.job.config import load_config
+    from lspo_jax.train_config import ConfigError
 
     saved = os.path.join(args.out, "config.yaml") if args.out else None
     if args.resume and not has_checkpoint(args.out):
@@ -368,7 +369,7 @@ def _eval_settings(run, args):
     """``run`` with this command's evaluation settings on top (each only when given): ``--protocol``'s sampling
     settings but those that a flag here or an ``eval.KEY=`` override names, then the flags."""
     from lspo_jax.options import eval_protocol
-    from lspo_jax.train_config import EvalConfig, TrainConfig, apply_overrides, from_dict, to_dict
+    from lspo_jax.train_config import EvalConfig, apply_overrides, from_dict, to_dict
 
     named = {item.partition("=")[0] for item in args.overrides}
     sampling = {}
@@ -391,7 +392,7 @@ def _eval_settings(run, args):
         "reward.workers": args.workers, "seed": args.seed,
     }  # fmt: skip
     overrides = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
-    return from_dict(TrainConfig, apply_overrides(to_dict(run), overrides))
+    return from_dict(type(run), apply_overrides(to_dict(run), overrides))
 
 
 def _ints(flag: str, text: str) -> list[int]:
@@ -410,7 +411,8 @@ def _eval_model(args):
     from lspo_jax.job import export
     from lspo_jax.job.build import load_policy
     from lspo_jax.job.compiles import use_cache
-    from lspo_jax.train_config import ConfigError, load_config
+    from lspo_jax.job.config import load_config
+    from lspo_jax.train_config import ConfigError
 
     if export.is_run_dir(args.model):
         if args.config is not None:
@@ -481,7 +483,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 def _eval(args) -> int:
     from lspo_jax.job import evaluation
     from lspo_jax.job.build import check_positions, load_benchmarks, make_verifier
-    from lspo_jax.rl.learner import Generator
+    from lspo_jax.rollout.generator import Generator
 
     try:
         samples, seeds = _eval_arguments(args)

@@ -2,7 +2,7 @@
 
 One code path serves validation inside a training run (``Run.validate``, every ``eval.every`` steps) and
 ``lspo-eval`` on a saved model: ``evaluate_benchmarks`` samples ``eval.n`` responses per problem from the
-base policy (a ``learner.Generator``: the JAX sampler, or the run's vLLM engine), scores them with the run's
+base policy (a ``generator.Generator``: the JAX sampler, or the run's vLLM engine), scores them with the run's
 verifier and reduces the [problems, n] table of passes to pass@k. Benchmarks are scored one by one, so a
 result (and a ``metrics.jsonl`` record) is per benchmark. The paper reports the first-k-slice estimator; the
 unbiased one is logged beside it. Validation also scores the base's log-likelihood of each benchmark's gold worked
@@ -91,7 +91,7 @@ def sampling_settings(run) -> dict[str, Any]:
 
 def sample_responses(run, generator, params, prompts: Sequence[Sequence[int]], key) -> list[str]:
     """``eval.n`` responses per prompt (n consecutive texts per prompt) from the base policy, decoded for the
-    verifier (special tokens dropped), drawn with ``sampling_settings``. ``generator``: a ``learner.Generator`` (a
+    verifier (special tokens dropped), drawn with ``sampling_settings``. ``generator``: a ``generator.Generator`` (a
     run's vLLM engine samples when its context holds the longest prompt plus ``eval.max_new_tokens``; else the JAX
     sampler)."""
     s = sampling_settings(run)

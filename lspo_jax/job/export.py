@@ -26,12 +26,13 @@ import numpy as np
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.job.build import abstract_checkpoint_state, load_policy, model_dir
+from lspo_jax.job.config import load_config
 from lspo_jax.models import hf
 from lspo_jax.models.model import Params
 from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError
-from lspo_jax.rl.learner import Policy
+from lspo_jax.rollout.generator import Policy
 from lspo_jax.signals import StopFlag
-from lspo_jax.train_config import TrainConfig, load_config
+from lspo_jax.train_config import TrainConfig
 
 
 def is_run_dir(path: str) -> bool:

@@ -39,6 +39,7 @@ from lspo_jax.job.metrics_log import MetricsLog, NullLog, records_until, rewrite
 from lspo_jax.job.progress import Progress
 from lspo_jax.job.run_dir import check_resumable, model_shapes, new_run_refused, record_config, run_records
 from lspo_jax.job.run_lock import take_run_lock
+from lspo_jax.rl import warmup
 from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError, TrainState
 from lspo_jax.rl.learner import Learner
 from lspo_jax.rl.train import Phases, StepAbandoned, step_rates, train_step
@@ -76,13 +77,12 @@ class Run:
     """The state and resources of one training run.
 
     ``verifier`` replaces the math-verify pool: any object with ``score(responses, golds) -> array`` and
-    ``close()``; the run owns it from then on and closes it, also when the run fails to start. ``judge``
-    replaces the first-mistake judge built from ``first_mistake`` (a ``teacher.Judge``, e.g. over a scripted
-    ``generate``).
+    ``close()``; the run owns it from then on and closes it, also when the run fails to start. The optional methods
+    come from the config, through ``build``'s plugs (``PROMPT_METHODS``, ``ADVANTAGE_METHODS``).
     """
 
     def __init__(
-        self, run: TrainConfig, out_dir: str, *, resume: bool = False, verifier: Any = None, judge: Any = None,
+        self, run: TrainConfig, out_dir: str, *, resume: bool = False, verifier: Any = None,
         stop: StopFlag | None = None,
     ):  # fmt: skip
         self.run, self.out_dir, self.stop = run, out_dir, stop
@@ -91,13 +91,13 @@ class Run:
         self.writer = jax.process_index() == 0
         self.lock = take_run_lock(out_dir)  # a second run into out_dir stops here, on every process
         try:
-            self._start(run, resume=resume, verifier=verifier, judge=judge)
+            self._start(run, resume=resume, verifier=verifier)
         except BaseException:
             if self.lock is not None:
                 self.lock.close()
             raise
 
-    def _start(self, run: TrainConfig, *, resume: bool, verifier: Any, judge: Any) -> None:
+    def _start(self, run: TrainConfig, *, resume: bool, verifier: Any) -> None:
         out_dir = self.out_dir
         # Refusals first, before anything is loaded or written: the run's own config.yaml stays as it was.
         # Checked before the model loads: a W&B run asked for without wandb installed fails here.
@@ -114,12 +114,12 @@ class Run:
             # A moved model whose shapes could not be compared: what the restore says if the checkpoint does not fit.
             self.unchecked_model = check_resumable(run, out_dir, writer=self.writer) if latest is not None else None
             self._startup_point()
-            self._load(run, resume=latest is not None, verifier=verifier, judge=judge)
+            self._load(run, resume=latest is not None, verifier=verifier)
         except BaseException:
             _close_after_failure(self.checkpointer, "checkpointer")
             raise
 
-    def _load(self, run: TrainConfig, *, resume: bool, verifier: Any, judge: Any) -> None:
+    def _load(self, run: TrainConfig, *, resume: bool, verifier: Any) -> None:
         """Model, data, judge, verifier, the learner (its state restored when resuming; the engine last), then
         config.yaml and the metrics log. What started is closed if a later part fails."""
         out_dir = self.out_dir
@@ -140,8 +140,9 @@ class Run:
         self.held_out, self.held_out_data = self._held_out()
         self.prompts = prompt_source(run, self.examples, self.policy)
         self.history: list[dict[str, Any]] = []  # every record of the run, those before a resume included
+        self.warmed: dict[str, Any] | None = None  # the SFT warm-up's record once it is done (``rl.warmup``)
         # A policy judging itself reads the learner's base at each call.
-        token_advantages = make_token_advantages(run, self.policy, lambda: self.learner.base_params(), mesh, judge)
+        token_advantages = make_token_advantages(run, self.policy, lambda: self.learner.base_params(), mesh)
         verifier = make_verifier(run) if verifier is None else verifier
         try:
             # Params and optimizer state are committed to the mesh like the arrays a restore returns: jit keys its
@@ -200,6 +201,8 @@ class Run:
         self._check_lock()
         meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed, "data": self.data_digest,
                 "model": self.model_record}  # fmt: skip
+        if self.warmed is not None:  # the base it holds is warmed up
+            meta[warmup.RECORD_KIND] = self.warmed
         self.checkpointer.save_state(self.state, meta, adapter=self.learner.adapter_lifetime.checkpointed)
 
     def _restore(self, fresh: TrainState, adapter: bool) -> TrainState:
@@ -242,6 +245,10 @@ class Run:
                   f"the steps from {step + 1} on", file=sys.stderr)  # fmt: skip
         say = (lambda line: print(f"lspo-train: {line}", file=sys.stderr)) if self.writer else None
         self.history = records_until(records, step, say)
+        self.warmed = meta.get(warmup.RECORD_KIND)
+        if self.warmed is not None and not any(r["kind"] == warmup.RECORD_KIND for r in self.history):
+            # Killed between the warm-up's checkpoint and its record: the record is the checkpoint's copy.
+            self.history.insert(0, {"kind": warmup.RECORD_KIND, "step": 0, **self.warmed})
         if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
             self.prompts.load_state_dict(meta[self.prompts.meta_key])
         return state
@@ -319,6 +326,7 @@ class Run:
     def _train(self, stop: StopFlag, start: float) -> dict[str, Any]:
         run, progress = self.run, None
         try:
+            self._warm_up_once(stop)
             if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
                 self._validate_once(stop)  # stop or a kill cut short
             progress = Progress(run.steps, self.state.step, enabled=self.writer)  # the first step's time its own
@@ -335,6 +343,21 @@ class Run:
             except evaluation.ValidationStopped:
                 stopped = True
         return self._summary(time.perf_counter() - start, stopped)
+
+    def _warm_up_once(self, stop: StopFlag) -> None:
+        """The SFT warm-up before the first step (``scaffold.supervise: sft_warmup``), unless it is done. It runs
+        whole (a stop asked for during it is taken once it ends), then a checkpoint at step 0 holds the warmed base
+        and, in its meta, the warm-up's record, which is written (``kind: warmup``, step 0) after it: a run killed
+        during the warm-up does it again from the start, and a resumed one finds it done, its record kept. A stop
+        asked for before it leaves it to the resumed run."""
+        if not warmup.wanted(self.run) or self.warmed is not None or self.state.step or stop.agreed():
+            return
+        if self.writer:
+            print(f"lspo-train: SFT warm-up of the base on {self.run.scaffold.warmup_tokens} solution tokens",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self.warmed = warmup.sft_warmup(self.learner, self.examples)
+        self.save()
+        self._write({"kind": warmup.RECORD_KIND, "step": 0, **self.warmed})
 
     def _due(self, step: int) -> bool:
         """Whether validation is scheduled at ``step`` (before training, every ``eval.every``, at the end)."""
@@ -407,6 +430,8 @@ class Run:
             "nonfinite_updates": self.state.nonfinite_total,
             "data": dataclasses.asdict(self.data_report),
         }
+        if self.warmed is not None:
+            summary[warmup.RECORD_KIND] = self.warmed
         if self.writer:
             self._check_lock()
             with open(os.path.join(self.out_dir, "summary.json"), "w") as f:

@@ -1,6 +1,6 @@
 """The Qwen2 policy: its forward pass (``model``) with the LoRA adapter as its own subtree, attention kernels
-(``flash``, ``kernels``), logical axes and their mesh (``axes``, ``sharding``), Hugging Face conversion (``hf``)
-and the real Qwen2 vocabulary for tests and tools (``qwen_vocab``). Imports only the package's root."""
+(``flash``, ``kernels``), logical axes and their mesh (``axes``, ``sharding``) and Hugging Face conversion
+(``hf``). Imports only the package's root."""
 
 from lspo_jax import lazy_exports
 

@@ -6,6 +6,7 @@ built once per argument set (cached: a second run in the same process reuses the
 
     rl  = sharded_rl_step(config, mesh, rl=..., spec=..., num_micro_batches=...)   # (params, opt_state, batch)
           (``skip_nonfinite=True``: ``optim.keep_if_finite``, as the training loop runs it)
+    mix = sharded_mixed_rl_step(config, mesh, ...)                                  # the RL batch + an SFT term
     sft = sharded_sft_step(config, mesh, sft=...)                                   # (params, opt_state, batch)
     lp  = sharded_logprobs(config, mesh, lora_scale=0.0, spec=...)                  # (params, rows)
 
@@ -73,9 +74,13 @@ def in_mesh(mesh: Mesh, fn: Callable) -> Callable:
     return traced
 
 
-def jit_step(config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, step: Callable) -> Callable:
-    """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` jitted on ``mesh`` with donation."""
-    params_sh, state_sh, batch_sh = step_shardings(config, mesh, tx)
+def jit_step(
+    config: ModelConfig, mesh: Mesh, tx: optax.GradientTransformation, step: Callable, batch_sh: Any = None
+) -> Callable:
+    """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` jitted on ``mesh`` with donation; the batch
+    laid out by ``batch_sh`` (a sharding or a pytree prefix of them; None: its rows split as every pass's)."""
+    params_sh, state_sh, rows_sh = step_shardings(config, mesh, tx)
+    batch_sh = rows_sh if batch_sh is None else batch_sh
     return jax.jit(
         in_mesh(mesh, step),
         in_shardings=(params_sh, state_sh, batch_sh),
@@ -105,6 +110,31 @@ def sharded_rl_step(
     if skip_nonfinite:
         step = optim.keep_if_finite(step)
     return jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
+
+
+@functools.cache
+def sharded_mixed_rl_step(
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    rl: RLOptimConfig = _RL,
+    sft: SFTOptimConfig = _SFT,
+    spec: losses.LossSpec = _LOSS,
+    num_micro_batches: int = 1,
+    sft_micro_batches: int = 1,
+    token_weight: str | Callable = "none",
+) -> Callable:
+    """``optim.mixed_rl_step`` on ``mesh``, non-finite updates skipped whole: ``(params, opt_state, {"rl": rows,
+    "sft": rows, "mu": scalar}) -> (params, opt_state, metrics)``, both batches' rows split as every pass's and mu
+    replicated (a traced value: one program for every mu of the schedule). ``rl`` and ``sft`` as in
+    ``sharded_rl_step``."""
+    step = functools.partial(
+        optim.mixed_rl_step, config, rl=rl, spec=spec, num_micro_batches=num_micro_batches,
+        sft_micro_batches=sft_micro_batches, token_weight=token_weight,
+    )  # fmt: skip
+    rows_sh = sharding.batch_sharding(mesh)
+    batch_sh = {"rl": rows_sh, "sft": rows_sh, "mu": sharding.replicated(mesh)}
+    return jit_step(config, mesh, optim.make_optimizer(rl, sft), optim.keep_if_finite(step), batch_sh)
 
 
 @functools.cache

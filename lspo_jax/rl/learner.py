@@ -9,7 +9,8 @@ config; and the verifier, the token-advantages strategy and the vLLM engine, whi
     score        the verifier's accuracy and the shaped reward of packed rows
     logprobs     teacher-forced log-probs of rows at the sampling temperature (the old-log-prob passes)
     reset_adapter / sft_step   a fresh adapter and its optimizer state / one adapter-only SFT update
-    rl_step      one update of the base, skipped whole when non-finite
+    rl_step      one update of the base, skipped whole when non-finite (``mixed_rl_step``: with an SFT term)
+    base_sft_steps / base_sft_updates   SFT updates of the base itself (the direct control; the SFT warm-up)
 
 With ``rollout.engine: vllm`` every rollout is sampled by the engine, which syncs the params it is given
 first: ``sample`` is also the weight sync. In a job of several processes each process has its own engine, and every
@@ -20,7 +21,7 @@ process; ``engine_record`` says how many engines there are and how many prompts 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -28,56 +29,23 @@ import numpy as np
 from jax.sharding import Mesh
 
 from lspo_jax import options
-from lspo_jax.config import ModelConfig
 from lspo_jax.models import model, sharding
 from lspo_jax.models.model import Params
 from lspo_jax.rl import corrections, distributed, losses, optim, packing, scaffold
 from lspo_jax.rl.checkpoint import TrainState
 from lspo_jax.rl.packing import Arrays, Rows
-from lspo_jax.rollout.sampler import Decoding, SampleBatch, generate_arrays
+from lspo_jax.rollout.generator import Generator, Policy
 from lspo_jax.tasks import rewards
 from lspo_jax.train_config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
-    """What a model directory loads as besides its weights: the model config, tokenizer and EOS ids."""
+class SFTTerm:
+    """The SFT term of the mixed objective's update (``scaffold.supervise: mixed``): ``mu`` times the SFT loss of
+    ``batch`` (``packing.pack_sft`` rows: the cliffs' prompts and worked solutions)."""
 
-    config: ModelConfig
-    tokenizer: Any
-    eos_ids: tuple[int, ...]
-
-
-class Generator:
-    """Sampling from a policy: the run's vLLM engine when one is set and its context holds the call, else the JAX
-    sampler on ``mesh``'s devices (the first device when None), rows split over all of them
-    (``sharding.sampling_mesh``). Evaluation and the training step sample through it.
-    ``compact_every`` goes to the JAX sampler (``rollout.compact_every``; None: the sampler's default)."""
-
-    def __init__(self, policy: Policy, mesh: Mesh | None = None, vllm: Any = None, compact_every: int | None = None):
-        self.policy, self.mesh, self.vllm = policy, sharding.sampling_mesh(sharding.mesh_or_local(mesh)), vllm
-        self.jax_options = {} if compact_every is None else {"compact_every": compact_every}
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.policy.tokenizer
-
-    def decoding(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> Decoding:
-        return Decoding(max_new_tokens, temperature, top_p, top_k, self.policy.eos_ids)
-
-    def generate(
-        self, params: Params, prompts: Sequence[Sequence[int]], decoding: Decoding, *, key, n: int = 1,
-        lora_scale: float = 0.0, fallback: bool = True,
-    ) -> SampleBatch:  # fmt: skip
-        """``n`` samples per prompt. With ``fallback`` (validation) the JAX sampler takes a call longer than the
-        vLLM engine's context; without (rollouts), the engine takes every call and refuses one that is too long."""
-        options = dict(key=key, n=n, lora_scale=lora_scale, **decoding.kwargs())
-        if self.vllm is not None and not (fallback and self._too_long(prompts, decoding)):
-            return self.vllm.generate_arrays(params, prompts, **options)
-        return generate_arrays(self.policy.config, params, prompts, mesh=self.mesh, **options, **self.jax_options)
-
-    def _too_long(self, prompts: Sequence[Sequence[int]], decoding: Decoding) -> bool:
-        return max(map(len, prompts)) + decoding.max_new_tokens > self.vllm.max_model_len
+    batch: Arrays
+    mu: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +88,8 @@ class Learner:
         self.splice_variant = scaffold.SPLICE_VARIANTS.resolve(run.scaffold.splice)
         self.correction = corrections.CORRECTIONS.resolve(run.scaffold.correction)
         self.adapter_lifetime = options.ADAPTER_LIFETIMES.resolve(run.scaffold.adapter)
+        self.mix_schedule = losses.MIX_SCHEDULES.resolve(run.scaffold.mix_schedule)
+        self.sft_token_weight = losses.SFT_TOKEN_WEIGHTS.resolve(run.scaffold.mix_token_weight)
         self.loss_spec = losses.LossSpec.of(run)  # the update's and the log-prob passes'
         self._tx = optim.make_optimizer(run.optim, run.scaffold.sft)
         self._layouts = (
@@ -289,20 +259,43 @@ class Learner:
         ``scaffold.supervise: base``); the adapter and the RL optimizer's state are left as they are."""
         state = self.state
         placed = self.place_rows(batch, ("mask",))
-        init, program = distributed.sharded_base_sft_step(
-            self.policy.config, self.mesh, rl=self.run.optim, sft=self.run.scaffold.sft,
-            num_micro_batches=placed.micro_batches, chunk_size=self.run.loss.chunk_size,
-        )  # fmt: skip
+        init, program = self._base_sft_programs(placed.micro_batches)
         opt_state = init(state.params)
         for _ in range(steps):  # each step donates the params it is given: the state holds the live ones
             state.params, opt_state, metrics = program(state.params, opt_state, placed.arrays)
         return {**metrics, "sft_micro_batches": placed.micro_batches}
+
+    def base_sft_updates(self, batches: Iterable[Arrays]) -> Iterator[dict[str, Any]]:
+        """One SFT update of the base per batch of ``batches`` (``packing.pack_sft`` rows), all from one fresh AdamW
+        state (``base_sft_steps``' optimizer), dropped after the last: the SFT warm-up (``scaffold.supervise:
+        sft_warmup``). The adapter and the RL optimizer's state are left as they are. Yields each update's metrics
+        (``sft_loss``, ``finite``: a non-finite update is skipped whole) on the host."""
+        state, opt_state = self.state, None
+        for batch in batches:
+            placed = self.place_rows(batch, ("mask",))
+            init, program = self._base_sft_programs(placed.micro_batches)
+            opt_state = init(state.params) if opt_state is None else opt_state  # one tx: every program's state
+            state.params, opt_state, metrics = program(state.params, opt_state, placed.arrays)
+            yield jax.device_get(metrics)
+
+    def _base_sft_programs(self, micro_batches: int) -> tuple[Callable, Callable]:
+        return distributed.sharded_base_sft_step(
+            self.policy.config, self.mesh, rl=self.run.optim, sft=self.run.scaffold.sft,
+            num_micro_batches=micro_batches, chunk_size=self.run.loss.chunk_size,
+        )  # fmt: skip
 
     def _rl_program(self, micro_batches: int):
         run = self.run
         return distributed.sharded_rl_step(
             self.policy.config, self.mesh, rl=run.optim, sft=run.scaffold.sft, spec=self.loss_spec,
             num_micro_batches=micro_batches, skip_nonfinite=True,
+        )  # fmt: skip
+
+    def _mixed_program(self, micro_batches: int, sft_micro_batches: int):
+        run = self.run
+        return distributed.sharded_mixed_rl_step(
+            self.policy.config, self.mesh, rl=run.optim, sft=run.scaffold.sft, spec=self.loss_spec,
+            num_micro_batches=micro_batches, sft_micro_batches=sft_micro_batches, token_weight=self.sft_token_weight,
         )  # fmt: skip
 
     def rl_grad_norm(self, batch: Arrays) -> float:
@@ -321,12 +314,26 @@ class Learner:
         applied so far, a skipped one not included), and ``pad_fraction``: the share of the update's token slots
         that hold no real token.
         """
+        return self._base_update(batch, None, ends_step)
+
+    def mixed_rl_step(self, batch: Arrays, term: SFTTerm) -> dict[str, Any]:
+        """``rl_step`` on the mixed objective (``scaffold.supervise: mixed``): one update of the base on ``batch``'s
+        RL loss plus ``term.mu`` times the SFT loss of ``term.batch`` (``optim.mixed_rl_step``), the step's only
+        update. Its metrics add ``mix_sft_loss``."""
+        return self._base_update(batch, term, True)
+
+    def _base_update(self, batch: Arrays, term: SFTTerm | None, ends_step: bool) -> dict[str, Any]:
         state = self.state
         lr = optim.learning_rate(self.run.optim, state.updates)
         placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
         pad_fraction = 1.0 - float(np.sum(batch["attention_mask"])) / placed.arrays["tokens"].size
-        program = self._rl_program(placed.micro_batches)
-        state.params, state.opt_state, metrics = program(state.params, state.opt_state, placed.arrays)
+        if term is None:
+            program, arrays = self._rl_program(placed.micro_batches), placed.arrays
+        else:
+            sft = self.place_rows(term.batch, ("mask",))
+            program = self._mixed_program(placed.micro_batches, sft.micro_batches)
+            arrays = {"rl": placed.arrays, "sft": sft.arrays, "mu": np.float32(term.mu)}
+        state.params, state.opt_state, metrics = program(state.params, state.opt_state, arrays)
         metrics = jax.device_get(metrics)
         finite = bool(metrics.pop("finite"))
         state.nonfinite_in_row = 0 if finite else state.nonfinite_in_row + 1

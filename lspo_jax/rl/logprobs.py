@@ -13,6 +13,7 @@ or packed rows (``packing.pack_rows``) with ``segment_ids`` and ``positions``, s
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -121,22 +122,30 @@ def sequence_logprobs(
     lora_scale: float = 0.0,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+    with_entropy: bool = False,
+) -> tuple[jax.Array, ...]:
     """Per-token log-probs aligned with ``tokens``, and the logits they came from.
 
     ``logp[:, t] = log softmax(logits[:, t - 1] / temperature)[tokens[:, t]]`` for ``t >= 1`` and
     ``logp[:, 0] = 0`` (nothing predicts the first token), so a loss mask in token coordinates (True on the
     generated tokens) applies directly; position 0 must be masked out (in packed rows, each segment's first
     token). Returns ``(logp [B, T], logits)``. With ``chunk_size`` the LM head runs that many positions at a
-    time (``chunked_token_logprobs``) and the logits, never held whole, are returned as None.
+    time (``chunked_token_logprobs``) and the logits, never held whole, are returned as None. ``with_entropy``
+    adds a third array, the entropy of each predicting distribution (``token_entropy``, a metric without
+    gradient), ``[B, T]`` aligned alike (position 0 holds 0).
     """
     rows = dict(attention_mask=attention_mask, segment_ids=segment_ids, positions=positions)
     if chunk_size is not None:
-        logp, _ = _chunked_logprobs(config, params, tokens, rows, lora_scale, temperature, chunk_size)
-        return logp, None
+        logp, entropy = _chunked_logprobs(
+            config, params, tokens, rows, lora_scale, temperature, chunk_size, with_entropy
+        )
+        return (logp, None, entropy) if with_entropy else (logp, None)
     logits = model.forward(config, params, tokens, **rows, lora_scale=lora_scale)
-    logp = token_logprobs(logits[:, :-1], tokens[:, 1:], temperature)
-    return jnp.pad(logp, ((0, 0), (1, 0))), logits
+    shift = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+    logp = shift(token_logprobs(logits[:, :-1], tokens[:, 1:], temperature))
+    if not with_entropy:
+        return logp, logits
+    return logp, logits, shift(token_entropy(jax.lax.stop_gradient(logits[:, :-1]), temperature))
 
 
 def grouped_logprobs(
@@ -182,22 +191,8 @@ def _chunked_logprobs(config, params, tokens, rows, lora_scale, temperature, chu
 
 
 def logprobs_and_entropy(
-    config: ModelConfig,
-    params: Params,
-    tokens: jax.Array,
-    attention_mask: jax.Array | None = None,
-    *,
-    segment_ids: jax.Array | None = None,
-    positions: jax.Array | None = None,
-    lora_scale: float = 0.0,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
+    config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array | None = None, **options: Any
 ) -> tuple[jax.Array, jax.Array]:
-    """``sequence_logprobs`` and the entropy of each predicting distribution (``token_entropy``,
-    a metric without gradient), ``[B, T]`` each, aligned alike (position 0 holds 0); chunked as there."""
-    rows = dict(attention_mask=attention_mask, segment_ids=segment_ids, positions=positions)
-    if chunk_size is not None:
-        return _chunked_logprobs(config, params, tokens, rows, lora_scale, temperature, chunk_size, True)
-    logp, logits = sequence_logprobs(config, params, tokens, **rows, lora_scale=lora_scale, temperature=temperature)
-    entropy = token_entropy(jax.lax.stop_gradient(logits[:, :-1]), temperature)
-    return logp, jnp.pad(entropy, ((0, 0), (1, 0)))
+    """``sequence_logprobs`` (the same arguments) with its entropy in place of the logits: ``(logp, entropy)``."""
+    logp, _, entropy = sequence_logprobs(config, params, tokens, attention_mask, **options, with_entropy=True)
+    return logp, entropy

@@ -15,6 +15,7 @@ Conventions shared by every function here:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -273,6 +274,90 @@ def _broadcast_advantages(advantages: jax.Array, shape: tuple[int, ...]) -> jax.
 def sft_loss(logp_targets: jax.Array, mask: jax.Array, *, num_tokens: jax.Array | float | None = None) -> jax.Array:
     """Token-mean negative log-likelihood ``-sum_{mask} log p(y_t) / num_tokens`` (``mask.sum()`` by default)."""
     return -masked_mean(logp_targets.astype(jnp.float32), mask, num_tokens)
+
+
+# ------------------------------------------------------------------------------------- the mixed objective
+# ``scaffold.supervise: mixed`` (CHORD, Zhang et al. 2025): the base's RL update minimises L_RL + mu_t * L_SFT.
+SFT_TOKEN_WEIGHTS = options.Registry(options.SFTTokenWeight, "SFT token weight")
+
+
+@SFT_TOKEN_WEIGHTS.register("none")
+def unit_token_weights(logp: jax.Array) -> jax.Array:
+    """Every target token weighs 1: the plain token-mean NLL."""
+    return jnp.ones_like(logp)
+
+
+@SFT_TOKEN_WEIGHTS.register("p1mp")
+def chord_phi_weights(logp: jax.Array) -> jax.Array:
+    """CHORD-phi's ``p (1 - p)``, ``p = exp(logp)`` the model's probability of the target token, detached: at most
+    1/4 (p = 1/2), near 0 on a token the model already predicts (p -> 1) and on one far from it (p -> 0), so the
+    expert's text moves the policy where it is uncertain and leaves its confident, possibly different, choices."""
+    p = jnp.exp(logp)
+    return jax.lax.stop_gradient(p * (1.0 - p))
+
+
+def weighted_sft_loss(
+    logp_targets: jax.Array,
+    mask: jax.Array,
+    *,
+    token_weight: str | Callable = "none",
+    num_tokens: jax.Array | float | None = None,
+) -> jax.Array:
+    """``-sum_{mask} w_t log p(y_t) / num_tokens``, ``w_t`` the detached weight ``token_weight`` (a name of
+    ``SFT_TOKEN_WEIGHTS`` or its function) gives the token's log-prob; ``none`` is ``sft_loss``. The mean is over the
+    tokens, not the weights: ``p1mp`` shrinks the term, as CHORD-phi's does."""
+    weigh, mask = SFT_TOKEN_WEIGHTS.resolve(token_weight), mask.astype(bool)
+    logp = jnp.where(mask, logp_targets.astype(jnp.float32), 0.0)  # before exp: a pad's garbage never reaches w_t
+    return -masked_mean(weigh(logp) * logp, mask, num_tokens)
+
+
+def mixed_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    sft_logp: jax.Array,
+    sft_mask: jax.Array,
+    *,
+    mu: float | jax.Array,
+    token_weight: str | Callable = "none",
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    clip_c: float | None = None,
+) -> tuple[jax.Array, Metrics]:
+    """CHORD's mixed objective of one update, ``L = L_RL + mu * L_SFT``:
+
+        L_RL  = policy_loss(logp, old_logp, advantages, mask)            token-mean over the rollouts' tokens
+        L_SFT = -(1/N_sft) sum_{sft_mask} w_t log p(y_t)                  token-mean over the solutions' tokens
+        w_t   = 1 (``none``) or sg(p_t (1 - p_t)) (``p1mp``, CHORD-phi)
+
+    CHORD writes ``(1 - mu) L_RL + mu L_SFT``; the sum keeps the RL term, hence the update's scale at a given
+    learning rate, as in every other arm (at mu = 0.1 the two differ by a factor 0.9 on L_RL). A batch without
+    SFT tokens gives ``L_SFT = 0``: the update is the RL one. ``optim.mixed_rl_step`` takes this gradient as
+    ``grad L_RL + mu * grad L_SFT``, each term accumulated over its own micro-batches.
+
+    Returns ``(loss, metrics)``: ``policy_loss``'s metrics and ``mix_sft_loss`` (L_SFT).
+    """
+    rl, metrics = policy_loss(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, clip_c=clip_c)
+    sft = weighted_sft_loss(sft_logp, sft_mask, token_weight=token_weight)
+    return rl + mu * sft, {**metrics, "mix_sft_loss": jax.lax.stop_gradient(sft)}
+
+
+# mu_t of the mixed objective at step t (0, 1, ...; the steps done before it) of a run of T steps, from mu_0.
+MIX_SCHEDULES = options.Registry(options.MixSchedule, "mix schedule")
+
+
+@MIX_SCHEDULES.register("cosine")
+def cosine_mix(mu: float, step: int, steps: int) -> float:
+    """``mu_t = mu * (1 + cos(pi * t / T)) / 2``: mu at the first step, half of it midway, 0 at t = T (after the
+    last), so the expert's text leads early and the policy's own rollouts late."""
+    return mu * 0.5 * (1.0 + math.cos(math.pi * min(step, steps) / steps))
+
+
+@MIX_SCHEDULES.register("constant")
+def constant_mix(mu: float, step: int, steps: int) -> float:
+    """``mu_t = mu`` at every step."""
+    return mu
 
 
 # ------------------------------------------------------------------------------------- micro-batching

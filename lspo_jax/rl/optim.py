@@ -10,6 +10,9 @@ subtree and its optimizer state stay bit-identical.
 
     rl_step:  loss = policy_loss(logp_theta) with lora_scale = 0   grad w.r.t. params["base"] only
     sft_step: loss = sft_loss(logp_theta+phi) with the adapter on  grad w.r.t. params["lora"] only
+
+The controls that supervise the base itself break the routing on purpose: ``base_sft_step`` (the SFT loss, adapter
+off, base only) and ``mixed_rl_step`` (the RL loss plus mu times the SFT loss, one update of the base).
 """
 
 from __future__ import annotations
@@ -233,16 +236,21 @@ def sft_gradients(
     num_micro_batches: int = 1,
     chunk_size: int | None = None,
     subtree: str = LORA,
+    token_weight: str | Callable | None = None,
 ) -> tuple[jax.Array, Params, losses.Metrics]:
     """``sft_step``'s ``(loss, gradient w.r.t. the adapter, metrics)`` before the optimizer: ``batch`` as there.
-    ``subtree=BASE``: the gradient w.r.t. the base with the adapter off (the direct-supervision control's)."""
+    ``subtree=BASE``: the gradient w.r.t. the base with the adapter off (the direct-supervision control's).
+    ``token_weight``: per-token weights of the loss (``losses.weighted_sft_loss``); None: ``losses.sft_loss``."""
 
     def loss_fn(trained: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
         full, scale = ({BASE: trained}, 0.0) if subtree == BASE else ({BASE: params[BASE], LORA: trained}, 1.0)
         logp, _ = logprobs.sequence_logprobs(
             config, full, micro["tokens"], **logprobs.layout(micro), lora_scale=scale, chunk_size=chunk_size
         )
-        loss = losses.sft_loss(logp, micro["mask"], num_tokens=num_tokens)
+        if token_weight is None:
+            loss = losses.sft_loss(logp, micro["mask"], num_tokens=num_tokens)
+        else:
+            loss = losses.weighted_sft_loss(logp, micro["mask"], token_weight=token_weight, num_tokens=num_tokens)
         return loss, {"num_tokens": jnp.sum(micro["mask"].astype(jnp.float32))}
 
     return losses.accumulate_gradients(loss_fn, params[subtree], batch, num_micro_batches)
@@ -261,6 +269,43 @@ def base_sft_step(
     """One SFT update of the base, adapter off: ``sft_step``'s loss and batch, ``direct_optimizer``'s state."""
     tx = adamw_transform(dataclasses.replace(rl, warmup_steps=0))
     return _sft_update(config, params, opt_state, batch, tx, BASE, num_micro_batches, chunk_size)
+
+
+def mixed_rl_step(
+    config: ModelConfig,
+    params: Params,
+    opt_state: optax.MultiTransformState,
+    batch: Mapping[str, Any],
+    *,
+    rl: RLOptimConfig = RLOptimConfig(),
+    spec: losses.LossSpec = _LOSS,
+    num_micro_batches: int = 1,
+    sft_micro_batches: int = 1,
+    token_weight: str | Callable = "none",
+) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
+    """One update of the base on the mixed objective ``L_RL + mu * L_SFT`` (``losses.mixed_loss``), adapter off.
+
+    ``batch``: ``{"rl": rl_step's batch, "sft": sft_step's batch, "mu": scalar}``. The gradient of the sum is
+    ``grad L_RL + mu * grad L_SFT``: each term is accumulated over its own rows (``rl_gradients``, ``sft_gradients``
+    with ``token_weight``), each a token-mean over its own batch's tokens, then summed, and the RL optimizer takes
+    one step on it (its clip on the sum's norm, its count advanced once). The SFT log-probs are at temperature 1
+    (the data's distribution), the RL ones at ``spec``'s. Metrics: ``rl_step``'s (``loss`` is L_RL, ``grad_norm``
+    the sum's) and ``mix_sft_loss`` (L_SFT).
+    """
+    base = params[BASE]
+    with jax.named_scope("rl_grad"):
+        loss, grads, metrics = rl_gradients(config, base, batch["rl"], spec=spec, num_micro_batches=num_micro_batches)
+    with jax.named_scope("sft_grad"):
+        sft_loss, sft_grads, _ = sft_gradients(
+            config, params, batch["sft"], num_micro_batches=sft_micro_batches, chunk_size=spec.chunk_size,
+            subtree=BASE, token_weight=token_weight,
+        )  # fmt: skip
+    mu = jnp.asarray(batch["mu"], jnp.float32)
+    grads = jax.tree.map(lambda g, s: (g.astype(jnp.float32) + mu * s.astype(jnp.float32)).astype(g.dtype), grads,
+                         sft_grads)  # fmt: skip
+    with jax.named_scope("rl_update"):
+        params, opt_state = update_subtree(adamw_transform(rl), BASE, grads, params, opt_state)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics, "mix_sft_loss": sft_loss}
 
 
 # ------------------------------------------------------------------------------------------- reset

@@ -54,14 +54,47 @@ class Draw:
     record: Any = None
 
 
+class PromptOrder:
+    """The order in which prompts are drawn: a seeded permutation per epoch, resumable from its state."""
+
+    def __init__(self, size: int, *, seed: int, shuffle: bool = True):
+        if size == 0:
+            raise data.DataError("no training prompts left after loading; see the data report")
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch, self.position = 0, 0
+
+    def _permutation(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.size)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.size)
+
+    def take(self, count: int) -> list[int]:
+        """The next ``count`` prompt indices, moving into the next epoch when one runs out."""
+        out: list[int] = []
+        while len(out) < count:
+            perm = self._permutation()
+            take = min(count - len(out), self.size - self.position)
+            out.extend(int(i) for i in perm[self.position : self.position + take])
+            self.position += take
+            if self.position == self.size:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
 class ShuffledPrompts:
-    """``batch_size`` prompts a step in the order of ``data.PromptOrder`` (a seeded permutation per epoch)."""
+    """``batch_size`` prompts a step in the order of ``PromptOrder`` (a seeded permutation per epoch)."""
 
     meta_key = "order"
 
     def __init__(self, examples: list[Any], batch_size: int, *, seed: int, shuffle: bool = True):
         self.examples, self.batch_size = examples, batch_size
-        self.order = data.PromptOrder(len(examples), seed=seed, shuffle=shuffle)
+        self.order = PromptOrder(len(examples), seed=seed, shuffle=shuffle)
 
     def next_batch(self, learner: Any, key: jax.Array, phases: Any) -> Draw:
         return Draw([self.examples[i] for i in self.order.take(self.batch_size)], key)

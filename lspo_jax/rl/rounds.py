@@ -19,8 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lspo_jax.rl.packing import Rows
-from lspo_jax.rl.prompts import Draw
-from lspo_jax.tasks import data
+from lspo_jax.rl.prompts import Draw, PromptOrder
 from lspo_jax.train_config import TrainConfig
 
 # ---------------------------------------------------------------------------------------- draw rounds
@@ -120,7 +119,7 @@ class DynamicSamplingPrompts:
 
     def __init__(self, run: TrainConfig, examples: list[Any]):
         self.run, self.examples = run, examples
-        self.order = data.PromptOrder(len(examples), seed=run.seed, shuffle=run.data.shuffle)
+        self.order = PromptOrder(len(examples), seed=run.seed, shuffle=run.data.shuffle)
 
     def next_batch(self, learner: Any, key: jax.Array, phases: Any) -> Draw:
         run, k, rounds, sizes = self.run, self.run.rollout.group_size, [], []
@@ -173,10 +172,10 @@ class DynamicSamplingPrompts:
 
 
 class _OrderDraws:
-    """``data.PromptOrder`` as ``collect_batch``'s sampler: the order's next prompts, K rollouts each; the
+    """``PromptOrder`` as ``collect_batch``'s sampler: the order's next prompts, K rollouts each; the
     order never runs out (it moves into the next epoch)."""
 
-    def __init__(self, order: data.PromptOrder, k: int):
+    def __init__(self, order: PromptOrder, k: int):
         self.order, self.k = order, k
 
     def draw(self, count: int, rng: Any) -> np.ndarray:
@@ -216,7 +215,7 @@ def sample_round(
             compact = learner.score(compact, [ex.answer for ex in repeated], per_row=True)
             rows, valid = in_slots(compact, counts, k)
     zero_variance = _zero_variance(rows["accuracy"], valid, k)
-    rescuable = np.array([ex.solution_ids is not None for ex in picked], bool) & run.scaffold.enabled
+    rescuable = np.array([ex.solution_ids is not None for ex in picked], bool) & run.scaffold.uses_cliffs
     cliff = zero_variance & ~(rows["accuracy"].reshape(-1, k) > 0).any(axis=1)
     return rows, valid, zero_variance, ~zero_variance | (cliff & rescuable)
 

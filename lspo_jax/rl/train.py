@@ -6,7 +6,8 @@ timer, named as in its record (``time_<stage>``, ``Phases.NAMES``), in the order
     sample   B prompts x K rollouts from pi_theta                 (adapter off)
     reward   math-verify accuracy 0/1, plus the overlong penalty for the shaped reward (the re-rolls' too)
     sft      on the cliffs (groups of zero total accuracy, found just before): a fresh adapter, ``sft_steps``
-             AdamW steps on their worked solutions (adapter only)
+             AdamW steps on their worked solutions (adapter only); what else the solutions may train is
+             ``scaffold.supervise``'s (``SUPERVISORS``)
     reroll   K samples per cliff prompt from pi_theta+phi; verified (reward), their adapter-on log-probs
              (logprob), passing ones spliced into failed rows
     logprob  old_logp = log pi_theta on base rows, the re-rolls' log pi_theta+phi (carried by the splice) on
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -39,7 +41,7 @@ import numpy as np
 
 from lspo_jax import options
 from lspo_jax.rl import corrections, losses, packing, scaffold
-from lspo_jax.rl.learner import Learner
+from lspo_jax.rl.learner import Learner, SFTTerm
 from lspo_jax.rl.packing import Rows
 from lspo_jax.rl.prompts import Draw, UpdateHook
 from lspo_jax.train_config import TrainConfig
@@ -115,9 +117,8 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     sample_key, scaffold_key = jax.random.split(draw.key)
     rows, valid = sample_and_score(learner, draw, sample_key, phases)  # sample, reward
     record = rollout_metrics(learner.run, rows, valid)
-    rows, spliced_mask, scaffold_record, before_update = scaffold_cliffs(
-        learner, rows, draw.examples, scaffold_key, phases, valid
-    )
+    scaffolded = scaffold_cliffs(learner, rows, draw.examples, scaffold_key, phases, valid)
+    rows, spliced_mask, scaffold_record = scaffolded.rows, scaffolded.spliced_rows, scaffolded.counts
     with phases("logprob"):
         base_logp = learner.logprobs(rows, lora_scale=0.0)
     # The log-probs of the policy that sampled each row: the adapter-on one's on spliced rows, the base's elsewhere.
@@ -134,22 +135,27 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     advantages, advantages_record = step_advantages(learner, rows, draw.examples, valid, phases)
     record.update(advantages_record)
     phases.check("update")  # the step's last stop check: the base changes only after it
-    if before_update is not None:
+    if scaffolded.before_update is not None:
         with phases("sft", check_stop=False):
-            scaffold_record.update(before_update())
+            scaffold_record.update(scaffolded.before_update())
     with phases("update", check_stop=False):
-        update, observation = update_base(learner, rows, advantages, weights, spliced_mask, draw.update_hook, record)
+        update, observation = update_base(
+            learner, rows, advantages, weights, spliced_mask, draw.update_hook, record, scaffolded.sft_term
+        )
     record["spliced_accuracy_mean"] = float(rows["accuracy"].mean())
     record.update(scaffold_record)
     record.update(update_metrics(learner, update))
     return StepResult({"step": learner.state.step, **record, **phases.seconds}, observation)
 
 
-def update_base(learner: Learner, rows: Rows, advantages, weights, spliced_rows, hook: UpdateHook | None, record: dict):
-    """The update of the base on the step's rows (``rl_updates``), the advantages times the detached loss weights;
-    with ``scaffold.grad_share`` the share of its gradient's norm the spliced rows carry (``spliced_grad_share``);
-    and with the draw's ``hook`` its ``before`` and ``after`` around the update (whose record joins the step's).
-    Returns ``(update metrics, the hook's observation or None)``."""
+def update_base(
+    learner: Learner, rows: Rows, advantages, weights, spliced_rows, hook: UpdateHook | None, record: dict,
+    sft_term: SFTTerm | None = None,
+):  # fmt: skip
+    """The update of the base on the step's rows (``rl_updates``, with the mixed objective's ``sft_term`` if any),
+    the advantages times the detached loss weights; with ``scaffold.grad_share`` the share of its gradient's norm
+    the spliced rows carry (``spliced_grad_share``); and with the draw's ``hook`` its ``before`` and ``after`` around
+    the update (whose record joins the step's). Returns ``(update metrics, the hook's observation or None)``."""
     if weights is not None:
         advantages = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
         record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
@@ -161,7 +167,7 @@ def update_base(learner: Learner, rows: Rows, advantages, weights, spliced_rows,
     observation = None
     if hook is not None:
         hook.before(learner, batch)
-    update = rl_updates(learner, batch)
+    update = rl_updates(learner, batch, sft_term)
     if hook is not None:
         observation, hook_record = hook.after(learner, batch)
         record.update(hook_record)
@@ -203,12 +209,14 @@ def step_advantages(learner: Learner, rows: Rows, examples, valid, phases: Phase
         return strategy(learner, rows, examples, advantages, valid)
 
 
-def rl_updates(learner: Learner, batch: dict) -> dict[str, Any]:
-    """The step's update of the base: one on the whole batch, or ``optim.epochs`` passes over it in
-    ``optim.mini_batches`` mini-batches of rows, shuffled each epoch by a function of the seed and the step (a
-    resumed run shuffles alike). Several updates report their metrics' mean, the last ``lr``, ``finite`` only if
-    every update was, and ``updates_skipped``."""
+def rl_updates(learner: Learner, batch: dict, sft_term: SFTTerm | None = None) -> dict[str, Any]:
+    """The step's update of the base: one on the whole batch (with ``sft_term``, on the mixed objective: the config
+    allows it only there), or ``optim.epochs`` passes over it in ``optim.mini_batches`` mini-batches of rows,
+    shuffled each epoch by a function of the seed and the step (a resumed run shuffles alike). Several updates
+    report their metrics' mean, the last ``lr``, ``finite`` only if every update was, and ``updates_skipped``."""
     run = learner.run
+    if sft_term is not None:
+        return learner.mixed_rl_step(batch, sft_term)
     if run.optim.mini_batches == 1 and run.optim.epochs == 1:
         return learner.rl_step(batch)
     rng = np.random.default_rng([run.seed, learner.state.step])
@@ -232,6 +240,7 @@ def update_metrics(learner: Learner, update: dict[str, Any]) -> dict[str, Any]:
         "update_skipped": not update["finite"],
         "nonfinite_total": learner.state.nonfinite_total,
         **{k: v for k, v in update.items() if k.startswith(("ratio", "approx_kl"))},
+        **{f"scaffold/{k}": v for k, v in update.items() if k.startswith("mix_")},  # the mixed objective's
     }
 
 
@@ -247,15 +256,27 @@ def step_rates(record: dict[str, Any]) -> dict[str, float | None]:
 
 
 # ------------------------------------------------------------------------------------------- scaffold
-def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases, valid=None):
-    """Fit a fresh adapter on the cliffs' solutions, re-roll them, splice verified successes into ``rows``.
+@dataclasses.dataclass
+class Scaffolded:
+    """What the scaffold made of a step's rows (``scaffold_cliffs``): the rows the update takes (with
+    ``adapter_logp``, the re-rollouts' adapter-on log-probs on spliced rows and 0 elsewhere, when the adapter rescued
+    any), which of them are spliced, the step's counts, and what a supervision of the base adds to the update:
+    ``before_update``, run just before it and returning its metrics (the direct control's base SFT), or ``sft_term``,
+    an SFT term in its loss (the mixed objective)."""
 
-    Returns ``(rows, spliced_rows, counts, before_update)``, the rows with ``adapter_logp`` (the re-rollouts'
-    adapter-on log-probs on spliced rows, 0 elsewhere) when the scaffold ran, and what the step runs just before
-    its update (None, or a function returning its metrics: the direct-supervision control's base SFT); cliff
-    groups whose prompt has no worked solution are skipped by the scaffold and counted in ``scaffold_no_solution``.
-    ``valid`` marks the rows of groups smaller than ``group_size`` (the rest is padding, never a cliff's failed row
-    nor spliced into).
+    rows: Rows
+    spliced_rows: np.ndarray
+    counts: dict[str, Any]
+    before_update: Callable[[], dict[str, Any]] | None = None
+    sft_term: SFTTerm | None = None
+
+
+def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases, valid=None) -> Scaffolded:
+    """Find the step's cliffs and let ``scaffold.supervise``'s supervisor (``SUPERVISORS``) act on those with a
+    worked solution: LSPO's fits a fresh adapter on their solutions, re-rolls them and splices verified successes
+    into ``rows``. Cliff groups whose prompt has no worked solution are skipped and counted in
+    ``scaffold_no_solution``. ``valid`` marks the rows of groups smaller than ``group_size`` (the rest is padding,
+    never a cliff's failed row nor spliced into).
     """
     run, k = learner.run, learner.run.rollout.group_size
     cliffs = scaffold.find_cliffs(rows["accuracy"], k, valid, max_successes=run.scaffold.cliff_max_successes)
@@ -263,21 +284,27 @@ def scaffold_cliffs(learner: Learner, rows: Rows, examples, key, phases: Phases,
     counts = {"cliff_groups": int(cliffs.sum()), "scaffold_no_solution": int((cliffs & ~usable).sum()),
               "scaffold_attempted": int(usable.sum()) if run.scaffold.enabled else 0, "surpassed_groups": 0,
               "spliced_rows": 0, "rerolls": 0, "rerolls_passed": 0}  # fmt: skip
-    if not run.scaffold.enabled or not usable.any():
-        return rows, np.zeros(len(rows["accuracy"]), bool), counts, None
+    if not run.scaffold.enabled:
+        return Scaffolded(rows, _no_rows(rows), counts)
     cliff_examples = [examples[g] for g in np.flatnonzero(usable)]
     supervise = SUPERVISORS.resolve(run.scaffold.supervise)
     return supervise(learner, rows, cliff_examples, usable, key, phases, valid, counts)
 
 
-# What the cliffs' worked solutions train (``scaffold.supervise``): ``(learner, rows, cliff_examples, usable, key,
-# phases, valid, counts) -> (rows, spliced_rows, counts, before_update)`` (see ``scaffold_cliffs``).
+def _no_rows(rows: Rows) -> np.ndarray:
+    return np.zeros(len(rows["accuracy"]), bool)
+
+
+# What the worked solutions train (``scaffold.supervise``): ``(learner, rows, cliff_examples, usable, key, phases,
+# valid, counts) -> Scaffolded``, called on every step of a run with the scaffold on, with or without cliffs.
 SUPERVISORS = options.Registry(options.Supervise, "scaffold supervision")
 
 
 @SUPERVISORS.register("adapter")
 def rescue_with_adapter(learner: Learner, rows: Rows, cliff_examples, usable, key, phases: Phases, valid, counts):
     """LSPO: fit the adapter on the solutions, re-roll the cliffs with it on, splice the verified re-rolls."""
+    if not cliff_examples:
+        return Scaffolded(rows, _no_rows(rows), counts)
     run, k = learner.run, learner.run.rollout.group_size
     adapter_key, reroll_key = jax.random.split(key)
     n, scale, temperature = _reroll_settings(run)
@@ -297,7 +324,7 @@ def rescue_with_adapter(learner: Learner, rows: Rows, cliff_examples, usable, ke
     )  # fmt: skip
     counts.update(surpassed_groups=stats.num_surpassed, spliced_rows=stats.num_spliced, rerolls=stats.num_rerolls,
                   rerolls_passed=stats.num_passing_rerolls)  # fmt: skip
-    return Rows(spliced), spliced_rows, counts, None
+    return Scaffolded(Rows(spliced), spliced_rows, counts)
 
 
 @SUPERVISORS.register("base")
@@ -306,14 +333,45 @@ def supervise_base(learner: Learner, rows: Rows, cliff_examples, usable, key, ph
     would have been fitted on, nothing re-rolled or spliced. The SFT runs just before the RL update (timed as
     ``sft``): after the rows' log-probs, so their importance ratios keep the base that sampled them as the
     denominator, and after the step's last stop check, so an abandoned step leaves the base as it came. No surpass
-    rate: the groups are counted as ``supervised_groups``, not as attempted."""
+    rate: the groups are counted as ``supervised_groups``, not as attempted. ``scaffold/sft_tokens``: the solution
+    tokens its updates read (``sft_steps`` passes over them), what ``scaffold.warmup_tokens`` is matched to."""
+    if not cliff_examples:
+        return Scaffolded(rows, _no_rows(rows), counts)
     batch = sft_batch(learner, cliff_examples)
-    counts.update(scaffold_attempted=0, supervised_groups=len(cliff_examples))
+    steps = learner.run.scaffold.sft_steps
+    counts.update({"scaffold_attempted": 0, "supervised_groups": len(cliff_examples),
+                   "scaffold/sft_tokens": steps * int(np.sum(batch["mask"]))})  # fmt: skip
 
     def before_update() -> dict:
-        return {"sft_loss": float(learner.base_sft_steps(batch, learner.run.scaffold.sft_steps)["sft_loss"])}
+        return {"sft_loss": float(learner.base_sft_steps(batch, steps)["sft_loss"])}
 
-    return rows, np.zeros(len(rows["accuracy"]), bool), counts, before_update
+    return Scaffolded(rows, _no_rows(rows), counts, before_update=before_update)
+
+
+@SUPERVISORS.register("mixed")
+def supervise_mixed(learner: Learner, rows: Rows, cliff_examples, usable, key, phases: Phases, valid, counts):
+    """CHORD's mixed objective: the cliffs' worked solutions enter the RL update's own loss, ``L_RL + mu_t * L_SFT``
+    (``losses.mixed_loss``), in one gradient step of the base; nothing is re-rolled or spliced, no adapter is fitted.
+    ``mu_t`` follows ``scaffold.mix_schedule`` from ``scaffold.mix_mu`` over the run's ``steps``
+    (``losses.MIX_SCHEDULES``, t the steps done), and ``scaffold.mix_token_weight`` weighs the SFT tokens. A step
+    without cliffs has no SFT term: its update is DAPO's. Records ``scaffold/mix_mu``, ``scaffold/mix_sft_tokens``
+    (the solution tokens of the term, 0 without cliffs) and ``scaffold/mix_sft_loss`` (L_SFT, from the update; None
+    without cliffs); the groups are ``supervised_groups``, as the direct control's."""
+    scaffold_ = learner.run.scaffold
+    mu = learner.mix_schedule(scaffold_.mix_mu, learner.state.step, learner.run.steps)
+    term = SFTTerm(sft_batch(learner, cliff_examples), mu) if cliff_examples else None
+    tokens = int(np.sum(term.batch["mask"])) if term is not None else 0
+    counts.update({"scaffold_attempted": 0, "supervised_groups": len(cliff_examples), "scaffold/mix_mu": mu,
+                   "scaffold/mix_sft_tokens": tokens, "scaffold/mix_sft_loss": None})  # fmt: skip
+    return Scaffolded(rows, _no_rows(rows), counts, sft_term=term)
+
+
+@SUPERVISORS.register("sft_warmup")
+def after_warmup(learner: Learner, rows: Rows, cliff_examples, usable, key, phases: Phases, valid, counts):
+    """SFT then RL: the worked solutions trained the base once, before the first step (``rl.warmup``); each step is
+    DAPO's, its cliffs counted and left as they are."""
+    counts["scaffold_attempted"] = 0
+    return Scaffolded(rows, _no_rows(rows), counts)
 
 
 def _cliff_slots(learner: Learner, cliffs: int) -> int:

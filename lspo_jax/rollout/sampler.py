@@ -638,43 +638,8 @@ def generate_arrays(
     compact_every: int = DEFAULT_COMPACT_EVERY,
     mesh: jax.sharding.Mesh | None = None,
 ) -> SampleBatch:
-    """Sample ``n`` continuations of each prompt; padded arrays (see ``generate`` for the arguments)."""
-    options = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=eos_token_ids, n=n)
-    layout = dict(lora_scale=lora_scale, greedy=greedy, cache_window=cache_window, compact_every=compact_every)
-    call = _plan(config, params, prompts, max_new_tokens=max_new_tokens, **options, **layout, mesh=mesh)
-    out, steps = call.decode(call.prefill(key), key)
-    rows = len(prompts) * n  # padding rows come last: drop them
-    # On several hosts each holds only its devices' rows: gather them so every host gets the whole result.
-    tokens, logp, lengths, eos = jax.tree.map(sharding.fetch, tuple(out))
-    return SampleBatch(
-        tokens=tokens[:rows, : call.max_new_tokens],
-        logprobs=logp[:rows, : call.max_new_tokens],
-        lengths=lengths[:rows],
-        eos=eos[:rows],
-        n=n,
-        steps=steps,
-    )
-
-
-def generate(
-    config: ModelConfig,
-    params: Params,
-    prompts: Sequence[Sequence[int]],
-    *,
-    key: jax.Array,
-    max_new_tokens: int | Sequence[int],
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_token_ids: Sequence[int] = (),
-    n: int = 1,
-    lora_scale: float | jax.Array = 0.0,
-    greedy: bool = False,
-    cache_window: int = DEFAULT_CACHE_WINDOW,
-    compact_every: int = DEFAULT_COMPACT_EVERY,
-    mesh: jax.sharding.Mesh | None = None,
-) -> list[Completion]:
-    """Sample ``n`` continuations of each prompt (token-id lists); ``n`` consecutive records per prompt.
+    """Sample ``n`` continuations of each prompt (token-id lists): ``n`` consecutive rows per prompt, as padded
+    arrays (``generate`` returns them as records).
 
     ``logprobs`` are ``log_softmax(logits / temperature)`` at each new token, before top-k/top-p, also when
     ``greedy`` (argmax). A row ends at its first token in ``eos_token_ids`` (kept, finish_reason "eos") or
@@ -693,7 +658,21 @@ def generate(
     """
     options = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=eos_token_ids, n=n)
     layout = dict(lora_scale=lora_scale, greedy=greedy, cache_window=cache_window, compact_every=compact_every)
-    batch = generate_arrays(
-        config, params, prompts, key=key, max_new_tokens=max_new_tokens, **options, **layout, mesh=mesh
+    call = _plan(config, params, prompts, max_new_tokens=max_new_tokens, **options, **layout, mesh=mesh)
+    out, steps = call.decode(call.prefill(key), key)
+    rows = len(prompts) * n  # padding rows come last: drop them
+    # On several hosts each holds only its devices' rows: gather them so every host gets the whole result.
+    tokens, logp, lengths, eos = jax.tree.map(sharding.fetch, tuple(out))
+    return SampleBatch(
+        tokens=tokens[:rows, : call.max_new_tokens],
+        logprobs=logp[:rows, : call.max_new_tokens],
+        lengths=lengths[:rows],
+        eos=eos[:rows],
+        n=n,
+        steps=steps,
     )
-    return batch.completions()
+
+
+def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], **options: Any) -> list[Completion]:
+    """``generate_arrays`` (the same arguments) as one ``Completion`` record per row."""
+    return generate_arrays(config, params, prompts, **options).completions()

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from lspo_jax.methods.first_mistake.config import FirstMistakeConfig
 from lspo_jax.methods.first_mistake.sentences import (
     Span,
     batch_decode,
@@ -73,7 +74,6 @@ from lspo_jax.methods.first_mistake.teacher import (
     Verdict,
     written_solution,
 )
-from lspo_jax.train_config import FirstMistakeConfig
 
 
 # -------------------------------------------------------------------------------------- token advantages

@@ -9,8 +9,9 @@ import numpy as np
 
 from lspo_jax.methods.first_mistake import teacher
 from lspo_jax.methods.first_mistake.advantages import first_mistake_advantages
+from lspo_jax.methods.first_mistake.config import FirstMistakeConfig
 from lspo_jax.tasks import toy
-from lspo_jax.train_config import FirstMistakeConfig, TrainConfig
+from lspo_jax.train_config import TrainConfig
 
 
 class JudgedAdvantages:

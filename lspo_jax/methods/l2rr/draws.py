@@ -80,7 +80,7 @@ from typing import Any
 
 import numpy as np
 
-from lspo_jax.train_config import L2RRConfig
+from lspo_jax.methods.l2rr.config import L2RRConfig
 
 
 # -------------------------------------------------------------------------------------- the arithmetic

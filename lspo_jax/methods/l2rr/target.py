@@ -15,8 +15,9 @@ import numpy as np
 
 from lspo_jax import options
 from lspo_jax.config import ModelConfig
+from lspo_jax.methods.l2rr import config as l2rr_config
+from lspo_jax.methods.l2rr.config import PromptLossNorm, TargetLoss
 from lspo_jax.models import sharding
-from lspo_jax.options import PromptLossNorm, TargetLoss
 from lspo_jax.rl import distributed, logprobs, losses, optim, packing
 from lspo_jax.tasks import benchmarks, data
 from lspo_jax.train_config import TrainConfig
@@ -254,7 +255,7 @@ class TargetScorer:
         self.target = target
         self.losses = PolicyLosses(
             config, run.rollout.group_size, normalise=run.l2rr.prompt_loss_norm, spec=losses.LossSpec.of(run),
-            num_micro_batches=run.l2rr_score_micro_batches(),
+            num_micro_batches=l2rr_config.score_micro_batches(run),
         )  # fmt: skip
 
     def scores(self, params: Any, batch: dict, target_params: Any = None) -> np.ndarray:
@@ -272,7 +273,7 @@ def load_target(run: TrainConfig, config: Any, load_examples) -> TargetScorer:
         raise data.DataError(f"l2rr.target {path}: no example with a worked solution" + (f"; {lost}" if lost else ""))
     target = TargetSide.from_examples(
         config, solved, run.data.max_prompt_tokens, run.data.max_solution_tokens,
-        kind=run.l2rr.target_loss, num_micro_batches=run.l2rr_target_micro_batches(len(solved)),
+        kind=run.l2rr.target_loss, num_micro_batches=l2rr_config.target_micro_batches(run, len(solved)),
         chunk_size=run.loss.chunk_size,
     )  # fmt: skip
     return TargetScorer(run, config, target)

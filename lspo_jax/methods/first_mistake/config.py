@@ -1,0 +1,61 @@
+"""First-mistake advantages' section of a run's config, ``first_mistake`` (composed into the run's config by
+``job.config``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, Literal
+
+from lspo_jax import options
+from lspo_jax.options import FieldError
+
+# The judge's reference solution: the teacher's own verified one, or the dataset's.
+Reference = Literal["teacher", "ground_truth"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstMistakeConfig:
+    """First-mistake advantages (see ``advantages``' docstring); ``enabled: false`` leaves GRPO advantages alone.
+
+    ``judge_path``: a Hugging Face directory of the teacher; None judges with the policy itself (the run
+    also takes ``toy:judge``, the demo task's scripted teacher).
+    ``reference``: ``teacher`` (the teacher's verified solution) or ``ground_truth`` (the dataset's).
+    ``lam``: the weight of ``|A_i|`` on a failed rollout's valid prefix. ``max_new_tokens``,
+    ``teacher_temperature`` (0: greedy; 0.6, the method's own setting) and ``seed``: the teacher's sampling, in
+    both stages. ``max_sentences``: sentences numbered per rollout. ``judge_correct``: also judge passing
+    rollouts (for the agreement metric only).
+    ``max_batch``: prompts per sampler call inside one batched ``generate``. ``sentence_breaks``: characters
+    that also end a sentence (``split_sentences``), for tasks whose steps are not written as sentences.
+    """
+
+    enabled: bool = False
+    judge_path: str | None = None
+    reference: Reference = "teacher"
+    lam: float = 0.0
+    max_new_tokens: int = 2048
+    teacher_temperature: float = 0.6
+    seed: int = 0
+    max_sentences: int = 256
+    judge_correct: bool = False
+    max_batch: int = 64
+    sentence_breaks: str = ""
+    # Keys of an earlier version that a run's own config.yaml may hold: read under their new names.
+    RENAMED: ClassVar[dict[str, str]] = {"temperature": "teacher_temperature"}
+
+    def __post_init__(self) -> None:
+        options.check(self, "first_mistake")
+        checks = {
+            "judge_path": (self.judge_path is None or bool(self.judge_path.strip()), "must be a path or null"),
+            "lam": (math.isfinite(self.lam) and self.lam >= 0, "must be a finite number >= 0"),
+            "max_new_tokens": (self.max_new_tokens > 0, "must be positive"),
+            "teacher_temperature": (
+                math.isfinite(self.teacher_temperature) and self.teacher_temperature >= 0,
+                "must be >= 0",
+            ),
+            "max_sentences": (self.max_sentences > 0, "must be positive"),
+            "max_batch": (self.max_batch > 0, "must be positive"),
+        }
+        for field, (ok, allowed) in checks.items():
+            if not ok:
+                raise FieldError("FirstMistakeConfig", field, allowed, getattr(self, field))
