@@ -33,6 +33,11 @@ def test_a_stop_at_any_moment_of_start_up_ends_the_run_stopped(tmp_path, delay):
     time.sleep(delay)
     proc.send_signal(sig)
     output = proc.communicate(timeout=120)[0]
+    if proc.returncode == -signal.SIGTERM and delay < 1:
+        # Python had not reached lspo-train's first line (its start-up takes longer on a loaded machine): SIGTERM's
+        # default action, which no program can take back before it installs a handler. Nothing was written.
+        assert not out.exists() and "Traceback" not in output, output[-3000:]
+        return
     assert proc.returncode in (130, 75), f"{sig.name} at {delay} s: exit {proc.returncode}\n{output[-3000:]}"
     assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
     if proc.returncode == 130:  # stopped during start-up: nothing the same command would be refused over
