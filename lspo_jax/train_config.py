@@ -146,6 +146,10 @@ class RolloutConfig:
     ``dynamic_sampling``: DAPO's dynamic sampling (``rl.rounds.DynamicSamplingPrompts``): groups whose rollouts all
     pass or all fail are dropped and more prompts sampled, at most ``max_draw_rounds`` sampling rounds a step
     (the first included); off as in the LSPO paper's runs.
+    ``max_staleness``: 0 samples each step's rollouts from the base it updates; 1 samples the next step's rollouts
+    in a thread while this step's update runs, from the base before it (one update old; ``rl.staleness``), so their
+    update needs the decoupled objective: ``loss.tis_cap`` is required with it. The JAX engine and the default
+    prompt order only (a source that samples its own rounds or learns from the update needs the update first).
     """
 
     prompts_per_step: int = 32
@@ -159,6 +163,7 @@ class RolloutConfig:
     compact_every: int = 16  # sampler.DEFAULT_COMPACT_EVERY
     dynamic_sampling: bool = False
     max_draw_rounds: int = 4
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         options.check(self, "rollout")
@@ -186,6 +191,7 @@ class RolloutConfig:
             "must be >= 1 (the first round included)",
             self.max_draw_rounds,
         )
+        require(self.max_staleness in (0, 1), "rollout.max_staleness", "must be 0 or 1", self.max_staleness)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +367,11 @@ class EvalConfig:
     hub); each is scored and logged on its own. ``limit`` keeps the first problems of each benchmark. ``top_p``: the
     samples' nucleus; null samples with ``rollout.top_p``.
 
+    ``coverage_n`` (null: off) adds a coverage pass to validation at step 0, the last step and every
+    ``coverage_every`` steps (0: only those two; a multiple of ``every``, as it rides on a validation): ``coverage_n``
+    samples a problem of each of ``coverage_benchmarks`` (empty: every benchmark validated), reduced to pass@k for the
+    powers of two up to ``coverage_n`` and the distinct correct completions a problem (``evaluation.coverage``).
+
     ``protocol`` names a published evaluation (``options.EVAL_PROTOCOLS``: deepscaler, deepmath, dapo, lspo) whose
     ``n``, ``temperature``, ``top_p`` and ``max_new_tokens`` the YAML reader (``load_config``) fills in for each of
     those keys the file and the overrides do not name, and ``ks`` (``default_ks(n)``) unless named; a key named
@@ -379,6 +390,9 @@ class EvalConfig:
     data_dir: str | None = None
     top_p: float | None = None
     protocol: ProtocolName | None = None
+    coverage_n: int | None = None
+    coverage_every: int = 0
+    coverage_benchmarks: tuple[str, ...] = ()
 
     DEFAULT_KS: ClassVar[tuple[int, ...]] = (1, 4, 8, 16)
 
@@ -392,6 +406,12 @@ class EvalConfig:
         require(self.top_p is None or 0 < self.top_p <= 1, "eval.top_p", "must be in (0, 1] or null", self.top_p)
         if self.protocol is not None:
             options.eval_protocol(self.protocol)
+        require(self.coverage_n is None or self.coverage_n > 0, "eval.coverage_n", "must be positive or null",
+                self.coverage_n)  # fmt: skip
+        on_a_validation = self.every > 0 < self.coverage_every and self.coverage_every % self.every == 0
+        require(self.coverage_every == 0 or on_a_validation,
+                "eval.coverage_every", f"must be 0 or a multiple of eval.every={self.every} (a coverage pass is part "
+                "of a validation)", self.coverage_every)  # fmt: skip
 
     @classmethod
     def default_ks(cls, n: int) -> list[int]:
@@ -522,6 +542,24 @@ class TrainConfig:
                  f"and optim.epochs to 1 (they make {updates})")  # fmt: skip
         m, k = self.scaffold.cliff_max_successes, self.rollout.group_size
         require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
+        self._check_staleness()
+
+    def _check_staleness(self) -> None:
+        """Rows sampled one update old need their correction, and a sampler the update does not wait for."""
+        rollout = self.rollout
+        if not rollout.max_staleness:
+            return
+        # Plain PPO on rows one update old diverges: the truncated weight on proximal / behaviour is not optional.
+        require(
+            self.loss.tis_cap is not None,
+            "rollout.max_staleness",
+            f"{rollout.max_staleness} needs loss.tis_cap "
+            "(the truncated weight on the stale rows' proximal / behaviour ratio), which is null; set it, e.g. 2.0",
+        )
+        require(rollout.engine == "jax", "rollout.max_staleness", f"{rollout.max_staleness} samples with the JAX "
+                f"engine only, got rollout.engine {rollout.engine!r}")  # fmt: skip
+        require(not rollout.dynamic_sampling, "rollout.max_staleness", f"{rollout.max_staleness} and "
+                "rollout.dynamic_sampling: draw rounds are sampled inside the step; turn one off")  # fmt: skip
 
     def update_rows_per_micro(self) -> int:
         """Rows of ``max_prompt_tokens + max_new_tokens`` slots in one micro-batch of the padded update."""

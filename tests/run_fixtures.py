@@ -1,6 +1,6 @@
 """Fixtures and helpers of the training-loop tests (test_step_scaffold.py, test_run_resume.py, test_run_failures.py,
-test_method_runs.py): the tiny random policy, eight addition rows, a config maker with the shapes every run shares,
-a fake verifier that places the cliffs, and a trained run to read.
+test_method_runs.py, test_staleness.py): the tiny random policy, eight addition rows, a config maker with the shapes
+every run shares, a fake verifier that places the cliffs, and a trained run to read.
 
 Every run has the same shapes (2 prompts x 2 rollouts, 12 new tokens, 16 prompt slots: ``make_config``), and the
 jitted steps take only the config sections they read as static arguments, so the sampler, log-prob and update

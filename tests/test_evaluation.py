@@ -409,3 +409,73 @@ class _NoVerifier:
 
     def close(self):
         pass
+
+
+# ------------------------------------------------------------------------------------------------- coverage
+# Three problems, four coverage samples each (answers after "so"; the gold answers are 5, 7 and 9):
+#   p0: 5, 5, 5, 6  (the first and second 5 differ only in whitespace) -> [T T T F], 2 distinct correct texts
+#   p1: 1, 2, 3, 7                                                      -> [F F F T], 1
+#   p2: 1, 2, 3, 4                                                      -> [F F F F], 0
+# first-k slice: pass@1 = 1/3 (p0), pass@2 = 1/3 (p0), pass@4 = 2/3 (p0, p1).
+# unbiased, 1 - C(4 - c, k) / C(4, k): p0 (c = 3) 3/4, 1, 1; p1 (c = 1) 1/4, 1 - 3/6 = 1/2, 1; p2 0, 0, 0
+#   -> pass@1 = 1/3, pass@2 = 1/2, pass@4 = 2/3. accuracy 4/12; distinct correct (2 + 1 + 0) / 3 = 1, solved 3/2.
+COVERAGE_TEXTS = {
+    0: ["so \\boxed{5}", "so  \\boxed{5}\n", "\\boxed{5}", "so \\boxed{6}"],
+    1: ["\\boxed{1}", "\\boxed{2}", "\\boxed{3}", "\\boxed{7}"],
+    2: ["\\boxed{1}", "\\boxed{2}", "\\boxed{3}", "\\boxed{4}"],
+}
+
+
+class _BoxedVerifier:
+    def score(self, responses, golds):
+        from lspo_jax.tasks.rewards import last_boxed
+
+        return [float(last_boxed(r) == g) for r, g in zip(responses, golds, strict=True)]
+
+
+def _scripted_coverage(run, generator, params, prompts, key):  # the first eval.n of each problem's texts
+    return [text for prompt in prompts for text in COVERAGE_TEXTS[prompt[0]][: run.eval.n]]
+
+
+def test_coverage_by_hand_on_its_schedule_and_benchmarks(monkeypatch):
+    from types import SimpleNamespace
+
+    from lspo_jax.job.config import load_config
+
+    monkeypatch.setattr(evaluation, "sample_responses", _scripted_coverage)
+    problems = [SimpleNamespace(id=f"p{i}", prompt_ids=[i], answer=a, solution_ids=None) for i, a in enumerate("579")]
+    overrides = ["eval.n=2", "eval.ks=[1, 2]", "eval.every=1", "eval.coverage_every=2", "steps=5"]
+    run = load_config(None, [*overrides, "eval.coverage_n=4", "eval.coverage_benchmarks=[b]"])
+
+    def at(step, config=run):
+        return evaluation.evaluate_benchmarks(config, None, None, {"a": problems, "b": problems}, _BoxedVerifier(),
+                                              jax.random.key(0), step=step)  # fmt: skip
+
+    got = at(2)["b"]
+    want = {"pass@1": 1 / 3, "pass@2": 1 / 3, "pass@4": 2 / 3, "pass@1_unbiased": 1 / 3, "pass@2_unbiased": 1 / 2,
+            "pass@4_unbiased": 2 / 3, "accuracy": 1 / 3, "problems": 3, "n": 4, "distinct_correct": 1.0,
+            "distinct_correct_solved": 1.5}  # fmt: skip
+    assert {k: v for k, v in got.items() if k.startswith(evaluation.COVERAGE)} == pytest.approx(
+        {evaluation.COVERAGE + k: v for k, v in want.items()}
+    )
+    off = at(None)["b"]  # no step (lspo-eval), a step off the schedule, coverage off: the eval record alone
+    assert at(1)["b"] == off and at(3, load_config(None, overrides))["b"] == off and at(2)["a"] == off
+    assert not any(k.startswith(evaluation.COVERAGE) for k in off)
+    assert [s for s in range(6) if evaluation.coverage_due(run, s)] == [0, 2, 4, 5]
+    with pytest.raises(ValueError, match="coverage_benchmarks"):
+        at(0, load_config(None, [*overrides, "eval.coverage_n=4", "eval.coverage_benchmarks=[c]"]))
+
+
+def test_coverage_ks_and_schedule_checks():
+    from lspo_jax.job.build import validation_specs
+    from lspo_jax.job.config import load_config
+    from lspo_jax.options import ConfigError
+
+    assert evaluation.coverage_ks(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert evaluation.coverage_ks(6) == [1, 2, 4, 6]
+    with pytest.raises(ConfigError, match="eval.coverage_every"):
+        load_config(None, ["eval.every=2", "eval.coverage_every=3"])
+    toy_run = ["data.train=toy:addition", "eval.coverage_n=8"]  # validates on the toy's held-out classes
+    assert validation_specs(load_config(None, [*toy_run, "eval.coverage_benchmarks=[toy_heldout_3digit]"]))
+    with pytest.raises(ConfigError, match=r"^eval.coverage_benchmarks: \['toy_3digit'\] not among"):
+        validation_specs(load_config(None, [*toy_run, "eval.coverage_benchmarks=[toy_3digit]"]))

@@ -90,3 +90,56 @@ def test_the_mechanism_table_reads_each_runs_summary_and_sampler_records(tmp_pat
     assert lines[2] == "| lspo | 1 | 10 | 50.0 | 25.0 | 128 | - | - | 2 |"
     # ds: no scaffold; 600 / 2 = 300 rollouts a step; kept (16 + 9) / 2 = 12.5; one step short of 16 (at the bound).
     assert lines[3] == "| ds | 1 | 4 | - | - | 300 | 12.5 | 1 | 1 |"
+
+
+# The gain-against-cost traces at the horizon (step 200; the validation at 225 is past it): per run the frontier's
+# (pass@8, coverage pass@256, accuracy) and the 3-digit accuracy. lspo seed 2's coverage pass did not run at 200.
+AT_200 = {
+    ("dapo", 1): (0.30, 0.50, 0.10, 0.90),
+    ("dapo", 2): (0.20, 0.60, 0.05, 0.80),
+    ("lspo", 1): (0.50, 0.55, 0.20, 0.85),
+    ("lspo", 2): (0.40, None, 0.15, 0.80),
+}
+# (step, adapter reliance, spliced gradient share) of the lspo runs' training records.
+TRAIN = {
+    1: [(50, 0.2, 0.30), (100, 0.4, None), (150, None, 0.10)],  # a step without spliced tokens: no reliance
+    2: [(50, 0.1, None)],
+}
+
+
+def write_horizon_run(root, arm, seed):
+    run = root / f"{arm}_seed{seed}"
+    run.mkdir()
+    p8, cov, acc, learned = AT_200[arm, seed]
+    frontier = {"kind": "eval", "benchmark": "toy_heldout_3term_frontier"}
+    records = [frontier | {"step": 0, "pass@8": 0.0, "accuracy": 0.0, "coverage/pass@256": 0.1},
+               {"kind": "eval", "step": 0, "benchmark": "toy_heldout_3digit", "accuracy": 0.3},
+               frontier | {"step": 200, "pass@8": p8, "accuracy": acc} | ({"coverage/pass@256": cov} if cov else {}),
+               {"kind": "eval", "step": 200, "benchmark": "toy_heldout_3digit", "accuracy": learned},
+               frontier | {"step": 225, "pass@8": 1.0, "accuracy": 1.0, "coverage/pass@256": 1.0}]  # fmt: skip
+    records += [{"kind": "train", "step": s, "scaffold/adapter_reliance": r} | ({"spliced_grad_share": g} if g else {})
+                for s, r, g in (TRAIN[seed] if arm == "lspo" else [])]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "summary.json").write_text("{}")
+
+
+def test_gain_against_cost_and_reliance_at_the_horizon_by_hand(tmp_path, capsys):
+    for arm, seed in AT_200:
+        write_horizon_run(tmp_path, arm, seed)
+    argv = ["--out", str(tmp_path), "--arms", "dapo", "lspo", "--seeds", "1", "2", "--horizon", "200", "--metrics",
+            "pass@8", "--plot", str(tmp_path / "h")]  # fmt: skip
+    assert horizon_study.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # dapo: pass@8 30, 20; pass@256 50, 60; frontier accuracy 10, 5; 3-digit 90, 80. No difference from itself.
+    assert "| dapo | 1 2 | 25.0 [20.0, 30.0] |  | 55.0 [50.0, 60.0] |  | 7.5 [5.0, 10.0] |  | 85.0 [80.0, 90.0] |  |" \
+        in lines  # fmt: skip
+    # lspo: pass@8 50 - 30 and 40 - 20; pass@256 55 - 50 (seed 2 has none at 200); accuracy 20 - 10 and 15 - 5;
+    # 3-digit 85 - 90 and 80 - 80 -> -2.5 [-5.0, +0.0].
+    want = ("| lspo | 1 2 | 45.0 [40.0, 50.0] | +20.0 [+20.0, +20.0] | 55.0 | +5.0 | 17.5 [15.0, 20.0] "
+            "| +10.0 [+10.0, +10.0] | 82.5 [80.0, 85.0] | -2.5 [-5.0, +0.0] |")  # fmt: skip
+    assert want in lines
+    # Reliance: seed 1 (0.2 + 0.4) / 2, shares 30% at 50 and 10% at 150; seed 2 0.1, no share recorded. dapo: none.
+    assert "| lspo | 1 | 0.300 | 30.0 | 10.0 | +20.0 | +5.0 |" in lines
+    assert "| lspo | 2 | 0.100 | - | - | +20.0 | - |" in lines
+    assert not any(line.startswith("| dapo | 1 | ") for line in lines)
+    assert (tmp_path / "h_gain_cost.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

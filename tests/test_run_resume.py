@@ -398,3 +398,16 @@ def test_a_resume_that_changes_the_run_says_so(trained_run, tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert f"data.train {changed} is not the data the run's checkpoint was trained on (its files changed)" in err
     assert f"{records} is missing: the records of steps 1-4 are lost, and the summary counts the steps from 5" in err
+
+
+def test_validation_writes_the_coverage_pass_into_its_eval_record(make_config, train_file, tmp_path):
+    out = str(tmp_path / "run")
+    job = Run(make_config(eval__benchmarks=[train_file], eval__coverage_n=4), out, verifier=FakeVerifier(hash_rule))
+    try:
+        job.validate()  # step 0: always a coverage step
+    finally:
+        job.close()
+    (record,) = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["kind"] == "eval"]
+    assert record["coverage/n"] == 4 and record["coverage/problems"] == record["problems"] == 2
+    assert {f"coverage/pass@{k}{e}" for k in (1, 2, 4) for e in ("", "_unbiased")} <= set(record)
+    assert record["coverage/pass@1_unbiased"] == record["coverage/accuracy"]

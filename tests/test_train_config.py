@@ -10,6 +10,7 @@ import yaml
 
 from lspo_jax.job.config import RunConfig, load_config
 from lspo_jax.methods.l2rr.config import score_micro_batches, target_micro_batches
+from lspo_jax.tasks import benchmarks, toy
 from lspo_jax.train_config import ConfigError, from_dict, to_dict
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -470,15 +471,18 @@ def test_dynamic_sampling_and_l2rr_are_not_both_drawing_the_rounds():
     assert load_config(DEMO, ["rollout.dynamic_sampling=true"]).rollout.max_draw_rounds == 4
 
 
-def test_the_horizon_config_is_the_demo_at_200_steps_with_pass_at_8():
+def test_the_horizon_config_is_the_demo_at_200_steps_with_pass_at_8_and_coverage_at_256():
     horizon, demo = (
         to_dict(load_config(os.path.join(os.path.dirname(DEMO), "demo_horizon.yaml"))),
         to_dict(load_config(DEMO)),
     )
     changed = {(section, key) for section, fields in horizon.items() if isinstance(fields, dict)
                for key, value in fields.items() if demo[section][key] != value}  # fmt: skip
-    assert changed == {("eval", "every"), ("eval", "n"), ("eval", "ks"), ("checkpoint", "every")}
+    coverage = {("eval", "coverage_n"), ("eval", "coverage_every"), ("eval", "coverage_benchmarks")}
+    assert changed == {("eval", "every"), ("eval", "n"), ("eval", "ks"), ("checkpoint", "every"), *coverage}
     assert horizon["steps"] == 200 and horizon["eval"]["n"] >= 8 and max(horizon["eval"]["ks"]) == 8
+    classes = [benchmarks.benchmark_name(spec) for spec in toy.HELDOUT_SPECS]  # the frontier and beyond reach
+    assert horizon["eval"]["coverage_n"] == 256 and set(horizon["eval"]["coverage_benchmarks"]) < set(classes)
 
 
 def test_an_eval_protocol_fills_the_keys_not_named_and_reads_back_the_same(tmp_path):

@@ -3,14 +3,21 @@ protocol), value at the last validation and mean over the trained trace (steps >
 DAPO paired by seed; then, per run, what the frontier class did (its pass@k peak and where, its last value, the
 entropy of its sampled answers from start to end); then each arm's mechanism (cliff groups, the scaffold's surpass and
 re-roll pass rates, rollouts spent per step, dynamic sampling's kept groups and the steps it hit its bound, from each
-run's ``summary.json`` and training records). Nothing trains: the runs are ``OUT/ARM_seedSEED`` directories
-that ``tools.compare_arms`` wrote, and a run without ``summary.json`` (unfinished) is left out and named.
+run's ``summary.json`` and training records); then, at the horizon, each arm's gain on the frontier class (pass@8,
+coverage pass@256 where validation recorded a coverage pass, accuracy) against its cost on the learned 3-digit class
+(accuracy), each minus DAPO paired by seed; and per run of the LSPO family its adapter reliance (the mean over its
+steps of ``scaffold/adapter_reliance``) and its spliced rows' share of the gradient norm at steps 50 and 150
+(``spliced_grad_share``, recorded with ``scaffold.grad_share: true``) beside its transfer. Nothing trains: the runs
+are ``OUT/ARM_seedSEED`` directories that ``tools.compare_arms`` wrote, and a run without ``summary.json``
+(unfinished) is left out and named.
 
     .venv/bin/python -m tools.horizon_study --out runs/horizon --arms dapo lspo direct --seeds 42 43 44 45 46 \\
-        [--horizon 200] [--metrics accuracy pass@8 gold_logprob] [--plot runs/horizon/study] [--json study.json]
+        [--horizon 200] [--metrics accuracy pass@8 gold_logprob] [--plot runs/horizon/study] [--json study.json] \\
+        [--coverage-k 256] [--share-steps 50 150]
 
 ``--plot PREFIX`` draws ``PREFIX_KEY.png`` per metric: each arm's mean curve over its seeds and their range (the
-seed band), one panel per class. Figures are percentages for accuracy and pass@k, nats per token for
+seed band), one panel per class; and ``PREFIX_gain_cost.png``: per arm, its frontier gain against its 3-digit cost
+(both minus DAPO), the bars its seeds' range. Figures are percentages for accuracy and pass@k, nats per token for
 ``gold_logprob``, nats for ``answer_entropy``.
 """
 
@@ -157,6 +164,131 @@ def mechanism_table(runs: Sequence[tables.RunTrace]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------- gain against cost per arm
+LEARNED = "3digit"  # the learned class whose accuracy is the cost: its benchmark name ends in this
+RELIANCE = "scaffold/adapter_reliance"
+GRAD_SHARE = "spliced_grad_share"
+
+
+def horizon_columns(k_metric: str, coverage_k: int) -> tuple[tuple[str, str, str], ...]:
+    """``(column, class, metric)`` of the gain-against-cost table: the frontier's ``k_metric`` (pass@8), coverage
+    pass@k (``coverage/pass@K``, where the runs recorded a coverage pass) and accuracy, then the 3-digit accuracy."""
+    return (
+        (f"frontier {k_metric}", FRONTIER, k_metric),
+        (f"frontier pass@{coverage_k}", FRONTIER, f"coverage/pass@{coverage_k}"),
+        ("frontier accuracy", FRONTIER, "accuracy"),
+        ("3-digit accuracy", LEARNED, "accuracy"),
+    )
+
+
+def at_horizon(run: tables.RunTrace, horizon: int | None, columns: Sequence[tuple[str, str, str]]) -> dict:
+    """Column -> the run's value (in %) at its class's last validation <= ``horizon``; NaN where that validation
+    did not record it. Not an earlier value instead: a coverage pass runs on fewer steps than validation (step 0,
+    every ``eval.coverage_every`` and the last), and a figure from another step would not be at the horizon."""
+    out = {}
+    for column, cls, metric in columns:
+        records = [r for r in run.evals
+                   if _is_class(tables.benchmark_of(r), cls) and (horizon is None or r["step"] <= horizon)]  # fmt: skip
+        value = max(records, key=lambda r: r["step"]).get(metric) if records else None
+        out[column] = math.nan if value is None else 100.0 * value
+    return out
+
+
+def _is_class(benchmark: str, cls: str) -> bool:
+    return cls in benchmark if cls == FRONTIER else benchmark.endswith(cls)
+
+
+def paired(figures: dict, arm: str, baseline: str, column: str) -> dict[int, float]:
+    """Seed -> ``arm - baseline`` of one column, for each seed both recorded."""
+    base = figures.get(baseline, {})
+    return {seed: f[column] - base[seed][column] for seed, f in figures[arm].items()
+            if seed in base and not math.isnan(f[column]) and not math.isnan(base[seed][column])}  # fmt: skip
+
+
+def gain_cost_table(figures: dict, baseline: str, columns: Sequence[str]) -> str:
+    """Per arm: each column's value ``mean [min, max]`` over seeds, and its difference from ``baseline`` paired by
+    seed. ``figures``: ``{arm: {seed: at_horizon(...)}}``."""
+    head = ["arm", "seeds", *(part for c in columns for part in (c, f"{c} - {baseline}"))]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, runs in figures.items():
+        row = [arm, " ".join(map(str, sorted(runs)))]
+        for c in columns:
+            row.append(spread([f[c] for f in runs.values()], 1))
+            row.append("" if arm == baseline else spread(list(paired(figures, arm, baseline, c).values()), 1, True))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def reliance(run: tables.RunTrace, share_steps: Sequence[int]) -> dict[str, float] | None:
+    """A scaffolded run's mean ``scaffold/adapter_reliance`` over its steps, and its ``spliced_grad_share`` at each
+    of ``share_steps`` (NaN where that step did not record it); None for a run that never recorded a reliance (no
+    adapter: not of the LSPO family)."""
+    train = [r for r in tables.read_metrics(os.path.join(run.path, "metrics.jsonl")) if r.get("kind") == "train"]
+    values = [r[RELIANCE] for r in train if r.get(RELIANCE) is not None]
+    if not values:
+        return None
+    shares = {r["step"]: r[GRAD_SHARE] for r in train if r.get(GRAD_SHARE) is not None}
+    return {"reliance": float(np.mean(values)), **{f"share@{s}": shares.get(s, math.nan) for s in share_steps}}
+
+
+def reliance_table(runs, figures: dict, baseline: str, share_steps: Sequence[int], columns: Sequence[str]) -> str:
+    """Per LSPO-family run: its mean adapter reliance, its spliced rows' share of the gradient norm at
+    ``share_steps`` (%), beside its transfer: the first two ``columns`` minus the baseline's of its seed."""
+    gains = columns[:2]
+    head = ["arm", "seed", "adapter reliance", *(f"grad share @{s} (%)" for s in share_steps),
+            *(f"{c} - {baseline}" for c in gains)]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in runs:
+        own = reliance(run, share_steps)
+        if own is None:
+            continue
+        base = figures.get(baseline, {}).get(run.seed)
+        cells = [f"{own['reliance']:.3f}", *(_figure(100.0 * own[f"share@{s}"], "") for s in share_steps)]
+        cells += [_figure(figures[run.arm][run.seed][c] - base[c] if base else math.nan, "+") for c in gains]
+        lines.append("| " + " | ".join([run.arm, str(run.seed), *cells]) + " |")
+    return "\n".join(lines) if len(lines) > 2 else "No run recorded an adapter reliance."
+
+
+def _figure(value: float, sign: str) -> str:
+    return "-" if math.isnan(value) else f"{value:{sign}.1f}"
+
+
+def plot_gain_cost(figures: dict, baseline: str, columns: Sequence[str], path: str) -> str:
+    """One panel per frontier gain (pass@8, coverage pass@k where recorded): each arm's mean gain over
+    ``baseline`` against its mean 3-digit cost, over the seeds that recorded both, the error bars their [min, max]
+    on both axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cost, gains = columns[-1], [c for c in columns[:2] if any(paired(figures, a, baseline, c) for a in figures)]
+    fig, axes = plt.subplots(1, max(len(gains), 1), figsize=(4.8 * max(len(gains), 1), 4), squeeze=False,
+                             constrained_layout=True)  # fmt: skip
+    for ax, gain in zip(axes[0], gains, strict=False):
+        for arm in figures:
+            if arm == baseline:
+                continue
+            costs, gained = paired(figures, arm, baseline, cost), paired(figures, arm, baseline, gain)
+            x, y = [costs[s] for s in gained if s in costs], [gained[s] for s in gained if s in costs]
+            if not y:
+                continue
+            mx, my = float(np.mean(x)), float(np.mean(y))
+            ax.errorbar(mx, my, xerr=[[mx - min(x)], [max(x) - mx]], yerr=[[my - min(y)], [max(y) - my]],
+                        fmt="o", capsize=3, label=f"{arm} ({len(y)} seeds)")  # fmt: skip
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set_xlabel(f"{cost} - {baseline} (points)")
+        ax.set_ylabel(f"{gain} - {baseline} (points)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    fig.suptitle(f"Frontier gain against the learned class's cost, minus {baseline} paired by seed (mean, "
+                 "bars = seed range)", fontsize=9)  # fmt: skip
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def load(out: str, arms: Sequence[str], seeds: Sequence[int]) -> tuple[dict, list[tables.RunTrace], list[str]]:
     """The finished runs (``summary.json`` written) among ``OUT/ARM_seedSEED``, and the names of those left out."""
     runs, missing = [], []
@@ -183,6 +315,9 @@ def _study(argv: list[str] | None) -> int:
     p.add_argument("--metrics", nargs="+", default=["accuracy", "pass@8", "gold_logprob"])
     p.add_argument("--plot", default=None, help="PREFIX: draw PREFIX_METRIC.png per metric")
     p.add_argument("--json", default=None, help="write every run's figures here")
+    p.add_argument("--coverage-k", type=int, default=256, help="the coverage pass@k in the gain-against-cost table")
+    p.add_argument("--share-steps", type=int, nargs="+", default=[50, 150],
+                   help="the steps whose spliced_grad_share the reliance table shows")  # fmt: skip
     args = p.parse_args(argv)
     runs, missing = load(args.out, args.arms, args.seeds)
     if not runs:
@@ -203,6 +338,17 @@ def _study(argv: list[str] | None) -> int:
     print("\n".join(frontier_lines(study, k_metric)))
     print("\nThe mechanism per arm (mean over its runs [min, max]; wall minutes depend on the machine's load):\n")
     print(mechanism_table(runs))
+    columns = horizon_columns(k_metric, args.coverage_k)
+    figures: dict[str, dict[int, dict]] = {}
+    for run in runs:
+        figures.setdefault(run.arm, {})[run.seed] = at_horizon(run, args.horizon, columns)
+    names = [c for c, _, _ in columns]
+    where = "the last validation" if args.horizon is None else f"the last validation <= step {args.horizon}"
+    print(f"\nFrontier gain against the 3-digit cost at {where} (%, mean over seeds [min, max]; minus {baseline} "
+          "paired by seed):\n")  # fmt: skip
+    print(gain_cost_table(figures, baseline, names))
+    print("\nAdapter reliance (mean over the run) and the spliced rows' gradient-norm share, beside the transfer:\n")
+    print(reliance_table(runs, figures, baseline, args.share_steps, names))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({arm: {str(s): r for s, r in per.items()} for arm, per in study.items()}, f, indent=1)
@@ -212,6 +358,7 @@ def _study(argv: list[str] | None) -> int:
             path = tables.plot_curves(runs, f"{args.plot}_{metric.replace('@', '')}.png", key=metric,
                                       horizon=args.horizon)  # fmt: skip
             print(f"horizon_study: wrote {path}")
+        print(f"horizon_study: wrote {plot_gain_cost(figures, baseline, names, f'{args.plot}_gain_cost.png')}")
     return 0
 
 

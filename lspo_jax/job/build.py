@@ -249,7 +249,18 @@ def validation_specs(run: TrainConfig) -> tuple[str, ...]:
     with ``eval.enabled: false``."""
     if not run.eval.enabled:
         return ()
-    return run.eval.benchmarks or (toy.HELDOUT_SPECS if data.is_generated(run.data.train) else ())
+    specs = run.eval.benchmarks or (toy.HELDOUT_SPECS if data.is_generated(run.data.train) else ())
+    check_coverage_names(run, specs)
+    return specs
+
+
+def check_coverage_names(run: TrainConfig, specs: Sequence[str]) -> None:
+    """Refuse an ``eval.coverage_benchmarks`` name that is not among the benchmarks validated: at start-up, not at
+    the first coverage pass."""
+    names = [benchmarks.benchmark_name(spec) for spec in specs]
+    unknown = [name for name in run.eval.coverage_benchmarks if name not in names]
+    if unknown:
+        raise ConfigError(f"eval.coverage_benchmarks: {unknown} not among the benchmarks validated: {names}")
 
 
 def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> dict[str, tuple[list, dict]]:

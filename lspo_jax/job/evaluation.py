@@ -8,7 +8,9 @@ result (and a ``metrics.jsonl`` record) is per benchmark. The paper reports the 
 unbiased one is logged beside it. Validation also scores the base's log-likelihood of each benchmark's gold worked
 solutions (``gold_logprob``): a signal that moves before pass@k does, on a class that no sample passes yet, and the
 spread of the samples' final answers (``answer_entropy``): a policy that sharpens onto one answer a problem, right
-or wrong, shows it there before its pass@k falls.
+or wrong, shows it there before its pass@k falls. On chosen steps a coverage pass (``eval.coverage_n`` samples a
+problem, ``coverage``) adds pass@k up to k = 256 or more and the distinct correct completions to those records: does
+training widen what the base can solve at all, or only sharpen what it already could?
 
 ``lspo-eval`` reports more of each benchmark (``grade``, ``benchmark_result``): the standard error of the accuracy
 over problems, the share of samples cut off at the token budget, the accuracy of the samples that ended, and, over
@@ -127,8 +129,15 @@ def correct_table(run, generator, params, examples: Sequence[Any], pool, key, st
 def graded_samples(run, generator, params, examples, pool, key, stop=None) -> tuple[np.ndarray, np.ndarray]:
     """``correct_table``'s booleans and, per problem, the entropy of its samples' final answers
     (``answer_entropy``)."""
-    n, chunk_size = run.eval.n, run.rollout.prompts_per_step
-    rows, spread = [], []
+    correct, spread, _ = _graded(run, generator, params, examples, pool, key, stop, run.rollout.prompts_per_step)
+    return correct, spread
+
+
+def _graded(run, generator, params, examples, pool, key, stop, chunk_size: int) -> tuple[np.ndarray, ...]:
+    """``graded_samples``'s two arrays and, per problem, its ``distinct_correct`` count; ``run.eval.n`` samples
+    a problem, ``chunk_size`` problems a batch."""
+    n = run.eval.n
+    rows, spread, distinct = [], [], []
     for start in range(0, len(examples), chunk_size):
         _check(stop)
         chunk = examples[start : start + chunk_size]
@@ -137,9 +146,10 @@ def graded_samples(run, generator, params, examples, pool, key, stop=None) -> tu
         accuracy = np.asarray(pool.score(texts, [ex.answer for ex in chunk for _ in range(n)]))
         rows.append(accuracy.reshape(len(chunk), n) > 0)
         spread.extend(answer_entropy(texts[i : i + n]) for i in range(0, len(texts), n))
+        distinct.extend(distinct_correct(texts[i * n : (i + 1) * n], row) for i, row in enumerate(rows[-1]))
     if not rows:
-        return np.zeros((0, n), bool), np.zeros(0)
-    return np.concatenate(rows), np.asarray(spread)
+        return np.zeros((0, n), bool), np.zeros(0), np.zeros(0, int)
+    return np.concatenate(rows), np.asarray(spread), np.asarray(distinct)
 
 
 def answer_entropy(responses: Sequence[str]) -> float:
@@ -175,15 +185,77 @@ def benchmark_key(key, name: str):
 
 
 def evaluate_benchmarks(
-    run, generator, params, benchmarks: Mapping[str, Sequence[Any]], pool, key, logprobs=None, stop=None
+    run, generator, params, benchmarks: Mapping[str, Sequence[Any]], pool, key, logprobs=None, stop=None, step=None
 ) -> dict[str, dict]:
-    """``evaluate`` on each benchmark with at least one problem: name -> its metrics. ``stop``: see
+    """``evaluate`` on each benchmark with at least one problem: name -> its metrics, with the ``coverage`` pass's
+    where ``coverage_due(run, step)`` (a validation during training at ``step``; None: never). ``stop``: see
     ``correct_table``; a stopped validation returns nothing."""
-    return {
-        name: evaluate(run, generator, params, examples, pool, benchmark_key(key, name), logprobs, stop)
-        for name, examples in benchmarks.items()
-        if examples
-    }
+    covered = coverage_names(run, benchmarks) if coverage_due(run, step) else ()
+    results = {}
+    for name, examples in benchmarks.items():
+        if examples:
+            results[name] = evaluate(run, generator, params, examples, pool, benchmark_key(key, name), logprobs, stop)
+            if name in covered:
+                results[name].update(coverage(run, generator, params, examples, pool, benchmark_key(key, name), stop))
+    return results
+
+
+# -------------------------------------------------------------------------------------------------- coverage
+COVERAGE = "coverage/"  # the prefix of the coverage pass's keys in a benchmark's ``eval`` record
+_COVERAGE_DRAWS = zlib.crc32(b"coverage")  # folded into a benchmark's key: draws apart from its validation's
+
+
+def coverage_due(run, step: int | None) -> bool:
+    """Whether validation at ``step`` adds the coverage pass: ``eval.coverage_n`` set, and ``step`` 0, the last
+    (``steps``) or a multiple of ``eval.coverage_every``. Every such step is a validation step
+    (``EvalConfig`` checks), and the pass's keys are in that step's ``eval`` records: a resumed run that finds them
+    does not repeat it, and one that does not (stopped or killed before they were written) does it again."""
+    cfg = run.eval
+    if cfg.coverage_n is None or step is None:
+        return False
+    return step in (0, run.steps) or bool(cfg.coverage_every and step % cfg.coverage_every == 0)
+
+
+def coverage_names(run, benchmarks: Mapping[str, Any]) -> tuple[str, ...]:
+    """``eval.coverage_benchmarks`` (empty: every benchmark); a name not among ``benchmarks`` is refused."""
+    names = run.eval.coverage_benchmarks or tuple(benchmarks)
+    unknown = [name for name in names if name not in benchmarks]
+    if unknown:
+        raise ValueError(f"eval.coverage_benchmarks: {unknown} not validated; the benchmarks are {list(benchmarks)}")
+    return tuple(names)
+
+
+def coverage_ks(n: int) -> list[int]:
+    """The ks of the coverage pass: the powers of two up to n, and n itself (n = 256: 1, 2, 4, ..., 256)."""
+    return sorted({2**j for j in range(n.bit_length()) if 2**j <= n} | {n})
+
+
+def distinct_correct(texts: Sequence[str], correct: Sequence[bool]) -> int:
+    """How many different passing completions one problem's samples hold: the passing texts, each with its runs of
+    whitespace made one space, counted once each.
+
+    Texts rather than extracted answers: a problem has one gold answer, so the distinct correct answers are 1 (or a
+    few equivalent spellings of it) wherever the problem is solved, which pass@n already says. The distinct correct
+    texts tell apart a policy that reaches the answer by one memorised path, many samples of it (sharpened: 1),
+    from one that finds several ways to it (many); whitespace alone does not make a path new."""
+    return len({" ".join(text.split()) for text, ok in zip(texts, correct, strict=True) if ok})
+
+
+def coverage(run, generator, params, examples: Sequence[Any], pool, key, stop=None) -> dict[str, Any]:
+    """``eval.coverage_n`` samples a problem (each with the validation's sampling settings), as ``COVERAGE`` keys:
+    pass@k by both estimators for each of ``coverage_ks`` (``pass_at_k_metrics``: also ``accuracy`` and
+    ``problems``), ``n``, ``distinct_correct`` (the mean over problems of ``distinct_correct``, 0 for an unsolved
+    one) and ``distinct_correct_solved`` (the mean over the solved problems alone; None when none is). Problems are
+    sampled as many at a time as keep a batch's rows at validation's (``prompts_per_step * eval.n``), at least one."""
+    n = run.eval.coverage_n
+    wide = dataclasses.replace(run, eval=dataclasses.replace(run.eval, n=n, ks=(n,)))
+    chunk = max(1, run.rollout.prompts_per_step * run.eval.n // n)
+    correct, _, distinct = _graded(wide, generator, params, examples, pool, jax.random.fold_in(key, _COVERAGE_DRAWS),
+                                   stop, chunk)  # fmt: skip
+    metrics = {**pass_at_k_metrics(correct, coverage_ks(n)), "n": n, "distinct_correct": float(distinct.mean())}
+    solved = distinct[correct.any(axis=1)]
+    metrics["distinct_correct_solved"] = float(solved.mean()) if solved.size else None
+    return {COVERAGE + key: value for key, value in metrics.items()}
 
 
 # ---------------------------------------------------------------------------------------- gold log-likelihood

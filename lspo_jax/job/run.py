@@ -39,7 +39,7 @@ from lspo_jax.job.metrics_log import MetricsLog, NullLog, records_until, rewrite
 from lspo_jax.job.progress import Progress
 from lspo_jax.job.run_dir import check_resumable, model_shapes, new_run_refused, record_config, run_records
 from lspo_jax.job.run_lock import take_run_lock
-from lspo_jax.rl import warmup
+from lspo_jax.rl import staleness, warmup
 from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError, TrainState
 from lspo_jax.rl.learner import Learner
 from lspo_jax.rl.train import Phases, StepAbandoned, step_rates, train_step
@@ -126,6 +126,9 @@ class Run:
         self.policy, base = load_policy(run, os.path.join(out_dir, "cache"))
         self._startup_point()
         check_positions(run, self.policy.config, validate=bool(validation_specs(run)))
+        if run.rollout.max_staleness and jax.process_count() > 1:  # two threads' collectives could interleave
+            raise ConfigError(f"rollout.max_staleness: {run.rollout.max_staleness} runs in one process only; this job "
+                              f"has {jax.process_count()}")  # fmt: skip
         mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
         engine = ENGINES.resolve(run.rollout.engine)
         if run.rollout.engine == "jax":  # vLLM pages its cache and batches what does not fit
@@ -141,6 +144,7 @@ class Run:
         self.prompts = prompt_source(run, self.examples, self.policy)
         self.history: list[dict[str, Any]] = []  # every record of the run, those before a resume included
         self.warmed: dict[str, Any] | None = None  # the SFT warm-up's record once it is done (``rl.warmup``)
+        self.ahead: staleness.Prefetch | None = None  # the next step's rollouts, sampling (rollout.max_staleness)
         # A policy judging itself reads the learner's base at each call.
         token_advantages = make_token_advantages(run, self.policy, lambda: self.learner.base_params(), mesh)
         verifier = make_verifier(run) if verifier is None else verifier
@@ -199,11 +203,16 @@ class Run:
     # ---------------------------------------------------------------------------------- checkpoints
     def save(self) -> None:
         self._check_lock()
-        meta = {self.prompts.meta_key: self.prompts.state_dict(), "seed": self.run.seed, "data": self.data_digest,
+        meta = {self.prompts.meta_key: self.source_state(), "seed": self.run.seed, "data": self.data_digest,
                 "model": self.model_record}  # fmt: skip
         if self.warmed is not None:  # the base it holds is warmed up
             meta[warmup.RECORD_KIND] = self.warmed
         self.checkpointer.save_state(self.state, meta, adapter=self.learner.adapter_lifetime.checkpointed)
+
+    def source_state(self) -> dict[str, Any]:
+        """The prompt source's state a checkpoint keeps. Rollouts sampled ahead are not kept: the state from before
+        their draw is, so a resumed run draws those prompts again and samples them from the base it resumes."""
+        return self.prompts.state_dict() if self.ahead is None else self.ahead.snapshot
 
     def _restore(self, fresh: TrainState, adapter: bool) -> TrainState:
         """The state of the newest readable checkpoint, in ``fresh``'s layout (``adapter``: whether it holds the
@@ -288,6 +297,8 @@ class Run:
         asked for ends the validation before its next batch (``evaluation.ValidationStopped``), writing nothing."""
         if not any(self.held_out.values()):
             return None
+        if self.ahead is not None:  # the generator samples for one caller at a time
+            self.ahead.wait()
         if self.writer:
             problems = sum(len(examples) for examples in self.held_out.values())
             print(f"lspo-train: validating at step {self.state.step}: {problems} problems x {self.run.eval.n} "
@@ -295,7 +306,7 @@ class Run:
         key = jax.random.fold_in(jax.random.key(self.run.seed + 1), self.state.step)
         results = evaluation.evaluate_benchmarks(
             self.run, self.learner.generator, self.state.params, self.held_out, self.learner.verifier, key,
-            logprobs=self._gold_logprobs, stop=None if stop is None else stop.agreed,
+            logprobs=self._gold_logprobs, stop=None if stop is None else stop.agreed, step=self.state.step,
         )  # fmt: skip
         for name, result in results.items():
             self._write({"kind": "eval", "step": self.state.step, "benchmark": name, **result})
@@ -392,20 +403,53 @@ class Run:
     def one_step(self, stop: StopFlag | None = None) -> dict[str, Any]:
         """One training step, logged: the prompt source's draw, the step, the source's observation of it. A step
         abandoned by ``stop`` leaves the source as it found it, so a resume from the next checkpoint draws the
-        same prompts."""
+        same prompts. With ``rollout.max_staleness: 1`` its draw and rows may come from the step before (``ahead``),
+        and it may start the next step's (``_sample_ahead``) just before its update (``rl.staleness``)."""
         compiled = CompileCount()  # the step's programs compiled, in its record (compiles, time_compile)
         key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step)
-        snapshot, phases = self.prompts.state_dict(), Phases(stop)
+        ahead, self.ahead, step = self.ahead, None, self.state.step
+        snapshot, phases = self.prompts.state_dict() if ahead is None else ahead.snapshot, Phases(stop)
+        start_next = self._sample_ahead if self._ahead_due() else None
         try:
-            draw = self.prompts.next_batch(self.learner, key, phases)
-            result = train_step(self.learner, draw, phases)
-        except StepAbandoned:
-            self.prompts.load_state_dict(snapshot)
+            draw = self.prompts.next_batch(self.learner, key, phases) if ahead is None else ahead.draw
+            result = train_step(self.learner, draw, phases, sampled=ahead, start_next=start_next)
+        except BaseException as err:
+            if ahead is not None:  # dropped: its thread ends before anything else samples or the run closes
+                ahead.wait()
+            if isinstance(err, StepAbandoned):  # before the update, so before this step sampled ahead
+                self.prompts.load_state_dict(snapshot)
             raise
+        if self.ahead is not None:
+            self.ahead.mark_learner_done()
         observed = self.prompts.observe(draw, result.observation)
-        metrics = {**result.metrics, **step_rates(result.metrics), **observed, **compiled.since()}
+        metrics = {**result.metrics, **self._staleness_record(ahead, step), **step_rates(result.metrics), **observed,
+                   **compiled.since()}  # fmt: skip
         self._write({"kind": "train", **metrics})
         return metrics
+
+    def _ahead_due(self) -> bool:
+        """Whether this step samples the next one's rollouts during its update (``rollout.max_staleness: 1``): not
+        for a step a checkpoint follows on schedule, so a resumed run samples what an uninterrupted one did, and not
+        for the last step."""
+        after = self.state.step + 1
+        return (
+            bool(self.run.rollout.max_staleness) and after < self.run.steps and after % self.run.checkpoint.every != 0
+        )
+
+    def _sample_ahead(self) -> None:
+        """Draw the next step's prompts, with the key an on-policy run would give them, and start sampling them from
+        the base as it stands (``staleness.Prefetch``)."""
+        key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step + 1)
+        snapshot = self.prompts.state_dict()
+        draw = self.prompts.next_batch(self.learner, key, Phases())
+        self.ahead = staleness.Prefetch(self.learner, draw, snapshot)
+
+    def _staleness_record(self, ahead: staleness.Prefetch | None, step: int) -> dict[str, Any]:
+        """The step's ``rollout/staleness`` and overlap figures (``staleness.RECORD_KEYS``); none at
+        ``rollout.max_staleness: 0``, whose rows are all on-policy."""
+        if not self.run.rollout.max_staleness:
+            return {}
+        return staleness.on_policy_record() if ahead is None else ahead.record(step)
 
     def _summary(self, seconds: float, stopped: bool) -> dict[str, Any]:
         """The whole run's figures, from its records (those logged before a resume included)."""
@@ -448,8 +492,12 @@ class Run:
         return found or None
 
     def close(self) -> None:
-        """Close the learner (engine and verifier), the log and the checkpointer: each even if one before fails."""
+        """Close the learner (engine and verifier), the log and the checkpointer: each even if one before fails.
+        Rollouts still sampling ahead are waited for and dropped first."""
         try:
+            if self.ahead is not None:
+                self.ahead, ahead = None, self.ahead
+                ahead.wait()
             self.learner.close()
         finally:
             try:

@@ -105,17 +105,22 @@ class TokenAdvantages(Protocol):
 
 
 # ----------------------------------------------------------------------------------------------- step
-def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> StepResult:
+def train_step(
+    learner: Learner, draw: Draw, phases: Phases | None = None, *, sampled: Any = None,
+    start_next: Callable[[], None] | None = None,
+) -> StepResult:  # fmt: skip
     """One RL step on ``draw`` (B prompts); updates ``learner.state`` and returns the step's record.
 
     ``phases``: the step's timer and stop (see ``Phases``); a step abandoned by it raises ``StepAbandoned``
     with the base, its optimizer state and the counters as they came in (the adapter, reset every step, may
-    have moved).
+    have moved). ``sampled``: the draw's rollouts sampled ahead (``staleness.Prefetch``: its ``rows()``, taken in
+    the ``sample`` phase); ``start_next``: called once the step's last stop check has passed, before anything
+    changes the base (the run starts the next step's sampling there, ``rollout.max_staleness``).
     """
     phases = phases or Phases()
     sync_before = _sync_seconds(learner)
     sample_key, scaffold_key = jax.random.split(draw.key)
-    rows, valid = sample_and_score(learner, draw, sample_key, phases)  # sample, reward
+    rows, valid = sample_and_score(learner, draw, sample_key, phases, sampled)  # sample, reward
     record = rollout_metrics(learner.run, rows, valid)
     scaffolded = scaffold_cliffs(learner, rows, draw.examples, scaffold_key, phases, valid)
     rows, spliced_mask, scaffold_record = scaffolded.rows, scaffolded.spliced_rows, scaffolded.counts
@@ -135,6 +140,8 @@ def train_step(learner: Learner, draw: Draw, phases: Phases | None = None) -> St
     advantages, advantages_record = step_advantages(learner, rows, draw.examples, valid, phases)
     record.update(advantages_record)
     phases.check("update")  # the step's last stop check: the base changes only after it
+    if start_next is not None:
+        start_next()
     if scaffolded.before_update is not None:
         with phases("sft", check_stop=False):
             scaffold_record.update(scaffolded.before_update())
@@ -187,12 +194,18 @@ def spliced_grad_norm(learner: Learner, batch: dict, spliced_rows: np.ndarray) -
     return learner.rl_grad_norm({**batch, "advantages": np.where(keep, advantages, 0.0).astype(np.float32)})
 
 
-def sample_and_score(learner: Learner, draw: Draw, key, phases: Phases) -> tuple[Rows, np.ndarray | None]:
-    """The step's rollouts and their rewards: sampled here (K per prompt) unless the draw holds them."""
+def sample_and_score(
+    learner: Learner, draw: Draw, key, phases: Phases, sampled: Any = None
+) -> tuple[Rows, np.ndarray | None]:
+    """The step's rollouts and their rewards: sampled here (K per prompt) unless the draw holds them or they were
+    sampled ahead (``sampled``, a ``staleness.Prefetch``: the phase is the wait for it)."""
     if draw.rows is not None:
         return Rows(draw.rows), draw.valid
     with phases("sample"):
-        rows = learner.sample([ex.prompt_ids for ex in draw.examples], key, lora_scale=0.0)
+        if sampled is not None:
+            rows = sampled.rows()
+        else:
+            rows = learner.sample([ex.prompt_ids for ex in draw.examples], key, lora_scale=0.0)
     with phases("reward"):
         return learner.score(rows, [ex.answer for ex in draw.examples]), None
 

@@ -92,6 +92,9 @@ def check_run(run: Any) -> None:
     require(not (rollout.dynamic_sampling and l2rr.enabled), "rollout.dynamic_sampling",
             "and l2rr.enabled both draw the step's rounds; L2RR already drops groups without a signal "
             "(l2rr.max_draw_rounds): turn one off")  # fmt: skip
+    require(not (rollout.max_staleness and l2rr.enabled), "rollout.max_staleness",
+            f"{rollout.max_staleness} and l2rr.enabled: L2RR draws a step's prompts from what the update before it "
+            "taught its sampler; turn one off")  # fmt: skip
 
 
 def score_micro_batches(run: Any) -> int:

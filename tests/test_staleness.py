@@ -1,0 +1,114 @@
+"""Rollouts one update old (``rollout.max_staleness: 1``, ``rl.staleness``): what the step's records say, what the
+update's rows were sampled from and weighed with, the config's refusals, and a resume that continues the run as if
+it never stopped. The runs share ``run_fixtures``' shapes, so they reuse the programs other tests compiled.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from run_fixtures import copy_tree, run_steps, train_records, wrap
+
+from lspo_jax.job.config import load_config
+from lspo_jax.rl import staleness
+from lspo_jax.train_config import ConfigError
+
+STALE = {"rollout__max_staleness": 1, "loss__tis_cap": 2.0}
+TIMINGS = ("rollout/overlap_s", "rollout/overlap_share", "rollout/prefetch_s")  # seconds: differ run to run
+
+
+def values(records):
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory, make_config, easy_rule):
+    """4 steps at max_staleness 1, checkpoints at 2 and 4: steps 2 and 4 take rows sampled during 1 and 3. Logs the
+    base each prefetch started from (a host copy) and the rows each step took from a prefetch."""
+    out, starts, taken, real = str(tmp_path_factory.mktemp("stale")), [], [], staleness.Prefetch.rows
+
+    def rows(self):
+        taken.append(real(self))
+        return taken[-1]
+
+    def prepare(job):
+        base = lambda: {"base": copy_tree(job.learner.base_params()), "updated_steps": job.state.step}
+        wrap(job, "_sample_ahead", before=base, log=starts)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(staleness.Prefetch, "rows", rows)
+        job = run_steps(make_config(steps=4, **STALE), out, easy_rule, prepare=prepare)
+    return {"dir": out, "job": job, "starts": starts, "taken": taken}
+
+
+def test_stale_steps_record_their_staleness_and_overlap(stale_run):
+    records = train_records(stale_run["dir"])
+    assert [r["rollout/staleness"] for r in records] == [0, 1, 0, 1]  # on-policy after each checkpoint
+    for r in records:
+        assert set(staleness.RECORD_KEYS) <= r.keys()
+        if r["rollout/staleness"]:
+            assert r["rollout/prefetch_s"] > 0 and 0 <= r["rollout/overlap_s"] <= r["rollout/prefetch_s"]
+        else:
+            assert r["rollout/overlap_s"] == 0.0 and r["rollout/prefetch_s"] is None
+    # The truncated weight min(pi_proximal / pi_behaviour, 2): about 1 on on-policy rows (float32 rounding), away
+    # from 1 on rows sampled before the last update, which moved the base.
+    for r in records:
+        assert (abs(r["is_weight_mean"] - 1) > 1e-4) == bool(r["rollout/staleness"]), r
+
+
+def test_stale_rows_are_the_earlier_base_sampled_with_the_on_policy_key(stale_run):
+    """The rows step t + 1 trained on are what its prompts sample, with the key an on-policy run gives them, from
+    the base before step t's update: sampled again here from the host copy taken when the prefetch started."""
+    job, starts, taken = stale_run["job"], stale_run["starts"], stale_run["taken"]
+    assert [start["updated_steps"] for start in starts] == [0, 2]  # started before the updates of steps 1 and 3
+    assert len(taken) == 2
+    prompts = job.examples  # no shuffling, 2 prompts a step: step t + 1 (1-based) takes rows 2t and 2t + 1
+    for (start, rows), step in zip(zip(starts, taken, strict=True), (1, 3), strict=True):
+        key = jax.random.split(jax.random.fold_in(jax.random.key(job.run.seed), step))[0]
+        base = jax.device_put(start["base"], jax.tree.map(lambda x: x.sharding, job.learner.base_params()))
+        again = job.learner.sample([ex.prompt_ids for ex in prompts[2 * step : 2 * step + 2]], key, lora_scale=0.0,
+                                   params=base)  # fmt: skip
+        for name in ("tokens", "mask", "sampler_logp"):
+            np.testing.assert_array_equal(rows[name], again[name])
+
+
+def test_a_stale_run_resumed_continues_as_if_never_stopped(stale_run, make_config, easy_rule, tmp_path):
+    out = str(tmp_path)
+    run_steps(make_config(steps=2, **STALE), out, easy_rule)
+    run_steps(make_config(steps=4, **STALE), out, easy_rule, resume=True)
+    assert values(train_records(out)) == values(train_records(stale_run["dir"]))
+
+
+def test_a_checkpoint_with_rollouts_in_flight_keeps_the_order_before_their_draw(make_config, easy_rule, tmp_path):
+    """A stop after step 1 (its prefetch of step 2 running) checkpoints the prompt order after step 1's prompts:
+    the resumed run draws step 2's again and samples them on-policy."""
+    seen = []
+
+    def prepare(job):
+        wrap(job, "one_step", after=lambda _: seen.append((job.source_state(), job.prompts.state_dict())))
+
+    run_steps(make_config(steps=3, checkpoint__every=4, **STALE), str(tmp_path), easy_rule, prepare=prepare)
+    assert seen[0] == ({"epoch": 0, "position": 2}, {"epoch": 0, "position": 4})
+    assert seen[-1][0] == seen[-1][1]  # the last step prefetches nothing
+
+
+def test_k0_records_say_nothing_of_staleness(trained_run):
+    assert not any(key.startswith("rollout/staleness") for r in train_records(trained_run["dir"]) for key in r)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["rollout.max_staleness=1"], "loss.tis_cap"),
+        (["rollout.max_staleness=1", "loss.tis_cap=2", "rollout.engine=vllm"], "rollout.engine"),
+        (["rollout.max_staleness=1", "loss.tis_cap=2", "rollout.dynamic_sampling=true"], "rollout.dynamic_sampling"),
+        (["rollout.max_staleness=1", "loss.tis_cap=2", "l2rr.enabled=true", "l2rr.target=t.jsonl"], "l2rr.enabled"),
+        (["rollout.max_staleness=2", "loss.tis_cap=2"], "must be 0 or 1"),
+    ],
+)
+def test_staleness_refusals_name_both_keys(overrides, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("rollout.max_staleness: ") and named in line, line
