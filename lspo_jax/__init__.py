@@ -10,7 +10,7 @@
                 (a learned prompt sampler with a target's scores around the update)
     job/        a training run end to end: the loop, validation, metrics, plots, export, the commands
 
-The public functional API of DESIGN.md also imports by its pre-folder paths (``lspo_jax.losses.policy_loss``, ...),
+The public functional API (``DEPRECATED``) also imports by its pre-folder paths (``lspo_jax.losses.policy_loss``, ...),
 for release 0.1 only: each such name warns with a ``DeprecationWarning`` naming its real path, and every other
 old name is gone. Importing the package imports nothing else (no JAX): the commands start fast.
 """
@@ -25,7 +25,8 @@ import warnings
 from typing import Any
 
 REMOVED_IN = "0.2.0"
-# Old top-level module -> (its module now, the public names it keeps there); DESIGN.md's list.
+# Old top-level module -> (its module now, the public names it keeps there): the public functional API users
+# unit-test the loss math with (docs/architecture.md).
 DEPRECATED = {
     "losses": ("rl.losses", ("group_advantages", "policy_loss", "sft_loss")),
     "rewards": ("tasks.rewards", ("overlong_penalty", "math_reward")),

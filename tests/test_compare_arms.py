@@ -46,7 +46,8 @@ def test_arm_parser_good(tool, base):
     assert tool.parse_arm("wide_2:eval.ks=[1,4],scaffold.splice=group,x.y={a: 1, b: 2}") == (
         "wide_2", ["eval.ks=[1,4]", "scaffold.splice=group", "x.y={a: 1, b: 2}"])  # fmt: skip
     # No --arm: the built-in arms, LSPO and DAPO, as the tool always compared them.
-    assert tool.parse_arms([], base) == {"lspo": ["scaffold.enabled=true"], "dapo": ["scaffold.enabled=false"]}
+    lspo = ["scaffold.enabled=true", "scaffold.supervise=adapter"]
+    assert tool.parse_arms([], base) == {"lspo": lspo, "dapo": ["scaffold.enabled=false"]}
     arms = tool.parse_arms(["dapo", "lspo", "none:scaffold.correction=none"], base)
     assert list(arms) == ["dapo", "lspo", "none"] and arms["none"] == ["scaffold.correction=none"]
 
@@ -72,7 +73,10 @@ def test_the_built_in_arms_of_the_field_by_name(tool, base):
     "item, message",
     [
         ("grpo", "--arm grpo: not a built-in arm (lspo, dapo, guide, shaped, floor, direct, mixed, sft_warmup);"),
-        ("lspo:scaffold.sft_steps=2", "lspo is built in (scaffold.enabled=true); give the variant a new name"),
+        (
+            "lspo:scaffold.sft_steps=2",
+            "lspo is built in (scaffold.enabled=true, scaffold.supervise=adapter); give the variant a new name",
+        ),
         ("", "write NAME:key=value,... with NAME"),
         (":scaffold.splice=group", "write NAME:key=value,... with NAME"),
         ("my arm:scaffold.splice=group", "write NAME:key=value,... with NAME"),
@@ -178,7 +182,8 @@ def test_paired_differences_by_hand(tool, tmp_path, monkeypatch, capsys):
         "| cliff | lspo - dapo | +15.0 [+10.0, +20.0] | +15.0 [+10.0, +20.0] | +0.550 [+0.400, +0.700] |",
         "| cliff | none - dapo | +0.0 [-5.0, +5.0] | +0.0 [-5.0, +5.0] | -0.025 [-0.100, +0.050] |",
     ]
-    arms = "dapo = `scaffold.enabled=false`; lspo = `scaffold.enabled=true`; none = `scaffold.correction=none`"
+    lspo = "`scaffold.enabled=true scaffold.supervise=adapter`"
+    arms = f"dapo = `scaffold.enabled=false`; lspo = {lspo}; none = `scaffold.correction=none`"
     assert f"Arms (overrides on the config): {arms}." in lines
     # The mechanism figures per arm and seed; the scaffold-off arm has only its cliffs.
     assert "| dapo | 42 | 40 | 10 | scaffold off | | | |" in lines

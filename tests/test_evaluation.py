@@ -462,8 +462,6 @@ def test_coverage_by_hand_on_its_schedule_and_benchmarks(monkeypatch):
     assert at(1)["b"] == off and at(3, load_config(None, overrides))["b"] == off and at(2)["a"] == off
     assert not any(k.startswith(evaluation.COVERAGE) for k in off)
     assert [s for s in range(6) if evaluation.coverage_due(run, s)] == [0, 2, 4, 5]
-    with pytest.raises(ValueError, match="coverage_benchmarks"):
-        at(0, load_config(None, [*overrides, "eval.coverage_n=4", "eval.coverage_benchmarks=[c]"]))
 
 
 def test_coverage_ks_and_schedule_checks():

@@ -12,7 +12,7 @@ import pytest
 
 import lspo_jax
 
-# DESIGN.md's public functional API: (real module, name).
+# The public functional API (docs/architecture.md): (real module, name).
 PUBLIC_API = [
     ("rl.losses", "group_advantages"), ("rl.losses", "policy_loss"), ("rl.losses", "sft_loss"),
     ("tasks.rewards", "overlong_penalty"), ("tasks.rewards", "math_reward"), ("rl.scaffold", "find_cliffs"),

@@ -112,3 +112,19 @@ def test_staleness_refusals_name_both_keys(overrides, named):
         load_config(None, overrides)
     line = str(err.value)
     assert "\n" not in line and line.startswith("rollout.max_staleness: ") and named in line, line
+
+
+def test_no_rollouts_are_drawn_ahead_once_a_stop_was_asked_for():
+    """A stop's checkpoint would drop the rollouts in flight and closing would wait for them: none start."""
+    from types import SimpleNamespace
+
+    from lspo_jax.job.run import Run
+
+    run = load_config(None, ["rollout.max_staleness=1", "loss.tis_cap=2.0", "steps=10", "checkpoint.every=5"])
+    flag = lambda asked: SimpleNamespace(agreed=lambda: asked)
+    job = lambda step, stop: SimpleNamespace(run=run, state=SimpleNamespace(step=step), stop=stop)
+    # Steps 1..10 (state.step: the steps done before it) that sample the next one's rollouts during their update:
+    # all but the one a checkpoint follows (5) and the last (10).
+    assert [s for s in range(1, 11) if Run._ahead_due(job(s - 1, None))] == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert [s for s in range(1, 11) if Run._ahead_due(job(s - 1, flag(False)))] == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert not any(Run._ahead_due(job(s - 1, flag(True))) for s in range(1, 11))

@@ -58,7 +58,7 @@ from tools import resume_or_restart, run_main  # noqa: E402
 # The built-in arms by name; DEFAULT_ARMS train, in this order, when no --arm is given.
 _ADAPTER = ("scaffold.enabled=true", "scaffold.supervise=adapter")
 ARMS = {
-    "lspo": ("scaffold.enabled=true",),
+    "lspo": _ADAPTER,
     "dapo": ("scaffold.enabled=false",),
     "guide": (*_ADAPTER, "scaffold.correction=guide"),
     "shaped": (*_ADAPTER, "scaffold.correction=shaped"),

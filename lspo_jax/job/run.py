@@ -430,10 +430,15 @@ class Run:
     def _ahead_due(self) -> bool:
         """Whether this step samples the next one's rollouts during its update (``rollout.max_staleness: 1``): not
         for a step a checkpoint follows on schedule, so a resumed run samples what an uninterrupted one did, and not
-        for the last step."""
+        for the last step; nor once a stop was asked for (the run is single-process at k = 1, so the check is local):
+        the stop's checkpoint would drop those rollouts, and closing would wait for their sampling."""
         after = self.state.step + 1
+        stopping = self.stop is not None and self.stop.agreed()
         return (
-            bool(self.run.rollout.max_staleness) and after < self.run.steps and after % self.run.checkpoint.every != 0
+            bool(self.run.rollout.max_staleness)
+            and after < self.run.steps
+            and after % self.run.checkpoint.every != 0
+            and not stopping
         )
 
     def _sample_ahead(self) -> None:
