@@ -47,6 +47,39 @@ def test_mixed_loss_by_hand():
     assert float(empty) == pytest.approx(-2.08, rel=1e-6)
 
 
+@pytest.mark.parametrize("weight", ["none", "p1mp"])
+def test_the_mixed_update_takes_the_gradient_of_the_mixed_loss(weight):
+    """``optim.mixed_rl_step`` sums the two terms' gradients, each from its own pass (``rl_gradients``,
+    ``sft_gradients``); that sum is ``jax.grad`` of ``losses.mixed_loss``, the formula, on the same rows."""
+    from test_optim import CONFIG, _batch, _params
+
+    from lspo_jax.rl import logprobs, optim
+
+    params, mu = _params(), 0.3
+    rl = {key: jnp.asarray(value) for key, value in _batch().items()}
+    tokens = np.random.default_rng(1).integers(0, CONFIG.vocab_size, size=(2, 10)).astype(np.int32)
+    attention = np.arange(10)[None, :] < np.array([[10], [7]])
+    sft = {"tokens": jnp.asarray(tokens), "attention_mask": jnp.asarray(attention),
+           "mask": jnp.asarray(attention & (np.arange(10)[None, :] >= 3))}  # fmt: skip
+    _, rl_grads, _ = optim.rl_gradients(CONFIG, params["base"], rl)
+    _, sft_grads, _ = optim.sft_gradients(CONFIG, params, sft, subtree="base", token_weight=weight)
+    summed = jax.tree.map(lambda g, s: g + mu * s, rl_grads, sft_grads)
+
+    def formula(base):
+        logp, _ = logprobs.sequence_logprobs(CONFIG, {"base": base}, rl["tokens"], rl["attention_mask"])
+        sft_logp, _ = logprobs.sequence_logprobs(CONFIG, {"base": base}, sft["tokens"], sft["attention_mask"])
+        return losses.mixed_loss(logp, rl["old_logp"], rl["advantages"], rl["mask"], sft_logp, sft["mask"], mu=mu,
+                                 token_weight=weight)[0]  # fmt: skip
+
+    want = jax.grad(formula)(params["base"])
+    # The same float32 sums in another order (token-means over num_tokens against masked means): a few float32
+    # roundings of each leaf's largest entry, so 1e-5 of it is a wide bound; a missing or mis-scaled term (mu, the
+    # p(1-p) weight, a token count) moves the entries by orders more.
+    for (path, got), ref in zip(jax.tree_util.tree_leaves_with_path(summed), jax.tree.leaves(want), strict=True):
+        scale = float(jnp.max(jnp.abs(ref)))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * scale + 1e-12, err_msg=jax.tree_util.keystr(path))
+
+
 def test_p1mp_weights_the_sft_tokens_by_hand_and_detached():
     # p = [1/2, 1/4]: w = p (1 - p) = [1/4, 3/16]; L = (1/4 ln 2 + 3/16 ln 4) / 2 = ln 2 * (1/4 + 3/8) / 2 = 0.3125 ln 2
     sft_logp, sft_mask = jnp.array([[-LN2, -2 * LN2, jnp.nan]]), jnp.array([[1, 1, 0]])
