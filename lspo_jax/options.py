@@ -93,6 +93,14 @@ def _option_fields(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple((name, hints[name]) for name in fields if typing.get_origin(hints[name]) is Literal)
 
 
+def check_fields(config: Any, checks: dict[str, tuple[bool, str]]) -> None:
+    """``checks``: a field of the dataclass ``config`` -> (whether its value is allowed, what is); the first that is
+    not is a ``FieldError`` at ``Owner.field``, which the config reader says at the dotted key."""
+    for field, (ok, allowed) in checks.items():
+        if not ok:
+            raise FieldError(type(config).__name__, field, allowed, getattr(config, field))
+
+
 def check(config: Any, section: str) -> None:
     """Every option field of the dataclass ``config`` holds one of its values (keys named ``section.field``)."""
     for name, option in _option_fields(type(config)):
@@ -159,9 +167,7 @@ class AdamWConfig:
             "b2": (0 <= self.b2 < 1, "must be in [0, 1)"),
             "eps": (self.eps > 0, "must be positive"),
         }
-        for field, (ok, allowed) in checks.items():
-            if not ok:
-                raise FieldError(type(self).__name__, field, allowed, getattr(self, field))
+        check_fields(self, checks)
 
 
 @dataclasses.dataclass(frozen=True)

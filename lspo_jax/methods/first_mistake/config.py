@@ -8,7 +8,6 @@ import math
 from typing import ClassVar, Literal
 
 from lspo_jax import options
-from lspo_jax.options import FieldError
 
 # The judge's reference solution: the teacher's own verified one, or the dataset's.
 Reference = Literal["teacher", "ground_truth"]
@@ -56,6 +55,4 @@ class FirstMistakeConfig:
             "max_sentences": (self.max_sentences > 0, "must be positive"),
             "max_batch": (self.max_batch > 0, "must be positive"),
         }
-        for field, (ok, allowed) in checks.items():
-            if not ok:
-                raise FieldError("FirstMistakeConfig", field, allowed, getattr(self, field))
+        options.check_fields(self, checks)

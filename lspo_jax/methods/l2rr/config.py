@@ -7,7 +7,6 @@ import math
 from typing import Any, Literal
 
 from lspo_jax import options
-from lspo_jax.options import FieldError
 from lspo_jax.train_config import positive_int, require
 
 # The scores' normalisation, the target loss, and how a prompt's loss is averaged.
@@ -74,9 +73,7 @@ class L2RRConfig:
             "top_k": (isinstance(self.top_k, int) and self.top_k >= 0, "must be an int >= 0"),
             "target_limit": (null_or_positive(self.target_limit), "must be None or > 0"),
         }
-        for field, (ok, why) in checks.items():
-            if not ok:
-                raise FieldError("L2RRConfig", field, why, getattr(self, field))
+        options.check_fields(self, checks)
 
     def step_size(self, updates_done: int) -> float:
         """``eta = a / sqrt(T)``: T the horizon, or the number of this update (1, 2, ...) without one."""
