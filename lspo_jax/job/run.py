@@ -406,7 +406,7 @@ class Run:
         same prompts. With ``rollout.max_staleness: 1`` its draw and rows may come from the step before (``ahead``),
         and it may start the next step's (``_sample_ahead``) just before its update (``rl.staleness``)."""
         compiled = CompileCount()  # the step's programs compiled, in its record (compiles, time_compile)
-        key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step)
+        key = self._step_key(self.state.step)
         ahead, self.ahead, step = self.ahead, None, self.state.step
         snapshot, phases = self.prompts.state_dict() if ahead is None else ahead.snapshot, Phases(stop)
         start_next = self._sample_ahead if self._ahead_due() else None
@@ -427,6 +427,11 @@ class Run:
         self._write({"kind": "train", **metrics})
         return metrics
 
+    def _step_key(self, done: int) -> jax.Array:
+        """The key of the step that follows ``done`` steps: one function of the seed and the step, whether the step
+        samples its rollouts itself or the step before samples them ahead."""
+        return jax.random.fold_in(jax.random.key(self.run.seed), done)
+
     def _ahead_due(self) -> bool:
         """Whether this step samples the next one's rollouts during its update (``rollout.max_staleness: 1``): not
         for a step a checkpoint follows on schedule, so a resumed run samples what an uninterrupted one did, and not
@@ -444,7 +449,7 @@ class Run:
     def _sample_ahead(self) -> None:
         """Draw the next step's prompts, with the key an on-policy run would give them, and start sampling them from
         the base as it stands (``staleness.Prefetch``)."""
-        key = jax.random.fold_in(jax.random.key(self.run.seed), self.state.step + 1)
+        key = self._step_key(self.state.step + 1)
         snapshot = self.prompts.state_dict()
         draw = self.prompts.next_batch(self.learner, key, Phases())
         self.ahead = staleness.Prefetch(self.learner, draw, snapshot)
