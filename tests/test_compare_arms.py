@@ -61,7 +61,7 @@ def test_the_built_in_arms_of_the_field_by_name(tool, base):
     assert [made[name].supervise for name in ("guide", "direct", "mixed")] == ["adapter", "base", "mixed"]
     assert all(scaffold.enabled for scaffold in made.values())
     with pytest.raises(ConfigError, match=r"^--arm sft_warmup: scaffold\.warmup_tokens: sft_warmup needs") as err:
-        tool.parse_arms(["direct", "sft_warmup"], base)
+        tool.parse_arms(["sft_warmup", "direct"], base)  # no direct arm before it to take the budget from
     assert "\n" not in str(err.value)
     budgeted = load_config(DEMO, ["scaffold.warmup_tokens=5000"])
     warm = tool.cell_config(budgeted, tool.parse_arms(["sft_warmup"], budgeted)["sft_warmup"], 42).scaffold
@@ -90,6 +90,40 @@ def test_arm_parser_bad(tool, item, message):
     with pytest.raises(ConfigError) as err:
         tool.parse_arm(item)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_warmup_budget_is_what_each_seeds_direct_run_spent(tool, tmp_path, monkeypatch, capsys):
+    """Without ``scaffold.warmup_tokens``, ``sft_warmup`` of seed S spends the SFT tokens of ``direct`` seed S's
+    train records up to ``steps``; a step past ``steps`` (a longer run reused) and the eval records do not count."""
+    spent = {42: [(1, 120), (2, 0), (3, 80), (41, 999)], 43: [(1, 50), (40, 25)]}  # (step, scaffold/sft_tokens)
+    calls = []
+
+    def train_run(config, out, resume):
+        calls.append((config.scaffold.supervise, config.seed, config.scaffold.warmup_tokens))
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "config.yaml").write_text(yaml.safe_dump(to_dict(config)))
+        records = [{"kind": "eval", "step": 0, "benchmark": "cliff", "pass@1": 0.0, "scaffold/sft_tokens": 7}]
+        if config.scaffold.supervise == "base":
+            records += [{"kind": "train", "step": s, "scaffold/sft_tokens": n} for s, n in spent[config.seed]]
+        (Path(out) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        summary = {"steps": config.steps, "stopped_early": False, "cliff_groups": 0, "surpassed_groups": 0,
+                   "surpass_rate": None, "rerolls": 0, "rerolls_passed": 0, "rescue_pass_rate": None}  # fmt: skip
+        (Path(out) / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(tool, "train_run", train_run)
+    argv = ["--config", DEMO, "--seeds", "42", "43", "--out", str(tmp_path), "--arm", "direct", "--arm", "sft_warmup",
+            "eval.ks=[1]"]  # fmt: skip
+    assert tool.main(argv) == 0
+    # 120 + 0 + 80 = 200 for seed 42 (step 41 is past the demo's 40 steps); 50 + 25 = 75 for seed 43.
+    assert calls == [("base", 42, None), ("sft_warmup", 42, 200), ("base", 43, None), ("sft_warmup", 43, 75)]
+    assert "compare_arms: sft_warmup seed 43: scaffold.warmup_tokens=75, what direct spent" in capsys.readouterr().err
+    assert tool.main(argv) == 0 and len(calls) == 4  # reused: the derived budget matches the saved config
+    # A direct run that spent nothing gives no budget: one line, nothing trained.
+    spent[44] = [(1, 0)]
+    assert tool.main([*argv[:3], "44", *argv[4:]]) == 2
+    assert "direct spent no SFT tokens in 40 steps; give scaffold.warmup_tokens" in capsys.readouterr().err
+    assert calls[-1] == ("base", 44, None)
 
 
 def test_arms_are_checked_against_the_config(tool, base):

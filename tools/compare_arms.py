@@ -5,8 +5,10 @@ Each seed trains every arm from the same model with the same data order; an arm 
 overrides that make it (``--arm NAME:key=value,key=value``, repeatable). Two run when no ``--arm`` is given: ``dapo``
 (``scaffold.enabled=false``, the baseline) and ``lspo`` (``scaffold.enabled=true``). More are built in by name
 (``ARMS``): the corrections of spliced rows ``guide``, ``shaped`` and ``floor``; the supervisions of the base
-``direct`` (``scaffold.supervise=base``), ``mixed`` (CHORD's mixed objective) and ``sft_warmup`` (SFT then DAPO,
-whose budget ``scaffold.warmup_tokens=N`` is given after the arms: the other arms do not read it). Per
+``direct`` (``scaffold.supervise=base``), ``mixed`` (CHORD's mixed objective) and ``sft_warmup`` (SFT then DAPO).
+``sft_warmup``'s budget is ``scaffold.warmup_tokens=N`` when given after the arms (the other arms do not read it);
+without it, each seed's is what that seed's direct run spent, the sum of its records' ``scaffold/sft_tokens`` up to
+``steps`` (``warmup_budget``), so ``direct`` is listed before ``sft_warmup`` and trains first. Per
 (run, benchmark) the peak of held-out pass@k and of ``gold_logprob`` (the base's log-likelihood per token of the
 gold solutions) over the validation trace is taken, up to ``--horizon`` steps (default: the config's ``steps``, so
 a reused run that trained longer is cut back to the matched horizon), then the mean and range over seeds per arm,
@@ -107,12 +109,41 @@ def parse_arms(items: list[str], base_config) -> dict[str, list[str]]:
     for name, overrides in [parse_arm(item) for item in items] or [(n, list(ARMS[n])) for n in DEFAULT_ARMS]:
         if name in arms:
             raise ConfigError(f"--arm {name}: given twice")
+        checked = overrides
+        if budget_source(base_config, arms, overrides) is not None:
+            checked = [*overrides, "scaffold.warmup_tokens=1"]  # checked here, its budget read once direct has run
         try:
-            from_dict(type(base_config), apply_overrides(to_dict(base_config), overrides))
+            from_dict(type(base_config), apply_overrides(to_dict(base_config), checked))
         except ConfigError as err:
             raise ConfigError(f"--arm {name}: {err}") from err
         arms[name] = overrides
     return arms
+
+
+def budget_source(base_config, earlier: dict[str, list[str]], overrides: list[str]) -> str | None:
+    """The arm an SFT warm-up arm takes its budget from: the last of the ``earlier`` arms that supervises the base
+    directly (``scaffold.supervise=base``), when the warm-up's own budget is given nowhere; None for any other arm
+    or a budget that is given."""
+    made = apply_overrides(to_dict(base_config), overrides)["scaffold"]
+    if made.get("supervise") != "sft_warmup" or made.get("warmup_tokens") is not None:
+        return None
+    direct = [name for name, o in earlier.items() if apply_overrides(to_dict(base_config), o)["scaffold"].get(
+        "supervise") == "base"]  # fmt: skip
+    return direct[-1] if direct else None
+
+
+def warmup_budget(out_root: str, direct: str, seed: int, steps: int) -> int:
+    """The SFT tokens the ``direct`` arm's run of ``seed`` spent over its first ``steps`` steps: the sum of its train
+    records' ``scaffold/sft_tokens`` (``sft_steps`` passes over each step's cliff solutions), what ``sft_warmup``
+    spends all at once before its first step. A ``ConfigError`` when that run is missing or spent nothing."""
+    path = os.path.join(out_root, f"{direct}_seed{seed}", "metrics.jsonl")
+    if not os.path.exists(path):
+        raise ConfigError(f"sft_warmup's budget is {direct}'s SFT tokens, and {path} does not exist")
+    spent = sum(int(r.get("scaffold/sft_tokens") or 0) for r in read_metrics(path)
+                if r.get("kind", "train") == "train" and r["step"] <= steps)  # fmt: skip
+    if spent <= 0:
+        raise ConfigError(f"{path}: {direct} spent no SFT tokens in {steps} steps; give scaffold.warmup_tokens")
+    return spent
 
 
 def check_seeds(seeds: list[int]) -> None:
@@ -272,13 +303,15 @@ def _compare(argv: list[str] | None) -> int:
     check_seeds(args.seeds)
     base = load_config(args.config, args.overrides)
     arms = parse_arms(args.arm, base)
+    sources = {name: budget_source(base, dict(list(arms.items())[:i]), o) for i, (name, o) in enumerate(arms.items())}
     for name, overrides in arms.items():
         for seed in args.seeds:
-            check_reusable(base, name, overrides, seed, args.out)
+            if sources[name] is None:  # a derived budget is checked once it is known, in ``budgeted``
+                check_reusable(base, name, overrides, seed, args.out)
     use_cache(base.compile_cache)  # the arms share their programs, and a rerun reads them back
     start = time.perf_counter()
-    results = [run_cell(base, name, overrides, seed, args.out, "compare_arms") for seed in args.seeds
-               for name, overrides in arms.items()]  # fmt: skip
+    results = [run_cell(base, name, budgeted(base, name, overrides, seed, args.out, sources[name]), seed, args.out,
+                        "compare_arms") for seed in args.seeds for name, overrides in arms.items()]  # fmt: skip
     minutes = (time.perf_counter() - start) / 60
     table, horizon_line = peak_table(results, list(base.eval.ks), args.horizon)
     command = " ".join(["-m tools.compare_arms", *(argv if argv is not None else sys.argv[1:])])
@@ -307,6 +340,18 @@ def _compare(argv: list[str] | None) -> int:
         print(f"compare_arms: wrote {tables.plot_curves(runs, args.plot, horizon=horizon)}")
     append_results(args.results, text)
     return 0
+
+
+def budgeted(base_config, name: str, overrides: list[str], seed: int, out_root: str, source: str | None) -> list[str]:
+    """``overrides``, with the SFT warm-up's budget read from the ``source`` arm's run of ``seed`` when it has one
+    (``budget_source``), said in one line and checked against a run already in the arm's directory."""
+    if source is None:
+        return overrides
+    tokens = warmup_budget(out_root, source, seed, cell_config(base_config, [], seed).steps)
+    print(f"compare_arms: {name} seed {seed}: scaffold.warmup_tokens={tokens}, what {source} spent", file=sys.stderr)
+    overrides = [*overrides, f"scaffold.warmup_tokens={tokens}"]
+    check_reusable(base_config, name, overrides, seed, out_root)
+    return overrides
 
 
 def arms_line(arms: dict[str, list[str]]) -> str:
