@@ -54,6 +54,8 @@ MixSchedule = Literal["cosine", "constant"]
 SFTTokenWeight = Literal["none", "p1mp"]
 # What samples the rollouts: the JAX sampler, or a vLLM engine given the base's weights after each update.
 RolloutEngine = Literal["jax", "vllm"]
+# Where rollouts sampled ahead are drawn: on the learner's own devices, or on devices of their own beside it.
+Placement = Literal["colocated", "split"]
 # Training data: the row schema, where the instruction goes, and what a too-long prompt or solution gets.
 DataFormat = Literal["auto", "shared", "deepmath"]
 InstructionPosition = Literal["after", "before", "none"]

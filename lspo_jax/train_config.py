@@ -32,6 +32,7 @@ from lspo_jax.options import (
     InstructionPosition,
     LengthPolicy,
     MixSchedule,
+    Placement,
     ProtocolName,
     Remat,
     RLOptimConfig,
@@ -150,6 +151,10 @@ class RolloutConfig:
     in a thread while this step's update runs, from the base before it (one update old; ``rl.staleness``), so their
     update needs the decoupled objective: ``loss.tis_cap`` is required with it. The JAX engine and the default
     prompt order only (a source that samples its own rounds or learns from the update needs the update first).
+    ``placement``: ``colocated`` samples on the devices that learn; ``split`` (with ``max_staleness: 1``) gives the
+    last ``sampler_devices`` devices (null: half) to the sampling of each step's rollouts, on a mesh of their own,
+    and the rest to the learner's mesh (``mesh`` sizes apply to it); the learner pushes the base to them after each
+    update, device to device. Validation and the scaffold's re-rolls sample on the learner's devices.
     """
 
     prompts_per_step: int = 32
@@ -164,6 +169,8 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     max_draw_rounds: int = 4
     max_staleness: int = 0
+    placement: Placement = "colocated"
+    sampler_devices: int | None = None
 
     def __post_init__(self) -> None:
         options.check(self, "rollout")
@@ -192,6 +199,14 @@ class RolloutConfig:
             self.max_draw_rounds,
         )
         require(self.max_staleness in (0, 1), "rollout.max_staleness", "must be 0 or 1", self.max_staleness)
+        require(self.sampler_devices is None or self.sampler_devices >= 1, "rollout.sampler_devices",
+                "must be >= 1 or null (half the devices)", self.sampler_devices)  # fmt: skip
+        # Split at 0, one side would always wait for the other: the devices apart are there to overlap.
+        require(
+            self.placement != "split" or self.max_staleness >= 1,
+            "rollout.placement",
+            "split samples the next step's rollouts while this step learns; set rollout.max_staleness: 1",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

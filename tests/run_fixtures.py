@@ -87,12 +87,15 @@ def wrap(obj, name, before=None, after=None, log=None):
 
 def flag_adapter(job, verifier):
     """Tell ``verifier`` whether the rollouts it scores next were sampled with the adapter on: every sampling
-    call of the run (rollouts, re-rolls, validation) goes through its learner's generator."""
+    call of the run (rollouts, re-rolls, validation) goes through its learner's generator, or for rollouts sampled
+    on devices of their own (``rollout.placement: split``) the sampler's."""
 
     def flag(*args, lora_scale=0.0, **kwargs):
         verifier.adapter_on = lora_scale > 0
 
-    wrap(job.learner.generator, "generate", before=flag)
+    sampling = getattr(job, "sampling", None)
+    for generator in {job.learner.generator, sampling and sampling.generator} - {None}:
+        wrap(generator, "generate", before=flag)
 
 
 def write_jsonl(path, rows) -> str:
@@ -106,11 +109,23 @@ def model_dir(tmp_path_factory) -> str:
     return toy_model.ensure_model(str(tmp_path_factory.mktemp("policy") / "toy"), steps=0)
 
 
-@pytest.fixture(scope="session")
-def train_rows():
+def addition_rows() -> list[dict]:
     rows = toy.addition_rows(8, (2, 2), seed=0)
     assert len({row["answer"] for row in rows}) == len(rows)  # the fake verifiers tell prompts apart by gold
     return rows
+
+
+def rule_of(easy: set[str]):
+    """Rows whose gold is in ``easy`` pass in slot 0, the others never (``easy_rule``)."""
+    return lambda response, gold, slot: gold in easy and slot == 0
+
+
+EASY_ROWS = (1, 2, 5, 6)
+
+
+@pytest.fixture(scope="session")
+def train_rows():
+    return addition_rows()
 
 
 @pytest.fixture(scope="session")
@@ -120,23 +135,22 @@ def train_file(tmp_path_factory, train_rows) -> str:
 
 @pytest.fixture(scope="session")
 def easy_answers(train_rows):
-    return {train_rows[i]["answer"] for i in (1, 2, 5, 6)}
+    return {train_rows[i]["answer"] for i in EASY_ROWS}
 
 
 @pytest.fixture(scope="session")
 def easy_rule(easy_answers):
     """Batches are rows (0, 1), (2, 3), ... (no shuffling). Rows 1, 2, 5, 6 pass in slot 0, the others never,
     so every step has one cliff and one mixed group, the cliff first in odd steps and second in even ones."""
-    return lambda response, gold, slot: gold in easy_answers and slot == 0
+    return rule_of(easy_answers)
 
 
 def hash_rule(response, gold, slot):
     return zlib.crc32(response.encode()) % 2 == 0
 
 
-@pytest.fixture(scope="session")
-def make_config(model_dir, train_file):
-    """A run config with the shapes every run shares; keyword arguments are overrides, ``__`` for ``.``."""
+def config_maker(model_dir: str, train_file: str):
+    """``make_config`` outside pytest (a script of its own process): the same configs from these paths."""
 
     def make(**overrides):
         values = {
@@ -152,6 +166,12 @@ def make_config(model_dir, train_file):
         return load_config(None, [f"{k}={json.dumps(v)}" for k, v in values.items()])
 
     return make
+
+
+@pytest.fixture(scope="session")
+def make_config(model_dir, train_file):
+    """A run config with the shapes every run shares; keyword arguments are overrides, ``__`` for ``.``."""
+    return config_maker(model_dir, train_file)
 
 
 def run_steps(config, out, rule, *, resume=False, prepare=None, reroll_rule=hash_rule):

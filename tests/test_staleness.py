@@ -1,9 +1,16 @@
 """Rollouts one update old (``rollout.max_staleness: 1``, ``rl.staleness``): what the step's records say, what the
 update's rows were sampled from and weighed with, the config's refusals, and a resume that continues the run as if
-it never stopped. The runs share ``run_fixtures``' shapes, so they reuse the programs other tests compiled.
+it never stopped; and the same with the sampling on devices of its own (``rollout.placement: split``, on 4 CPU
+devices in a process of its own: ``split_checks.py``). The runs share ``run_fixtures``' shapes, so they reuse the
+programs other tests compiled.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -15,7 +22,7 @@ from lspo_jax.rl import staleness
 from lspo_jax.train_config import ConfigError
 
 STALE = {"rollout__max_staleness": 1, "loss__tis_cap": 2.0}
-TIMINGS = ("rollout/overlap_s", "rollout/overlap_share", "rollout/prefetch_s")  # seconds: differ run to run
+TIMINGS = ("rollout/overlap_s", "rollout/overlap_share", "rollout/prefetch_s", "rollout/push_s")  # seconds: vary
 
 
 def values(records):
@@ -128,3 +135,60 @@ def test_no_rollouts_are_drawn_ahead_once_a_stop_was_asked_for():
     assert [s for s in range(1, 11) if Run._ahead_due(job(s - 1, None))] == [1, 2, 3, 4, 6, 7, 8, 9]
     assert [s for s in range(1, 11) if Run._ahead_due(job(s - 1, flag(False)))] == [1, 2, 3, 4, 6, 7, 8, 9]
     assert not any(Run._ahead_due(job(s - 1, flag(True))) for s in range(1, 11))
+
+
+# ------------------------------------------------------------------------------------------- split placement
+@pytest.fixture(scope="module")
+def split_run():
+    """``split_checks.py`` in a process of 4 CPU devices (this one started JAX with one): its JSON."""
+    script = os.path.join(os.path.dirname(__file__), "split_checks.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(script), env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_split_learns_on_its_devices_and_samples_on_the_others(split_run):
+    """2 of 4 devices learn, 2 sample: the base is pushed to the sampler's two before every step's rollouts (four
+    steps, four pushes: on-policy ones after checkpoints too), and every rollout is sampled there."""
+    placed = split_run["placed"]
+    assert split_run["devices"] == [0, 1, 2, 3] and placed["learner"] == [0, 1]
+    assert placed["pushed"] == [[2, 3]] * 4
+    assert placed["sampled"] == [{"params": [2, 3], "mesh": [2, 3]}] * 4
+
+
+def test_split_stale_rows_are_the_earlier_base_sampled_on_the_sampler_mesh(split_run):
+    """Step 2's rows, sampled during step 1's update, are what the sampler's mesh draws from the base before that
+    update with the key an on-policy run gives step 2: the same tokens, mask and sampler log-probs."""
+    assert split_run["again"] == {"tokens": True, "mask": True, "sampler_logp": True}
+    assert [r["rollout/staleness"] for r in split_run["whole"]["records"]] == [0, 1, 0, 1]
+    for r in split_run["whole"]["records"]:  # the correction sees the staleness, as colocated
+        assert (abs(r["is_weight_mean"] - 1) > 1e-4) == bool(r["rollout/staleness"]), r
+
+
+def test_a_split_run_resumed_at_a_checkpoint_continues_as_if_never_stopped(split_run):
+    assert split_run["resumed"]["records"] == split_run["whole"]["records"]
+
+
+def test_a_split_run_stopped_by_sigterm_redraws_its_rollouts_in_flight(split_run):
+    """SIGTERM during step 1, whose update sampled step 2's rows: the run checkpoints step 1 and ends; resumed, step 2
+    draws the same prompts and samples them on-policy (staleness 0), the documented difference from a run never
+    stopped, whose step 2 trained on rows one update old. Step 1 is the same record in both."""
+    whole, stopped = split_run["whole"], split_run["stopped"]
+    assert split_run["stopped_summary"] == {"steps": 1, "stopped_early": True}
+    assert stopped["records"][0] == whole["records"][0]
+    assert stopped["draws"] == whole["draws"][1:]
+    assert [r["rollout/staleness"] for r in stopped["records"]] == [0, 0, 0, 1]
+
+
+def test_a_split_the_devices_cannot_make_is_one_line():
+    """This process has one device: nothing to split. Too many sampler devices, or split at k = 0, are refused
+    with the key that says so."""
+    from lspo_jax.job.build import split_devices
+
+    split = ["rollout.max_staleness=1", "loss.tis_cap=2", "rollout.placement=split"]
+    with pytest.raises(ConfigError, match=r"^rollout\.sampler_devices: None of 1 devices leaves none to sample;"):
+        split_devices(load_config(None, split))
+    assert split_devices(load_config(None, split[1:2])) == (None, None)  # colocated: nothing split
+    with pytest.raises(ConfigError, match=r"^rollout\.placement: split .* set rollout\.max_staleness: 1$"):
+        load_config(None, ["rollout.placement=split"])

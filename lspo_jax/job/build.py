@@ -138,6 +138,13 @@ def run_mesh(run: TrainConfig) -> Mesh:
     """
     enabled = run.mesh.enabled if run.mesh.enabled is not None else jax.device_count() > 1
     sizes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "tp": run.mesh.tp}
+    learner_devices = split_devices(run)[0]
+    if learner_devices is not None:  # placement split: the mesh sizes are the learner's share's
+        try:
+            return sharding.make_mesh(sharding.MeshConfig(**sizes), learner_devices)
+        except ValueError as err:
+            raise ConfigError(f"mesh: {err}; with rollout.placement split the mesh spans the learner's "
+                              f"{len(learner_devices)} devices") from None  # fmt: skip
     if not enabled:
         if sizes != {"data": 1, "fsdp": -1, "tp": 1} and jax.process_index() == 0:  # sizes set, then not used: say so
             why = "mesh.enabled is false" if run.mesh.enabled is False else "JAX sees one device"
@@ -148,6 +155,28 @@ def run_mesh(run: TrainConfig) -> Mesh:
     except ValueError as err:  # sizes that do not fit the devices: the user's, said at the keys they set
         raise ConfigError(f"mesh: {err}; set mesh.data, mesh.fsdp and mesh.tp to multiply to the {jax.device_count()} "
                           "devices, or leave one of them -1 (the rest of the devices)") from None  # fmt: skip
+
+
+def split_devices(run: TrainConfig) -> tuple[list[jax.Device] | None, list[jax.Device] | None]:
+    """With ``rollout.placement: split``, the learner's devices and the sampler's: the last ``sampler_devices``
+    (null: half, rounded down) sample, the rest learn; (None, None) colocated. A split the devices cannot make is a
+    ``ConfigError`` naming the key."""
+    if run.rollout.placement != "split":
+        return None, None
+    devices, wanted = jax.devices(), run.rollout.sampler_devices
+    count = len(devices) // 2 if wanted is None else wanted
+    if len(devices) < 2 or not 1 <= count < len(devices):
+        raise ConfigError(f"rollout.sampler_devices: {wanted} of {len(devices)} devices leaves none to "
+                          f"{'sample' if count < 1 else 'learn'}; rollout.placement split needs two devices or more "
+                          "and a share for each side")  # fmt: skip
+    return devices[: len(devices) - count], devices[len(devices) - count :]
+
+
+def sampler_mesh(run: TrainConfig) -> Mesh | None:
+    """The sampler's mesh with ``rollout.placement: split``: its devices as ``fsdp`` (rows split over each one,
+    whole layers on every device, as ``sharding.sampling_mesh`` lays out decoding); None colocated."""
+    devices = split_devices(run)[1]
+    return None if devices is None else sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=-1, tp=1), devices)
 
 
 MEMORY_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"

@@ -32,6 +32,7 @@ from lspo_jax.job.build import (
     model_dir,
     prompt_source,
     run_mesh,
+    sampler_mesh,
     validation_specs,
 )
 from lspo_jax.job.compiles import CompileCount
@@ -130,6 +131,7 @@ class Run:
             raise ConfigError(f"rollout.max_staleness: {run.rollout.max_staleness} runs in one process only; this job "
                               f"has {jax.process_count()}")  # fmt: skip
         mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
+        smesh = sampler_mesh(run)  # rollout.placement split: the sampler's own devices
         engine = ENGINES.resolve(run.rollout.engine)
         if run.rollout.engine == "jax":  # vLLM pages its cache and batches what does not fit
             check_cache_fits(run, self.policy.config, mesh, validate=bool(validation_specs(run)))
@@ -161,6 +163,9 @@ class Run:
             _close_after_failure(verifier, "verifier")
             raise
         try:
+            # Where rollouts sampled ahead are drawn (``rollout.placement``; its mesh made with the learner's, so a
+            # split the devices cannot make is refused before the data loads).
+            self.sampling = staleness.Sampling(self.learner, smesh) if run.rollout.max_staleness else None
             # The learner built (the engine started, a checkpoint restored), the longest part; the last point before
             # anything is written, so every process agrees here. A stop after it is the loop's (a checkpoint, 75).
             self._startup_point(agree=True)
@@ -412,6 +417,8 @@ class Run:
         start_next = self._sample_ahead if self._ahead_due() else None
         try:
             draw = self.prompts.next_batch(self.learner, key, phases) if ahead is None else ahead.draw
+            if ahead is None and self.sampling is not None and self.sampling.split:  # on-policy, on the sampler's
+                ahead = staleness.Prefetch(self.learner, draw, snapshot, self.sampling)  # devices, waited for
             result = train_step(self.learner, draw, phases, sampled=ahead, start_next=start_next)
         except BaseException as err:
             if ahead is not None:  # dropped: its thread ends before anything else samples or the run closes
@@ -452,7 +459,7 @@ class Run:
         key = self._step_key(self.state.step + 1)
         snapshot = self.prompts.state_dict()
         draw = self.prompts.next_batch(self.learner, key, Phases())
-        self.ahead = staleness.Prefetch(self.learner, draw, snapshot)
+        self.ahead = staleness.Prefetch(self.learner, draw, snapshot, self.sampling)
 
     def _staleness_record(self, ahead: staleness.Prefetch | None, step: int) -> dict[str, Any]:
         """The step's ``rollout/staleness`` and overlap figures (``staleness.RECORD_KEYS``); none at

@@ -9,10 +9,13 @@ policy, the base's log-probs recomputed at the step's ``logprob`` phase, and ``l
 ``min(pi_proximal / pi_behaviour, tis_cap)`` with ``pi_behaviour`` the sampler's own log-probs (``sampler_logp``) at
 the weights that sampled (``corrections.importance_weights``).
 
-The thread samples from its own copy of the base: the update donates the params it is given, so the live ones die
-under a sampler that reads them. That is one more copy of the base on the devices while the update runs. JAX
-releases the GIL while a program runs, so the two overlap as far as the devices let them; the overlap is measured
-(``overlap_seconds``), not assumed.
+The thread samples from its own copy of the base (``Sampling.push``): the update donates the params it is given, so
+the live ones die under a sampler that reads them. Colocated (``rollout.placement``), the copy is one more base on
+the learner's devices while the update runs, and both share them. Split, the copy is the push of the base to the
+sampler's own devices (device to device: ``jax.device_put`` onto the sampler mesh's layout), where the thread
+samples while the learner's devices update; a step with nothing sampled ahead (the first, one after a scheduled
+checkpoint) samples there too, on-policy, and waits for it. JAX releases the GIL while a program runs, so the two
+overlap as far as the devices let them; the overlap is measured (``overlap_seconds``), not assumed.
 """
 
 from __future__ import annotations
@@ -22,28 +25,47 @@ import time
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
+from lspo_jax.models import sharding
 from lspo_jax.rl.packing import Rows
 from lspo_jax.rl.prompts import Draw
+from lspo_jax.rollout.generator import Generator
 
-RECORD_KEYS = ("rollout/staleness", "rollout/overlap_s", "rollout/overlap_share", "rollout/prefetch_s")
+RECORD_KEYS = ("rollout/staleness", "rollout/overlap_s", "rollout/overlap_share", "rollout/prefetch_s",
+               "rollout/push_s")  # fmt: skip
 
 
-def base_snapshot(learner: Any) -> dict[str, Any]:
-    """A copy of the learner's base on the devices, in its layout, that the next update cannot donate."""
-    base = learner.base_params()
-    return jax.device_put(base, jax.tree.map(lambda x: x.sharding, base), may_alias=False)
+class Sampling:
+    """Where rollouts sampled ahead are drawn: the learner's own devices (``own`` None: colocated), or the mesh
+    ``own`` of devices of their own (``rollout.placement: split``), with a generator of its own there."""
+
+    def __init__(self, learner: Any, own: Mesh | None = None):
+        self.split = own is not None
+        self.generator, self.layout = None, None  # colocated: the learner's generator, the base's own layout
+        if self.split:
+            self.generator = Generator(learner.policy, own, compact_every=learner.run.rollout.compact_every)
+            self.layout = {"base": sharding.param_shardings(learner.policy.config, own)["base"]}
+
+    def push(self, learner: Any) -> tuple[dict[str, Any], float]:
+        """A copy of the learner's base that the next update cannot donate, on the sampling devices in their layout,
+        and the seconds it took to land there."""
+        base, start = learner.base_params(), time.perf_counter()
+        layout = self.layout or jax.tree.map(lambda x: x.sharding, base)
+        copy = jax.block_until_ready(jax.device_put(base, layout, may_alias=False))
+        return copy, time.perf_counter() - start
 
 
 class Prefetch:
     """The rollouts of ``draw`` (its prompts x ``group_size``), sampled in a thread from a copy of the learner's
-    base as it stands now. ``snapshot``: the prompt source's state before ``draw`` was taken, what a checkpoint
-    written before the rows are used keeps (they are redrawn on resume)."""
+    base as it stands now, where ``sampling`` puts it. ``snapshot``: the prompt source's state before ``draw`` was
+    taken, what a checkpoint written before the rows are used keeps (they are redrawn on resume)."""
 
-    def __init__(self, learner: Any, draw: Draw, snapshot: dict[str, Any]):
+    def __init__(self, learner: Any, draw: Draw, snapshot: dict[str, Any], sampling: Sampling):
         self.draw, self.snapshot, self.sampled_at = draw, snapshot, learner.state.step
         self.learner_done: float | None = None  # when the step it overlapped ended (``mark_learner_done``)
-        self._params, self._result, self._error = base_snapshot(learner), None, None
+        self._generator, self._result, self._error = sampling.generator, None, None
+        self._params, self.push_s = sampling.push(learner)
         sample_key = jax.random.split(draw.key)[0]  # the key train_step would sample these prompts with
         prompts = [ex.prompt_ids for ex in draw.examples]
         self._thread = threading.Thread(target=self._sample, args=(learner, prompts, sample_key), daemon=True)
@@ -52,7 +74,7 @@ class Prefetch:
 
     def _sample(self, learner: Any, prompts: list, key: jax.Array) -> None:
         try:
-            self._result = learner.sample(prompts, key, lora_scale=0.0, params=self._params)
+            self._result = learner.sample(prompts, key, lora_scale=0.0, params=self._params, generator=self._generator)
         except BaseException as err:  # re-raised on the main thread by ``rows``
             self._error = err
         finally:
@@ -75,18 +97,20 @@ class Prefetch:
     def record(self, step: int) -> dict[str, Any]:
         """``rollout/staleness`` (the updates between the weights that sampled and those the rows update, at the
         step ``step`` the learner is at), ``rollout/prefetch_s`` (the thread's sampling seconds), ``rollout/overlap_s``
-        (of those, the seconds the step before was still running) and ``rollout/overlap_share`` (their ratio)."""
+        (of those, the seconds the step before was still running), ``rollout/overlap_share`` (their ratio) and
+        ``rollout/push_s`` (the seconds the copy of the base took to land where it samples)."""
         self.wait()
         seconds = self.end - self.start
         overlap = overlap_seconds((self.start, self.end), (self.start, self.learner_done or self.start))
         return {"rollout/staleness": step - self.sampled_at, "rollout/overlap_s": overlap,
                 "rollout/overlap_share": overlap / seconds if seconds > 0 else None,
-                "rollout/prefetch_s": seconds}  # fmt: skip
+                "rollout/prefetch_s": seconds, "rollout/push_s": self.push_s}  # fmt: skip
 
 
 def on_policy_record() -> dict[str, Any]:
     """The staleness record of rows sampled by their own step (a run's first, or the first after a checkpoint)."""
-    return {"rollout/staleness": 0, "rollout/overlap_s": 0.0, "rollout/overlap_share": None, "rollout/prefetch_s": None}
+    return {"rollout/staleness": 0, "rollout/overlap_s": 0.0, "rollout/overlap_share": None, "rollout/prefetch_s": None,
+            "rollout/push_s": None}  # fmt: skip
 
 
 def overlap_seconds(a: tuple[float, float], b: tuple[float, float]) -> float:
