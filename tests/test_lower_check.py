@@ -15,6 +15,7 @@ import jax
 import pytest
 
 from lspo_jax.models import kernels
+from lspo_jax.train_config import ConfigError
 from tools import lower_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,6 +154,29 @@ def test_the_small_shape_compiles_for_an_h100_and_a_tpu_within_its_bounds(compil
             assert cell["fits"] and "error" not in cell and cell["mesh"] == "fsdp8", (where, cell.get("error"))
             assert 0 < cell["peak_gib"] * 1024 <= SMALL_PEAK_MIB[target, cell["program"]], (where, cell["peak_gib"])
         assert f"{len(cells)} cells: {len(cells)} fit, 0 do not fit or failed" in printed
+
+
+def test_a_split_compiles_the_learners_programs_on_its_devices_and_the_rollouts_on_the_others(tmp_path):
+    """``--splits 4+4``: the old-log-prob pass on the learner's 4 devices, the decode step on the sampler's 4, each
+    against a device's budget; a split that does not add up to the target's 8 devices is a failed cell, not a
+    silent nothing."""
+    argvs = [["--small", "--compile", "h100x8", "--splits", splits, "--programs", "logprobs_base,decode",
+              "--json", str(tmp_path / f"{i}.json")] for i, splits in enumerate(["4+4", "2+2"])]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE_EACH, json.dumps(argvs)], capture_output=True, text=True,
+                          cwd=ROOT)  # fmt: skip
+    assert re.findall(r"^exit status (\d+)$", done.stdout, flags=re.MULTILINE) == ["0", "1"], done.stderr[-2000:]
+    cells = {c["program"]: c for c in json.loads((tmp_path / "0.json").read_text())}
+    assert {name: c["mesh"] for name, c in cells.items()} == {"logprobs_base": "4+4 learn", "decode": "4+4 sample"}
+    assert all(c["fits"] and c["peak_gib"] > 0 for c in cells.values())
+    [bad] = json.loads((tmp_path / "1.json").read_text())
+    assert bad["error"] == "--splits 2+2: none adds up to its 8 devices" and not bad["fits"]
+
+
+def test_splits_are_two_positive_counts(tool):
+    assert tool.parse_splits("4+4,2+6") == [(4, 4), (2, 6)] and tool.parse_splits(None) is None
+    for bad in ("4+0", "4", "4+4,x", "4-4"):
+        with pytest.raises(ConfigError, match="^--splits '"):
+            tool.parse_splits(bad)
 
 
 def test_an_h100_budget_is_its_memory_times_the_runs_allocator_share(tool, compiled):

@@ -33,12 +33,15 @@ Usage:
     .venv/bin/python -m tools.lower_check --small         # a tiny model and short rows: seconds a program
     .venv/bin/python -m tools.lower_check --programs rl_packed,decode --meshes fsdp8 --platforms cuda --json out.json
     .venv/bin/python -m tools.lower_check --compile h100x8,v5p-16 [--config F] [key=value ...] [--json out.json]
+    .venv/bin/python -m tools.lower_check --compile h100x8,v5p-16 --splits 4+4,2+6   # learner + sampler devices
 
 ``--compile`` goes further than lowering: it compiles the programs a run of ``--config`` compiles, at its own
 attention, for each named target (``TARGETS``: 8 H100s, or a v5p-8, v5p-16, v6e-8 or v5e-8 slice) with the chips'
 own compilers on this CPU, and prints per program and mesh the memory a device needs against its budget (see
-"Does it fit the chips" in ``docs/performance.md``). Exit status 1 when a cell does not fit or fails, 2 when the
-compilers are missing.
+"Does it fit the chips" in ``docs/performance.md``). ``--splits L+S,...`` compiles instead for the sampling on
+devices of its own (``rollout.placement: split``): the learner's programs on a mesh of a target's first L devices,
+the step's rollouts (``prefill``, ``decode``) on one of the other S, each against a device's budget. Exit status 1
+when a cell does not fit or fails, 2 when the compilers are missing.
 
 It prints one line per cell: ``lowered``, ``skipped: reason`` or ``FAILED: reason`` (one line, never a traceback),
 the seconds of its trace (shared by the platforms of one program) and of its lowering, and two FLOP figures of the
@@ -578,11 +581,47 @@ def target_meshes(devices: int) -> list[str]:
     return [name for name, sizes in COMPILE_MESHES.items() if math.prod(sizes) == devices]
 
 
+# With the sampling on devices of its own (``rollout.placement: split``) the step's rollouts are sampled there, base
+# alone; the adapter's programs (its SFT, the re-rolls with it on) and everything else stay on the learner's.
+SAMPLER_SIDE = ("prefill", "decode")
+SPLIT = re.compile(r"(\d+)\+(\d+)")
+
+
+def parse_splits(text: str | None) -> list[tuple[int, int]] | None:
+    """``--splits 4+4,2+6`` as ``[(4, 4), (2, 6)]`` (learner devices + sampler devices); a ``ConfigError`` naming a
+    piece that is not two positive counts."""
+    if text is None:
+        return None
+    pieces = [(piece, SPLIT.fullmatch(piece.strip())) for piece in text.split(",")]
+    bad = [piece for piece, found in pieces if not found or 0 in map(int, found.groups())]
+    if bad:
+        raise ConfigError(f"--splits {bad[0]!r}: write LEARNER+SAMPLER device counts, e.g. 4+4,2+6")
+    return [(int(found[1]), int(found[2])) for _, found in pieces]
+
+
+def layouts(devices: list[Any], meshes: Iterable[str] | None, splits: list[tuple[int, int]] | None):
+    """``(label, mesh of a program's name)`` per layout to compile on: each of ``COMPILE_MESHES`` (``meshes``: these)
+    that spans the devices, every program on it; or each split of ``splits`` that adds up to the devices, the
+    learner's programs on a mesh of the first devices (fsdp) and ``SAMPLER_SIDE``'s on a mesh of the rest."""
+    if splits is None:
+        for name in [m for m in (meshes or COMPILE_MESHES) if m in target_meshes(len(devices))]:
+            mesh = sharding.make_mesh(sharding.MeshConfig(*COMPILE_MESHES[name]), devices)
+            yield name, lambda program, mesh=mesh: mesh
+        return
+    for learner, sampler in [(a, b) for a, b in splits if a + b == len(devices)]:
+        learn = sharding.make_mesh(sharding.MeshConfig(1, learner, 1), devices[:learner])
+        sample = sharding.make_mesh(sharding.MeshConfig(1, sampler, 1), devices[learner:])
+        yield f"{learner}+{sampler}", lambda program, a=learn, b=sample: b if program in SAMPLER_SIDE else a
+
+
 def compile_check(
-    shape: Shape, targets: Iterable[str], programs: Iterable[str] | None = None, meshes: Iterable[str] | None = None
-) -> Iterator[Fit]:
+    shape: Shape, targets: Iterable[str], programs: Iterable[str] | None = None, meshes: Iterable[str] | None = None,
+    splits: list[tuple[int, int]] | None = None,
+) -> Iterator[Fit]:  # fmt: skip
     """Every program a run compiles (``programs``: these), compiled for each target on each of its meshes
-    (``meshes``: these, where they span its devices), at the run's own attention, as each is done."""
+    (``meshes``: these, where they span its devices) or, with ``splits``, on each split of its devices between
+    learner and sampler (``layouts``; the mesh column says the split and the side), at the run's own attention, as
+    each is done."""
     model_cfg = dataclasses.replace(
         shape.model, attention=shape.run.model.attention, decode_attention=shape.run.model.decode_attention
     )
@@ -596,10 +635,15 @@ def compile_check(
                 yield Fit(target_name, name, "-", attention(name), error=f"no {target_name} devices: {one_line(error)}")
             continue
         budget = target.budget_gib(shape.run)
-        for mesh_name in [m for m in (meshes or COMPILE_MESHES) if m in target_meshes(len(devices))]:
-            mesh = sharding.make_mesh(sharding.MeshConfig(*COMPILE_MESHES[mesh_name]), devices)
+        if splits is not None and not any(a + b == len(devices) for a, b in splits):
+            given = ",".join(f"{a}+{b}" for a, b in splits)
+            yield Fit(target_name, "-", "-", "-", error=f"--splits {given}: none adds up to its {len(devices)} devices")
+            continue
+        for label, mesh_of in layouts(devices, meshes, splits):
             for name in programs or run_programs(shape.run):
-                fit = Fit(target_name, name, mesh_name, attention(name), budget_gib=budget)
+                mesh = mesh_of(name)
+                side = "" if splits is None else (" sample" if name in SAMPLER_SIDE else " learn")
+                fit = Fit(target_name, name, label + side, attention(name), budget_gib=budget)
                 start = time.perf_counter()
                 try:
                     built = PROGRAMS[name](shape, model_cfg, mesh)
@@ -664,6 +708,8 @@ def _check(argv: list[str] | None) -> int:
     parser.add_argument("--compile", default=None, help=f"compile for these targets (comma-separated, {list(TARGETS)})")
     parser.add_argument("--programs", default=None, help=f"comma-separated, from {list(PROGRAMS)}")
     parser.add_argument("--meshes", default=None, help=f"comma-separated, from {list(COMPILE_MESHES)}")
+    parser.add_argument("--splits", default=None, help="with --compile: learner+sampler device counts (rollout."
+                        "placement split), comma-separated, e.g. 4+4,2+6, instead of the meshes")  # fmt: skip
     parser.add_argument("--platforms", default=",".join(PLATFORMS), help="comma-separated: cuda, tpu")
     parser.add_argument("--attention", default=None, help="only these implementations (comma-separated)")
     parser.add_argument("--json", default=None, help="also write the cells to this JSON file")
@@ -678,7 +724,8 @@ def _check(argv: list[str] | None) -> int:
     shape = (small_shape if args.small else paper_shape)(args.config, args.overrides)
     print(f"jax {jax.__version__}; {model.count_params(model.abstract_params(shape.model)['base']):,} base params")
     if args.compile:
-        return compile_main(shape, split(args.compile), split(args.programs), split(args.meshes), args.json)
+        splits = parse_splits(args.splits)
+        return compile_main(shape, split(args.compile), split(args.programs), split(args.meshes), args.json, splits)
     print(HEADER, flush=True)
     start, cells = time.perf_counter(), []
     programs, meshes = split(args.programs) or list(PROGRAMS), split(args.meshes) or list(MESHES)
@@ -720,12 +767,13 @@ def _importable(name: str) -> bool:
 
 
 def compile_main(
-    shape: Shape, targets: list[str], programs: list[str] | None, meshes: list[str] | None, out: str | None
-) -> int:
+    shape: Shape, targets: list[str], programs: list[str] | None, meshes: list[str] | None, out: str | None,
+    splits: list[tuple[int, int]] | None = None,
+) -> int:  # fmt: skip
     """Print a line per compiled cell and a summary; exit status 1 when a cell fails to compile or does not fit."""
     print(FIT_HEADER, flush=True)
     start, fits = time.perf_counter(), []
-    for fit in compile_check(shape, targets, programs, meshes):
+    for fit in compile_check(shape, targets, programs, meshes, splits):
         fits.append(fit)
         print(fit_row(fit), flush=True)
         if out:  # written as each cell is done: a long check interrupted keeps what it found
