@@ -62,7 +62,8 @@ def run_arm(name: str, args: argparse.Namespace) -> dict:
         overrides.append(f"rollout.sampler_devices={args.sampler_devices}")
     devices = args.devices - args.sampler_devices if name == "learner_devices_k0" else args.devices
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
-    env = {**os.environ, "XLA_FLAGS": flags}
+    # On a GPU machine the host-device flag does nothing: the arm's devices are the first ones the process may see.
+    env = {**os.environ, "XLA_FLAGS": flags, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(devices)))}
     code = f"from benchmarks.split_overlap import child; child({out!r}, {overrides!r})"
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     with open(os.path.join(out, "steps.json")) as f:

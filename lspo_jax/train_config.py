@@ -201,6 +201,9 @@ class RolloutConfig:
         require(self.max_staleness in (0, 1), "rollout.max_staleness", "must be 0 or 1", self.max_staleness)
         require(self.sampler_devices is None or self.sampler_devices >= 1, "rollout.sampler_devices",
                 "must be >= 1 or null (half the devices)", self.sampler_devices)  # fmt: skip
+        require(self.sampler_devices is None or self.placement == "split", "rollout.sampler_devices",
+                "gives devices to the sampler with rollout.placement split only; set it to null or the placement "
+                "to split", self.sampler_devices)  # fmt: skip
         # Split at 0, one side would always wait for the other: the devices apart are there to overlap.
         require(
             self.placement != "split" or self.max_staleness >= 1,
@@ -575,6 +578,9 @@ class TrainConfig:
                 f"engine only, got rollout.engine {rollout.engine!r}")  # fmt: skip
         require(not rollout.dynamic_sampling, "rollout.max_staleness", f"{rollout.max_staleness} and "
                 "rollout.dynamic_sampling: draw rounds are sampled inside the step; turn one off")  # fmt: skip
+        require(rollout.placement != "split" or self.mesh.enabled is not False, "rollout.placement",
+                "split needs a mesh of the learner's devices and one of the sampler's, and mesh.enabled: false runs on "
+                "one device; set mesh.enabled to null or true")  # fmt: skip
 
     def update_rows_per_micro(self) -> int:
         """Rows of ``max_prompt_tokens + max_new_tokens`` slots in one micro-batch of the padded update."""

@@ -119,6 +119,12 @@ def test_the_warmup_budget_is_what_each_seeds_direct_run_spent(tool, tmp_path, m
     assert calls == [("base", 42, None), ("sft_warmup", 42, 200), ("base", 43, None), ("sft_warmup", 43, 75)]
     assert "compare_arms: sft_warmup seed 43: scaffold.warmup_tokens=75, what direct spent" in capsys.readouterr().err
     assert tool.main(argv) == 0 and len(calls) == 4  # reused: the derived budget matches the saved config
+    # A warm-up run of another config is refused before anything trains, though its budget is not known yet.
+    saved = tmp_path / "sft_warmup_seed43" / "config.yaml"
+    saved.write_text(saved.read_text().replace("sft_steps: 8", "sft_steps: 3"))
+    assert tool.main(argv) == 2 and len(calls) == 4
+    assert "sft_warmup_seed43/config.yaml: a run with scaffold.sft_steps=3" in capsys.readouterr().err
+    saved.write_text(saved.read_text().replace("sft_steps: 3", "sft_steps: 8"))
     # A direct run that spent nothing gives no budget: one line, nothing trained.
     spent[44] = [(1, 0)]
     assert tool.main([*argv[:3], "44", *argv[4:]]) == 2

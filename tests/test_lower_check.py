@@ -172,7 +172,11 @@ def test_a_split_compiles_the_learners_programs_on_its_devices_and_the_rollouts_
     assert bad["error"] == "--splits 2+2: none adds up to its 8 devices" and not bad["fits"]
 
 
-def test_splits_are_two_positive_counts(tool):
+def test_splits_are_two_positive_counts(tool, capsys):
+    for argv in (["--small", "--splits", "4+4"], ["--small", "--compile", "h100x8", "--splits", "4+4", "--meshes",
+                                                  "fsdp8"]):  # fmt: skip
+        assert tool.main(argv) == 2
+        assert capsys.readouterr().err.startswith("lower_check: --splits is a layout of --compile's targets")
     assert tool.parse_splits("4+4,2+6") == [(4, 4), (2, 6)] and tool.parse_splits(None) is None
     for bad in ("4+0", "4", "4+4,x", "4-4"):
         with pytest.raises(ConfigError, match="^--splits '"):

@@ -144,6 +144,21 @@ def test_rows_do_not_depend_on_the_other_rows_or_on_compaction(tiny_config, tiny
     np.testing.assert_array_equal(alone.tokens, still.tokens[:2])
 
 
+def test_a_cancelled_call_ends_at_the_next_segment(tiny_config, tiny_params):
+    """``cancel`` is asked at each decode segment's start: asked True from the first, the call ends after the first
+    segment (``compact_every`` = 2 tokens), every row cut short there; never True, it runs to the limit."""
+    asked = []
+    cancel = lambda: asked.append(True) or True
+    run = lambda **kw: generate_arrays(tiny_config, tiny_params, PROMPTS, key=jax.random.key(4), compact_every=2,
+                                       **{**SHARED, "max_new_tokens": 10, **kw})  # fmt: skip
+    cut = run(cancel=cancel)
+    assert cut.steps == 2 and len(asked) == 1
+    np.testing.assert_array_equal(cut.lengths, np.full(6, 2))
+    whole = run(cancel=lambda: False)
+    assert whole.steps == 10 and whole.lengths.max() == 10
+    np.testing.assert_array_equal(cut.tokens[:, :2], whole.tokens[:, :2])  # the same rows, cut short
+
+
 def test_max_new_tokens_per_prompt(tiny_config, tiny_params):
     recs = generate(tiny_config, tiny_params, PROMPTS, key=jax.random.key(5), max_new_tokens=[1, 7, 4], **SHARED)
     assert [len(r.tokens) for r in recs] == [1, 1, 7, 7, 4, 4]

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -100,6 +101,46 @@ def test_a_checkpoint_with_rollouts_in_flight_keeps_the_order_before_their_draw(
     assert seen[-1][0] == seen[-1][1]  # the last step prefetches nothing
 
 
+def test_rollouts_dropped_are_cut_short_and_never_used(make_config, tmp_path):
+    """A stop or a failed step drops the rollouts sampling ahead (``Prefetch.drop``): the thread's sampling is asked
+    to end at its next decode segment, so the stop waits for a few tokens, not a sampling phase; the rows refuse to
+    be used. A learner whose sampling would never end on its own shows it."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    class Endless:
+        state = SimpleNamespace(step=3)
+
+        def sample(self, prompts, key, *, lora_scale, params, generator, cancel):
+            seen.append(prompts)
+            while not cancel():
+                time.sleep(0.005)
+
+    sampling = SimpleNamespace(generator=None, push=lambda learner: ({}, 0.0))
+    draw = SimpleNamespace(examples=[SimpleNamespace(prompt_ids=[1, 2])], key=jax.random.key(0))
+    ahead = staleness.Prefetch(Endless(), draw, {}, sampling)
+    start = time.perf_counter()
+    ahead.drop()
+    assert time.perf_counter() - start < 5 and seen == [[[1, 2]]] and not ahead._thread.is_alive()
+    with pytest.raises(RuntimeError, match="dropped"):
+        ahead.rows()
+
+
+def test_the_learner_hands_cancel_to_the_sampler(stale_run):
+    """``Learner.sample(cancel=...)`` reaches the JAX sampler: segments of 4 tokens, cancelled from the first, give
+    rows of at most 4 response tokens, where the same call uncancelled runs past them."""
+    from lspo_jax.rollout.generator import Generator
+
+    learner = stale_run["job"].learner
+    generator = Generator(learner.policy, learner.mesh, compact_every=4)
+    prompts = [ex.prompt_ids for ex in stale_run["job"].examples[:2]]
+    call = lambda cancel: learner.sample(prompts, jax.random.key(1), lora_scale=0.0, generator=generator,
+                                         cancel=cancel)  # fmt: skip
+    response = lambda rows: rows["mask"][:, learner.run.data.max_prompt_tokens :].sum(axis=1)
+    assert response(call(lambda: True)).max() <= 4 < response(call(lambda: False)).max()
+
+
 def test_k0_records_say_nothing_of_staleness(trained_run):
     assert not any(key.startswith("rollout/staleness") for r in train_records(trained_run["dir"]) for key in r)
 
@@ -187,8 +228,12 @@ def test_a_split_the_devices_cannot_make_is_one_line():
     from lspo_jax.job.build import split_devices
 
     split = ["rollout.max_staleness=1", "loss.tis_cap=2", "rollout.placement=split"]
-    with pytest.raises(ConfigError, match=r"^rollout\.sampler_devices: None of 1 devices leaves none to sample;"):
+    with pytest.raises(ConfigError, match=r"^rollout\.sampler_devices: null \(half\) of 1 devices leaves none to "):
         split_devices(load_config(None, split))
+    with pytest.raises(ConfigError, match=r"^rollout\.placement: split needs a mesh .* set mesh\.enabled to null"):
+        load_config(None, [*split, "mesh.enabled=false"])
+    with pytest.raises(ConfigError, match=r"^rollout\.sampler_devices: gives devices to the sampler with rollout\."):
+        load_config(None, ["rollout.sampler_devices=2"])  # colocated: nothing to give them to
     assert split_devices(load_config(None, split[1:2])) == (None, None)  # colocated: nothing split
     with pytest.raises(ConfigError, match=r"^rollout\.placement: split .* set rollout\.max_staleness: 1$"):
         load_config(None, ["rollout.placement=split"])

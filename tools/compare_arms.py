@@ -157,17 +157,19 @@ def cell_config(base_config, overrides: list[str], seed: int):
     return from_dict(type(base_config), apply_overrides(to_dict(base_config), [f"seed={seed}", *overrides]))
 
 
-def check_reusable(base_config, name: str, overrides: list[str], seed: int, out_root: str) -> None:
+def check_reusable(
+    base_config, name: str, overrides: list[str], seed: int, out_root: str, ignore: tuple[str, ...] = ()
+) -> None:
     """Refuse (``ConfigError``) a run directory ``run_cell`` would reuse or resume that holds a run of another
     config: an arm name given new overrides would otherwise be tabulated from the old run. ``steps`` may differ
-    (the horizon cuts a longer run back)."""
+    (the horizon cuts a longer run back), and the keys in ``ignore``."""
     path = os.path.join(out_root, f"{name}_seed{seed}", "config.yaml")
     if not os.path.exists(path):
         return
     with open(path) as f:
         saved = _flat(yaml.safe_load(f) or {})
     wanted = _flat(to_dict(cell_config(base_config, overrides, seed)))
-    for key in (k for k in wanted if k in saved and k != "steps"):
+    for key in (k for k in wanted if k in saved and k != "steps" and k not in ignore):
         if saved[key] != wanted[key]:
             raise ConfigError(f"{path}: a run with {key}={saved[key]!r}, not {wanted[key]!r}; give the arm another "
                               "name or --out")  # fmt: skip
@@ -305,9 +307,10 @@ def _compare(argv: list[str] | None) -> int:
     arms = parse_arms(args.arm, base)
     sources = {name: budget_source(base, dict(list(arms.items())[:i]), o) for i, (name, o) in enumerate(arms.items())}
     for name, overrides in arms.items():
-        for seed in args.seeds:
-            if sources[name] is None:  # a derived budget is checked once it is known, in ``budgeted``
-                check_reusable(base, name, overrides, seed, args.out)
+        for seed in args.seeds:  # a derived budget is checked once it is known (``budgeted``), the rest here
+            derived = sources[name] is not None
+            checked = [*overrides, "scaffold.warmup_tokens=1"] if derived else overrides
+            check_reusable(base, name, checked, seed, args.out, ("scaffold.warmup_tokens",) if derived else ())
     use_cache(base.compile_cache)  # the arms share their programs, and a rerun reads them back
     start = time.perf_counter()
     results = [run_cell(base, name, budgeted(base, name, overrides, seed, args.out, sources[name]), seed, args.out,

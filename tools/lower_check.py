@@ -719,6 +719,9 @@ def _check(argv: list[str] | None) -> int:
     unknown = [t for t in split(args.compile) or () if t not in TARGETS]
     if unknown:
         raise ConfigError(f"unknown target(s) {unknown}; choose from {list(TARGETS)}")
+    if args.splits is not None and (not args.compile or args.meshes):
+        raise ConfigError("--splits is a layout of --compile's targets, in place of --meshes: give it with --compile "
+                          "and without --meshes")  # fmt: skip
     if args.compile:
         use_chip_compilers()
     shape = (small_shape if args.small else paper_shape)(args.config, args.overrides)

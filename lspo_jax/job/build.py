@@ -166,7 +166,8 @@ def split_devices(run: TrainConfig) -> tuple[list[jax.Device] | None, list[jax.D
     devices, wanted = jax.devices(), run.rollout.sampler_devices
     count = len(devices) // 2 if wanted is None else wanted
     if len(devices) < 2 or not 1 <= count < len(devices):
-        raise ConfigError(f"rollout.sampler_devices: {wanted} of {len(devices)} devices leaves none to "
+        given = "null (half)" if wanted is None else wanted
+        raise ConfigError(f"rollout.sampler_devices: {given} of {len(devices)} devices leaves none to "
                           f"{'sample' if count < 1 else 'learn'}; rollout.placement split needs two devices or more "
                           "and a share for each side")  # fmt: skip
     return devices[: len(devices) - count], devices[len(devices) - count :]

@@ -135,6 +135,8 @@ class Run:
         engine = ENGINES.resolve(run.rollout.engine)
         if run.rollout.engine == "jax":  # vLLM pages its cache and batches what does not fit
             check_cache_fits(run, self.policy.config, mesh, validate=bool(validation_specs(run)))
+            if run.rollout.placement == "split":  # the step's rollouts decode on the sampler's devices
+                check_cache_fits(run, self.policy.config, smesh, validate=False)
         engine.prepare(run, self.policy, out_dir, logs=bool(self.writer))  # before the data: the engine starts last
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
         if self.writer and (line := self.data_report.losses()):
@@ -418,11 +420,12 @@ class Run:
         try:
             draw = self.prompts.next_batch(self.learner, key, phases) if ahead is None else ahead.draw
             if ahead is None and self.sampling is not None and self.sampling.split:  # on-policy, on the sampler's
-                ahead = staleness.Prefetch(self.learner, draw, snapshot, self.sampling)  # devices, waited for
+                phases.check("sample")  # devices, waited for; a stop asked already abandons the step before it
+                ahead = staleness.Prefetch(self.learner, draw, snapshot, self.sampling)
             result = train_step(self.learner, draw, phases, sampled=ahead, start_next=start_next)
         except BaseException as err:
             if ahead is not None:  # dropped: its thread ends before anything else samples or the run closes
-                ahead.wait()
+                ahead.drop()
             if isinstance(err, StepAbandoned):  # before the update, so before this step sampled ahead
                 self.prompts.load_state_dict(snapshot)
             raise
@@ -510,11 +513,11 @@ class Run:
 
     def close(self) -> None:
         """Close the learner (engine and verifier), the log and the checkpointer: each even if one before fails.
-        Rollouts still sampling ahead are waited for and dropped first."""
+        Rollouts still sampling ahead are cut short at their next decode segment and dropped first."""
         try:
             if self.ahead is not None:
                 self.ahead, ahead = None, self.ahead
-                ahead.wait()
+                ahead.drop()
             self.learner.close()
         finally:
             try:

@@ -141,19 +141,22 @@ class Learner:
     def sample(
         self, prompts: Sequence[Sequence[int]], key, *, lora_scale: float, n: int | None = None,
         temperature: float | None = None, params: Params | None = None, generator: Generator | None = None,
+        cancel: Callable[[], bool] | None = None,
     ) -> Rows:  # fmt: skip
         """``n`` (default ``group_size``) rollouts per prompt at ``temperature`` (default the rollout's), packed into
         fixed-shape rows, with ``sampler_logp`` (the engine's own log-prob of each sampled token, 0 on prompt
         slots). ``params``: the weights to sample from (default the train state's; ``rl.staleness`` gives a copy of
         an earlier base); ``generator``: where to sample (default the learner's; ``rl.staleness`` gives the sampler's
-        devices of a split placement)."""
+        devices of a split placement); ``cancel``: asked between decode segments, True cuts the rows short
+        (``sampler.generate_arrays``), for rows that will be dropped."""
         n = n or self.run.rollout.group_size
         decoding = self.decoding
         if temperature is not None and temperature != decoding.temperature:
             decoding = dataclasses.replace(decoding, temperature=temperature)
         params = self.state.params if params is None else params
         generator = self.generator if generator is None else generator
-        sample = generator.generate(params, prompts, decoding, key=key, n=n, lora_scale=lora_scale, fallback=False)
+        options = dict(key=key, n=n, lora_scale=lora_scale, fallback=False, cancel=cancel)
+        sample = generator.generate(params, prompts, decoding, **options)
         if self.vllm is not None:
             step, count = self._engine_step
             count = count if step == self.state.step else 0

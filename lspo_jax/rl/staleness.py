@@ -65,6 +65,7 @@ class Prefetch:
         self.draw, self.snapshot, self.sampled_at = draw, snapshot, learner.state.step
         self.learner_done: float | None = None  # when the step it overlapped ended (``mark_learner_done``)
         self._generator, self._result, self._error = sampling.generator, None, None
+        self._cancelled = threading.Event()  # set by ``drop``: the sampling ends at its next decode segment
         self._params, self.push_s = sampling.push(learner)
         sample_key = jax.random.split(draw.key)[0]  # the key train_step would sample these prompts with
         prompts = [ex.prompt_ids for ex in draw.examples]
@@ -74,7 +75,8 @@ class Prefetch:
 
     def _sample(self, learner: Any, prompts: list, key: jax.Array) -> None:
         try:
-            self._result = learner.sample(prompts, key, lora_scale=0.0, params=self._params, generator=self._generator)
+            self._result = learner.sample(prompts, key, lora_scale=0.0, params=self._params, generator=self._generator,
+                                          cancel=self._cancelled.is_set)  # fmt: skip
         except BaseException as err:  # re-raised on the main thread by ``rows``
             self._error = err
         finally:
@@ -87,8 +89,16 @@ class Prefetch:
     def wait(self) -> None:
         self._thread.join()
 
+    def drop(self) -> None:
+        """End the sampling at its next decode segment (a few tokens: ``rollout.compact_every``) and wait for the
+        thread: the rows will not be used (a stop, a failed step). A stop waits for that, not for the whole phase."""
+        self._cancelled.set()
+        self.wait()
+
     def rows(self) -> Rows:
         """The sampled rows, once the thread is done; its error if it failed."""
+        if self._cancelled.is_set():
+            raise RuntimeError("rollouts sampled ahead were dropped and cut short; they cannot be used")
         self.wait()
         if self._error is not None:
             raise self._error

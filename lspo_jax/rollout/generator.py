@@ -5,7 +5,7 @@ evaluation and for the training step alike."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.sharding import Mesh
@@ -44,14 +44,16 @@ class Generator:
 
     def generate(
         self, params: Params, prompts: Sequence[Sequence[int]], decoding: Decoding, *, key, n: int = 1,
-        lora_scale: float = 0.0, fallback: bool = True,
+        lora_scale: float = 0.0, fallback: bool = True, cancel: Callable[[], bool] | None = None,
     ) -> SampleBatch:  # fmt: skip
         """``n`` samples per prompt. With ``fallback`` (validation) the JAX sampler takes a call longer than the
-        vLLM engine's context; without (rollouts), the engine takes every call and refuses one that is too long."""
+        vLLM engine's context; without (rollouts), the engine takes every call and refuses one that is too long.
+        ``cancel``: the JAX sampler's (``sampler.generate_arrays``); the vLLM engine runs its call to the end."""
         options = dict(key=key, n=n, lora_scale=lora_scale, **decoding.kwargs())
         if self.vllm is not None and not (fallback and self._too_long(prompts, decoding)):
             return self.vllm.generate_arrays(params, prompts, **options)
-        return generate_arrays(self.policy.config, params, prompts, mesh=self.mesh, **options, **self.jax_options)
+        jax_options = {**self.jax_options, "cancel": cancel}
+        return generate_arrays(self.policy.config, params, prompts, mesh=self.mesh, **options, **jax_options)
 
     def _too_long(self, prompts: Sequence[Sequence[int]], decoding: Decoding) -> bool:
         return max(map(len, prompts)) + decoding.max_new_tokens > self.vllm.max_model_len

@@ -43,7 +43,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -520,10 +520,11 @@ class _Call(NamedTuple):
         with self.in_mesh():
             return _prefill(self.config, self.tree, *args, **static)
 
-    def decode(self, state: _State, key: jax.Array) -> tuple[_Out, int]:
-        """Run the decode segments; the results by output row and the number of steps taken."""
+    def decode(self, state: _State, key: jax.Array, cancel: Callable[[], bool] | None = None) -> tuple[_Out, int]:
+        """Run the decode segments; the results by output row and the number of steps taken. ``cancel`` returning
+        True ends it at the next segment's start (the rows cut short, for a caller that drops them)."""
         with self.in_mesh():
-            state, out = self._decode(state, key)
+            state, out = self._decode(state, key, cancel)
             return (_results(state) if out is None else _flush(out, state)), int(np.max(sharding.fetch(state.step)))
 
     def stops(self) -> list[int]:
@@ -531,10 +532,12 @@ class _Call(NamedTuple):
         marks = set(range(self.compact_every, self.max_new_tokens, self.compact_every)) if self.compact_every else set()
         return sorted({min(end, self.max_new_tokens) for end in self.ends} | marks)
 
-    def _decode(self, state: _State, key: jax.Array) -> tuple[_State, _Out | None]:
+    def _decode(self, state: _State, key: jax.Array, cancel: Callable[[], bool] | None) -> tuple[_State, _Out | None]:
         prompt_slots = self.tokens_BP.shape[1]
         out = None
         for i, stop in enumerate(self.stops()):
+            if i > 0 and cancel is not None and cancel():
+                break
             if i > 0:
                 # One host round trip per segment: stop once every row has ended, else drop the ended rows.
                 done_C = sharding.fetch(state.done_C)
@@ -637,6 +640,7 @@ def generate_arrays(
     cache_window: int = DEFAULT_CACHE_WINDOW,
     compact_every: int = DEFAULT_COMPACT_EVERY,
     mesh: jax.sharding.Mesh | None = None,
+    cancel: Callable[[], bool] | None = None,
 ) -> SampleBatch:
     """Sample ``n`` continuations of each prompt (token-id lists): ``n`` consecutive rows per prompt, as padded
     arrays (``generate`` returns them as records).
@@ -655,11 +659,15 @@ def generate_arrays(
     (whole on each data-parallel replica), rows and the KV cache over ``data`` and ``fsdp`` when the row
     bucket divides, KV heads over ``tp`` when they divide. The tokens equal the single-device ones up to
     ties that a different order of floating-point sums can break.
+
+    ``cancel``, asked at each decode segment's start, ends the call there when it returns True: every row is cut
+    short where it stands (``steps`` says how far), for a caller that will drop the rows (rollouts sampled ahead
+    when the run stops).
     """
     options = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=eos_token_ids, n=n)
     layout = dict(lora_scale=lora_scale, greedy=greedy, cache_window=cache_window, compact_every=compact_every)
     call = _plan(config, params, prompts, max_new_tokens=max_new_tokens, **options, **layout, mesh=mesh)
-    out, steps = call.decode(call.prefill(key), key)
+    out, steps = call.decode(call.prefill(key), key, cancel)
     rows = len(prompts) * n  # padding rows come last: drop them
     # On several hosts each holds only its devices' rows: gather them so every host gets the whole result.
     tokens, logp, lengths, eos = jax.tree.map(sharding.fetch, tuple(out))
