@@ -127,6 +127,22 @@ def test_rollouts_dropped_are_cut_short_and_never_used(make_config, tmp_path):
         ahead.rows()
 
 
+def test_the_push_is_in_the_samplers_compute_dtype(stale_run):
+    """A bfloat16 sampler gets the base cast to bfloat16 (half the bytes of the fp32 master copy), the same values
+    as its own cast; a float32 one the master copy's values, as a copy the learner's update cannot donate."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    learner = stale_run["job"].learner
+    for dtype in ("bfloat16", "float32"):
+        config = dataclasses.replace(learner.policy.config, compute_dtype=dtype)
+        fake = SimpleNamespace(policy=SimpleNamespace(config=config), base_params=learner.base_params)
+        copy, seconds = staleness.Sampling(learner).push(fake)
+        for got, master in zip(jax.tree.leaves(copy), jax.tree.leaves(learner.base_params()), strict=True):
+            assert got.dtype == dtype and got is not master and seconds >= 0
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(master.astype(dtype)))
+
+
 def test_the_learner_hands_cancel_to_the_sampler(stale_run):
     """``Learner.sample(cancel=...)`` reaches the JAX sampler: segments of 4 tokens, cancelled from the first, give
     rows of at most 4 response tokens, where the same call uncancelled runs past them."""
