@@ -275,7 +275,7 @@ def plot_gain_cost(figures: dict, baseline: str, columns: Sequence[str], path: s
                 continue
             mx, my = float(np.mean(x)), float(np.mean(y))
             ax.errorbar(mx, my, xerr=[[mx - min(x)], [max(x) - mx]], yerr=[[my - min(y)], [max(y) - my]],
-                        fmt="o", capsize=3, label=f"{arm} ({len(y)} seeds)")  # fmt: skip
+                        fmt="o", capsize=3, label=f"{arm} ({len(y)} seed{'s' * (len(y) > 1)})")  # fmt: skip
         ax.axhline(0, color="grey", lw=0.8)
         ax.axvline(0, color="grey", lw=0.8)
         ax.set_xlabel(f"{cost} - {baseline} (points)")

@@ -366,7 +366,8 @@ def plot_curves(runs: Sequence[RunTrace], path: str, key: str = "pass@1", horizo
     scale = 100 if rate else 1
     for ax, b in zip(axes[0], benchmarks, strict=True):
         for arm, (steps, mean, low, high, n) in curves(runs, b, key, horizon).items():
-            line = ax.plot(steps, scale * mean, marker="o", markersize=3, label=f"{arm} (mean of {n} seeds)")[0]
+            label = f"{arm} (mean of {n} seeds)" if n > 1 else f"{arm} (1 seed)"
+            line = ax.plot(steps, scale * mean, marker="o", markersize=3, label=label)[0]
             ax.fill_between(steps, scale * low, scale * high, color=line.get_color(), alpha=0.2)
         ax.set_title(b)
         if rate:
