@@ -70,6 +70,9 @@ ARMS = {
     "sft_warmup": ("scaffold.enabled=true", "scaffold.supervise=sft_warmup"),
 }
 DEFAULT_ARMS = ("lspo", "dapo")
+# A derived SFT budget (``budget_source``) is known once the direct run has trained; the arm's config is checked
+# before that with this one in its place.
+BUDGET_PLACEHOLDER = "scaffold.warmup_tokens=1"
 BASELINE = "dapo"
 ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # the run directory's name before _seedSEED
 
@@ -111,7 +114,7 @@ def parse_arms(items: list[str], base_config) -> dict[str, list[str]]:
             raise ConfigError(f"--arm {name}: given twice")
         checked = overrides
         if budget_source(base_config, arms, overrides) is not None:
-            checked = [*overrides, "scaffold.warmup_tokens=1"]  # checked here, its budget read once direct has run
+            checked = [*overrides, BUDGET_PLACEHOLDER]  # checked here, its budget read once direct has run
         try:
             from_dict(type(base_config), apply_overrides(to_dict(base_config), checked))
         except ConfigError as err:
@@ -309,7 +312,7 @@ def _compare(argv: list[str] | None) -> int:
     for name, overrides in arms.items():
         for seed in args.seeds:  # a derived budget is checked once it is known (``budgeted``), the rest here
             derived = sources[name] is not None
-            checked = [*overrides, "scaffold.warmup_tokens=1"] if derived else overrides
+            checked = [*overrides, BUDGET_PLACEHOLDER] if derived else overrides
             check_reusable(base, name, checked, seed, args.out, ("scaffold.warmup_tokens",) if derived else ())
     use_cache(base.compile_cache)  # the arms share their programs, and a rerun reads them back
     start = time.perf_counter()

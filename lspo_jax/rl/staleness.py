@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from lspo_jax.models import sharding
 from lspo_jax.rl.packing import Rows
 from lspo_jax.rl.prompts import Draw
+from lspo_jax.rl.train import step_keys
 from lspo_jax.rollout.generator import Generator
 
 RECORD_KEYS = ("rollout/staleness", "rollout/overlap_s", "rollout/overlap_share", "rollout/prefetch_s",
@@ -72,7 +73,7 @@ class Prefetch:
         self._generator, self._result, self._error = sampling.generator, None, None
         self._cancelled = threading.Event()  # set by ``drop``: the sampling ends at its next decode segment
         self._params, self.push_s = sampling.push(learner)
-        sample_key = jax.random.split(draw.key)[0]  # the key train_step would sample these prompts with
+        sample_key = step_keys(draw)[0]
         prompts = [ex.prompt_ids for ex in draw.examples]
         self._thread = threading.Thread(target=self._sample, args=(learner, prompts, sample_key), daemon=True)
         self.start = time.perf_counter()

@@ -105,6 +105,13 @@ class TokenAdvantages(Protocol):
 
 
 # ----------------------------------------------------------------------------------------------- step
+def step_keys(draw: Draw) -> tuple[jax.Array, jax.Array]:
+    """The keys a step samples its rollouts with and scaffolds its cliffs with, from its draw's: one place, so rows
+    sampled ahead of the step (``rl.staleness``) take the key the step would have used itself."""
+    sample_key, scaffold_key = jax.random.split(draw.key)
+    return sample_key, scaffold_key
+
+
 def train_step(
     learner: Learner, draw: Draw, phases: Phases | None = None, *, sampled: Any = None,
     start_next: Callable[[], None] | None = None,
@@ -119,7 +126,7 @@ def train_step(
     """
     phases = phases or Phases()
     sync_before = _sync_seconds(learner)
-    sample_key, scaffold_key = jax.random.split(draw.key)
+    sample_key, scaffold_key = step_keys(draw)
     rows, valid = sample_and_score(learner, draw, sample_key, phases, sampled)  # sample, reward
     record = rollout_metrics(learner.run, rows, valid)
     scaffolded = scaffold_cliffs(learner, rows, draw.examples, scaffold_key, phases, valid)

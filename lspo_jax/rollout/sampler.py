@@ -536,9 +536,9 @@ class _Call(NamedTuple):
         prompt_slots = self.tokens_BP.shape[1]
         out = None
         for i, stop in enumerate(self.stops()):
-            if i > 0 and cancel is not None and cancel():
-                break
             if i > 0:
+                if cancel is not None and cancel():
+                    break
                 # One host round trip per segment: stop once every row has ended, else drop the ended rows.
                 done_C = sharding.fetch(state.done_C)
                 if done_C.all():
