@@ -65,7 +65,8 @@ def run_arm(name: str, args: argparse.Namespace) -> dict:
     # On a GPU machine the host-device flag does nothing: the arm's devices are the first ones the process may see.
     env = {**os.environ, "XLA_FLAGS": flags, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(devices)))}
     code = f"from benchmarks.split_overlap import child; child({out!r}, {overrides!r})"
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    if subprocess.run([sys.executable, "-c", code], env=env).returncode != 0:  # its own error is printed above
+        sys.exit(f"split_overlap: arm {name} failed; its run directory is {out}")
     with open(os.path.join(out, "steps.json")) as f:
         walls = [end - start for start, end in json.load(f)]
     with open(os.path.join(out, "metrics.jsonl")) as f:
