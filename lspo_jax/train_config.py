@@ -138,9 +138,10 @@ class RolloutConfig:
     """Sampling per step: ``prompts_per_step`` x ``group_size`` rollouts (the paper: 32 x 16, 8192 tokens).
 
     ``engine`` picks what samples the training rollouts (the step's rows and the scaffold's re-rolls):
-    ``jax`` (our sampler) or ``vllm`` (one ``vllm_sampler.VLLMSampler`` per run, fed the current params
-    before each call; ``vllm_kv_cache_gib`` is its CPU KV-cache space in whole GiB). Held-out evaluation
-    samples with our sampler either way, and ``old_logp`` is always the trainer's own forward pass.
+    ``jax`` (our sampler) or ``vllm`` (one ``vllm_sampler.VLLMSampler`` per process, fed the current params
+    before each call; ``vllm_kv_cache_gib`` is its CPU KV-cache space in whole GiB). Validation samples with
+    the engine too when its context holds the call, else with our sampler; ``old_logp`` is always the
+    trainer's own forward pass.
     ``compact_every`` (our sampler only): every this many decode steps the rows still running move into a
     smaller batch bucket when they fit one (``sampler.generate``); 0 never, which saves compiled programs where
     those dominate (a tiny model on a CPU).
@@ -497,7 +498,7 @@ class MeshSection:
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
     """Where metrics go besides ``metrics.jsonl`` and TensorBoard: a Weights & Biases run when ``wandb``
-    (an optional dependency, ``lspo_jax[wandb]``). ``offline`` writes it under the run directory for a
+    (an optional dependency: ``pip install -e '.[wandb]'``). ``offline`` writes it under the run directory for a
     later ``wandb sync``; a resumed run continues the same W&B run."""
 
     wandb: bool = False

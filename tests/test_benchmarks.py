@@ -104,3 +104,19 @@ def test_lspo_eval_refuses_an_empty_out_and_a_config_beside_a_run(tmp_path, caps
     assert cli.eval_main(["--model", str(run_dir), "--config", "configs/demo.yaml"]) == cli.EXIT_CONFIG
     err = capsys.readouterr().err
     assert "is a training run, evaluated with its own config.yaml" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_packing_reads_the_packaged_prompts_where_the_data_folder_lacks_them(tmp_path, monkeypatch):
+    from tools import bench_packing, qwen_vocab
+
+    # A prompt's "tokens" are its characters here: what is checked is which file is read, not the vocabulary.
+    monkeypatch.setattr(qwen_vocab, "r1_tokenizer", lambda: None)
+    monkeypatch.setattr(data, "render_prompt", lambda tokenizer, text: list(text))
+    with open(benchmarks.packaged_file("aime24")) as f:
+        packaged = [json.loads(line)["problem"] for line in f if line.strip()]
+    lengths = bench_packing.r1_prompt_lengths(str(tmp_path), "aime24")  # nothing in tmp_path: the package's file
+    assert len(lengths) == len(packaged) == 30
+    (tmp_path / "aime24.jsonl").write_text(json.dumps({"problem": "x"}) + "\n")  # a file in --data-dir wins
+    assert len(bench_packing.r1_prompt_lengths(str(tmp_path), "aime24")) == 1
+    with pytest.raises(FileNotFoundError, match="nosuch.jsonl"):
+        bench_packing.r1_prompt_lengths(str(tmp_path), "nosuch")

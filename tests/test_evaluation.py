@@ -360,7 +360,8 @@ def test_lspo_eval_from_a_checkpoint(model_dir, tmp_path, monkeypatch):
     bench = tmp_path / "sums.jsonl"
     bench.write_text("".join(json.dumps({"id": i, "problem": f"{a}+0=", "answer": a}) + "\n" for i, a in rows))
     config = load_config(None, [f"model.path={model_dir}", f"data.train={bench}", "data.instruction_position=none",
-                                "eval.n=2", "eval.ks=[1, 2]", "data.max_prompt_tokens=32", *SHORT])  # fmt: skip
+                                "eval.n=2", "eval.ks=[1, 2]", "data.max_prompt_tokens=32", f"eval.benchmarks=[{bench}]",
+                                *SHORT])  # fmt: skip
     job = Run(config, str(tmp_path / "run"), verifier=_NoVerifier())
     job.save()  # a checkpoint of step 0: the base as loaded from model_dir
     job.close()
@@ -372,10 +373,11 @@ def test_lspo_eval_from_a_checkpoint(model_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(evaluation, "sample_responses", scripted)
     out = tmp_path / "results.json"
-    argv = ["--model", str(tmp_path / "run"), "--benchmarks", str(bench), "--workers", "0", "--out", str(out)]
+    argv = ["--model", str(tmp_path / "run"), "--workers", "0", "--out", str(out)]  # the run's own benchmarks
     assert cli.eval_main(argv) == 0
     results = json.loads(out.read_text())
     sums = results["benchmarks"]["sums"]
+    assert list(results["benchmarks"]) == ["sums"]
     assert results["checkpoint_step"] == 0 and results["ks"] == [1, 2]
     # Golds 2, 3, 5, 2 against answers (2, 3): [T F], [F T], [F F], [T F].
     assert [p["correct"] for p in sums["per_problem"]] == [[T, F], [F, T], [F, F], [T, F]]

@@ -229,6 +229,6 @@ def test_compile_without_the_compile_extra_is_one_line(tool, tmp_path, monkeypat
     platforms = jax.config.jax_platforms
     assert tool.main(["--small", "--compile", "h100x8"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("lower_check: --compile needs ['libtpu', 'jax_plugins.xla_cuda12']: pip install -e")
+    assert err.startswith("lower_check: --compile needs ['libtpu', 'jax_plugins.xla_cuda12']: bash tools/setup.sh test")
     assert err.count("\n") == 1
     assert jax.config.jax_platforms == platforms  # JAX's platform is left as it was

@@ -43,7 +43,10 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--responses", default="lognormal:4400:10000", help="lognormal:MEDIAN:P90 or uniform:LOW:HIGH")
     p.add_argument(
-        "--prompts", default="math500", help="benchmark file in --data-dir whose R1 prompts give P's lengths"
+        "--prompts",
+        default="math500",
+        help="benchmark file in --data-dir (else the package's, for math500, aime24 "
+        "and aime25) whose R1 prompts give P's lengths",
     )
     p.add_argument("--data-dir", default=str(SHARED_DATA))
     p.add_argument("--scale", type=int, default=16, help="part 2: P, R and lengths divided by this")
@@ -72,11 +75,13 @@ def response_lengths(spec: str, n: int, cap: int, rng: np.random.Generator) -> n
 
 def r1_prompt_lengths(data_dir: str, name: str) -> np.ndarray:
     """The R1 prompts' token counts of one benchmark file (the chat template and instruction included)."""
-    from lspo_jax.tasks import data
+    from lspo_jax.tasks import benchmarks, data
     from lspo_jax.train_config import DataConfig
     from tools import qwen_vocab
 
     path = os.path.join(data_dir, f"{name}.jsonl")
+    if not os.path.isfile(path) and name in benchmarks.manifest():  # a clone without the data folder beside it
+        path = str(benchmarks.packaged_file(name))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file: {path}")
     try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The demo: the main job on its embedded default config, on the CPU. Writes runs/demo (replaced each run).
+# The demo: lspo-train on configs/demo.yaml, on the CPU. Writes runs/demo (replaced each run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh

@@ -433,11 +433,11 @@ def check(
 
 # ------------------------------------------------------------------------------------------------ compiling
 # Deviceless compilation: the chips' own compilers (libtpu; XLA's CUDA backend with ptxas from the nvcc wheel) run
-# here on compile-only devices of a named topology (``pip install -e '.[compile]'``), and the executable's memory
-# analysis says what a device needs. TPU budgets are what the compiler enforces (arguments + outputs - aliased +
-# temporaries, read off its refusals with libtpu 0.0.42); an H100 program's is the device's memory (its target
-# config) times JAX's allocator fraction for the run (``accelerator.memory_fraction``: XLA compiles for CUDA
-# without a memory check). Speed is not known this way: nothing is autotuned.
+# here on compile-only devices of a named topology (``tools/setup.sh test`` installs them into ``.venv/chips``), and
+# the executable's memory analysis says what a device needs. TPU budgets are what the compiler enforces (arguments +
+# outputs - aliased + temporaries, read off its refusals with libtpu 0.0.42); an H100 program's is the device's
+# memory (its target config) times JAX's allocator fraction for the run (``accelerator.memory_fraction``: XLA
+# compiles for CUDA without a memory check). Speed is not known this way: nothing is autotuned.
 TARGET_CONFIGS = Path(__file__).resolve().parent / "targets"
 # Where ``tools/setup.sh test`` installs the compilers (the ``compile`` extra) apart from the environment, and the
 # jaxlib they and the H100 target config are for.
@@ -755,8 +755,7 @@ def use_chip_compilers() -> None:
         sys.path.append(str(CHIPS))
     missing = [name for name in ("libtpu", "jax_plugins.xla_cuda12") if not _importable(name)]
     if missing:
-        raise ConfigError(f"--compile needs {missing}: pip install -e '.[compile]', or tools/setup.sh test (into "
-                          f"{CHIPS})")  # fmt: skip
+        raise ConfigError(f"--compile needs {missing}: bash tools/setup.sh test installs them into {CHIPS}")
     jax.config.update("jax_platforms", "cpu")
 
 

@@ -39,9 +39,11 @@ INTRO = """\
 
 Every key of a training run's config, by its dotted name: what a YAML file (`lspo-train --config FILE`) or an
 override (`lspo-train ... rollout.group_size=8`) sets. A file names only what differs from these defaults; `null` is
-YAML's None. Each section is a frozen dataclass, named under its heading, whose docstring says more. The key, type
-and default columns are written from the code (`python -m tools.options_reference --write docs/options.md`), the
-meanings by hand; `--check` fails when the page and the code differ."""
+YAML's None. A file may start from another: `base_config: other.yaml` (relative to the file) reads that one first
+and lays this file's keys over it, section by section. Each section is a frozen dataclass, named under its heading,
+whose docstring says more. The key, type and default columns are written from the code
+(`python -m tools.options_reference --write docs/options.md`), the meanings by hand; `--check` fails when the page
+and the code differ."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,11 @@ extras="${1:-}"
 python="${PYTHON:-python3.11}"
 command -v "$python" >/dev/null || python=python3
 if [ ! -x .venv/bin/python ]; then
+  if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    found="$("$python" -V 2>&1 | head -1 || true)"
+    echo "tools/setup.sh: needs Python 3.11 or newer; $python is ${found:-not runnable}. Name one: PYTHON=/path/python3.11" >&2
+    exit 2
+  fi
   "$python" -m venv .venv
 fi
 spec="."

@@ -324,11 +324,11 @@ def _eval_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: the latest)")
     p.add_argument("--config", default=None, help="YAML run config for a Hugging Face model (prompt, reward settings)")
-    p.add_argument("--benchmarks", default=DEFAULT_BENCHMARKS,
-                   help="comma-separated bare names, paths or hub datasets ORG/NAME[@REVISION][:PART] "
-                        "(default: %(default)s). A bare name is looked for as NAME.jsonl or NAME.parquet in --data-dir "
-                        "(else $LSPO_JAX_DATA_DIR), then among the package's math500, aime24, aime25, then on the hub "
-                        "(aime26: MathArena/aime_2026)")  # fmt: skip
+    p.add_argument("--benchmarks", default=None,
+                   help="comma-separated bare names, paths or hub datasets ORG/NAME[@REVISION][:PART] (default: the "
+                        f"config's eval.benchmarks, else {DEFAULT_BENCHMARKS}). A bare name is looked for as "
+                        "NAME.jsonl or NAME.parquet in --data-dir (else $LSPO_JAX_DATA_DIR), then among the package's "
+                        "math500, aime24, aime25, then on the hub (aime26: MathArena/aime_2026)")  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where bare benchmark names are looked for first (default: "
                    "eval.data_dir, else $LSPO_JAX_DATA_DIR)")  # fmt: skip
     p.add_argument("--protocol", default=None, metavar="NAME", help=_protocol_help())
@@ -387,12 +387,19 @@ def _eval_settings(run, args):
     else:
         ks = list(run.eval.ks)
     flags = {
-        **sampling, "eval.benchmarks": [b.strip() for b in args.benchmarks.split(",") if b.strip()], "eval.ks": ks,
+        **sampling, "eval.benchmarks": _benchmarks(args.benchmarks, run.eval.benchmarks), "eval.ks": ks,
         "eval.limit": args.limit, "eval.data_dir": args.data_dir, "rollout.prompts_per_step": args.prompts_per_batch,
         "reward.workers": args.workers, "seed": args.seed,
     }  # fmt: skip
     overrides = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     return from_dict(type(run), apply_overrides(to_dict(run), overrides))
+
+
+def _benchmarks(flag: str | None, configured: tuple[str, ...]) -> list[str] | None:
+    """``--benchmarks`` when given; else None (keep the config's own), or the packaged three where it names none."""
+    if flag is None and configured:
+        return None
+    return [b.strip() for b in (DEFAULT_BENCHMARKS if flag is None else flag).split(",") if b.strip()]
 
 
 def _ints(flag: str, text: str) -> list[int]:

@@ -94,7 +94,7 @@ def _import_wandb():
     except ImportError as err:
         from lspo_jax.train_config import ConfigError
 
-        raise ConfigError("log.wandb: wandb is not installed (pip install 'lspo_jax[wandb]')") from err
+        raise ConfigError("log.wandb: wandb is not installed (.venv/bin/pip install -e '.[wandb]')") from err
     return wandb
 
 
