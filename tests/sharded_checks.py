@@ -8,6 +8,7 @@ them. Everything runs in one process so JAX starts once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -399,6 +400,38 @@ def check_train_loop(params) -> dict:
     }
 
 
+def check_eval(_params) -> dict:
+    """``lspo-eval`` on every device (rows split over 8) against the same on the first alone: which devices
+    sampled, and the responses' tokens, which depend only on the key and the row, so equal."""
+    from lspo_jax.job import cli
+    from lspo_jax.tasks import toy
+
+    with tempfile.TemporaryDirectory() as workdir:
+        bench = os.path.join(workdir, "sums.jsonl")
+        with open(bench, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in toy.addition_rows(4, (2, 2), seed=1))
+        model_dir = toy_model.ensure_model(os.path.join(workdir, "toy"), steps=0)
+        out = {}
+        for name, mesh in (("all", cli.eval_mesh), ("first", lambda: None)):
+            cli.eval_mesh, kept = mesh, cli.eval_mesh
+            try:
+                argv = ["--model", model_dir, "--benchmarks", bench, "--n", "2", "--max-new-tokens", "8", "--workers",
+                        "0", "--out", os.path.join(workdir, f"{name}.json"), "data.instruction_position=none",
+                        "data.max_prompt_tokens=32"]  # fmt: skip
+                with contextlib.redirect_stdout(sys.stderr):  # this script's stdout is its JSON alone
+                    status = cli.eval_main(argv)
+            finally:
+                cli.eval_mesh = kept
+            with open(os.path.join(workdir, f"{name}.json")) as f:
+                result = json.load(f)
+            with open(os.path.join(workdir, f"{name}.samples.jsonl")) as f:
+                responses = [json.loads(line)["tokens"] for line in f]
+            out[name] = {"status": status, "devices": result["devices"], "responses": responses}
+    return {"devices": [out["all"]["devices"], out["first"]["devices"]], "status": [out["all"]["status"],
+            out["first"]["status"]], "samples": len(out["all"]["responses"]),
+            "responses_equal": out["all"]["responses"] == out["first"]["responses"]}  # fmt: skip
+
+
 def _train_config_base(config):
     from lspo_jax.models import hf
 
@@ -417,6 +450,7 @@ def main() -> None:
         ("param_bytes", check_param_bytes),
         ("checkpoint", check_checkpoint),
         ("train_loop", check_train_loop),
+        ("eval", check_eval),
     ):
         if sys.argv[1:] and name not in sys.argv[1:]:  # a subset by name, for working on one check
             continue

@@ -275,6 +275,7 @@ def test_lspo_eval_by_a_protocol_over_two_seeds(model_dir, tmp_path, monkeypatch
     assert (results["n"], results["ks"], results["temperature"], results["top_p"]) == (2, [1, 2], 0.6, 0.95)
     assert {(d.temperature, d.top_p, d.max_new_tokens) for d in decodings} == {(0.6, 0.95, 8)}
     assert (results["seeds"], results["engine"], results["versions"]["jax"]) == ([1, 2], "jax", jax.__version__)
+    assert results["devices"] == jax.local_device_count() == 1
     bench = results["benchmarks"]["toy_heldout"]
     lines = [json.loads(line) for line in (tmp_path / "r.samples.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 2 * 2 and all(set(line) == SAMPLE_FIELDS for line in lines)  # problems x n x seeds

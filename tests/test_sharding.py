@@ -185,3 +185,9 @@ def test_the_runs_sampler_splits_rows_over_every_device_of_a_tp_mesh():
     assert Generator(None, tp_mesh).mesh == folded
     rows_only = AbstractMesh((1, 8, 1), ("data", "fsdp", "tp"), axis_types=auto)
     assert sharding.sampling_mesh(rows_only) is rows_only
+
+
+def test_lspo_eval_samples_on_every_device_with_the_first_device_s_responses(checks):
+    got = checks["eval"]
+    assert got["status"] == [0, 0] and got["devices"] == [8, 1]
+    assert got["samples"] == 4 * 2 and got["responses_equal"]  # 4 problems x n 2, token for token

@@ -505,14 +505,14 @@ def _eval(args) -> int:
         print(f"lspo-eval: {describe(err)}", file=sys.stderr)
         return EXIT_CONFIG
     _warn_about_protocol(run)
-    pool, generator, seeds = make_verifier(run), Generator(policy), seeds or [run.seed]
-    engine = "jax" if generator.vllm is None else "vllm"
+    pool, generator, seeds = make_verifier(run), Generator(policy, mesh=eval_mesh()), seeds or [run.seed]
+    sampled_on = {"engine": "jax" if generator.vllm is None else "vllm", "devices": generator.mesh.devices.size}
     results = {}
 
     # Written before sampling and after each benchmark, "finished" false until the end: an earlier file at --out
     # never looks current, and a stop keeps the benchmarks already scored.
     def save(finished: bool) -> None:
-        _write_results(args.out, _eval_output(args.model, step, run, seeds, engine, results), finished)
+        _write_results(args.out, _eval_output(args.model, step, run, seeds, sampled_on, results), finished)
 
     save(False)
     try:
@@ -580,15 +580,26 @@ def _json_lines(path: str | None):
         yield write
 
 
-def _eval_output(model: str, step, run, seeds: list[int], engine: str, results: dict) -> dict:
+def eval_mesh():
+    """Every device of this process, problems' rows split over them; None (the first device) when there is one."""
+    import jax
+
+    from lspo_jax.models import sharding
+
+    devices = jax.local_devices()
+    return None if len(devices) == 1 else sharding.make_mesh(sharding.MeshConfig(1, -1, 1), devices)
+
+
+def _eval_output(model: str, step, run, seeds: list[int], sampled_on: dict, results: dict) -> dict:
     """The JSON of ``--out``: what was evaluated, the protocol named (its stated settings and each deviation of the
-    settings used), the settings used, the seeds, the sampler, the packages' versions and the benchmarks' records."""
+    settings used), the settings used, the seeds, the sampler and its device count, the packages' versions and the
+    benchmarks' records."""
     from lspo_jax.job import evaluation
 
     used = evaluation.sampling_settings(run)
     return {
         "model": model, "checkpoint_step": step, "protocol": _protocol_record(run), **used, "ks": list(run.eval.ks),
-        "seeds": seeds, "engine": engine, "versions": evaluation.package_versions(),
+        "seeds": seeds, **sampled_on, "versions": evaluation.package_versions(),
         "require_think_close": run.reward.require_think_close, "benchmarks": results,
     }  # fmt: skip
 
