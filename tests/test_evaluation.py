@@ -17,6 +17,7 @@ from lspo_jax.job.evaluation import pass_at_k
 from lspo_jax.models import hf
 from lspo_jax.tasks import benchmarks, data
 from lspo_jax.tasks.rewards import math_reward
+from lspo_jax.train_config import ConfigError
 
 F, T = False, True
 
@@ -275,7 +276,7 @@ def test_lspo_eval_by_a_protocol_over_two_seeds(model_dir, tmp_path, monkeypatch
     assert (results["n"], results["ks"], results["temperature"], results["top_p"]) == (2, [1, 2], 0.6, 0.95)
     assert {(d.temperature, d.top_p, d.max_new_tokens) for d in decodings} == {(0.6, 0.95, 8)}
     assert (results["seeds"], results["engine"], results["versions"]["jax"]) == ([1, 2], "jax", jax.__version__)
-    assert results["devices"] == jax.local_device_count() == 1
+    assert results["devices"] == cli.evenly_splitting(jax.local_device_count())
     bench = results["benchmarks"]["toy_heldout"]
     lines = [json.loads(line) for line in (tmp_path / "r.samples.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 2 * 2 and all(set(line) == SAMPLE_FIELDS for line in lines)  # problems x n x seeds
@@ -335,6 +336,7 @@ def test_lspo_eval_refuses_a_bad_protocol_seeds_or_samples_file_before_any_work(
         ("--seeds", "3,3"): "--seeds 3,3: a seed given twice",
         ("--samples", str(tmp_path)): f"--samples {tmp_path} is a directory",
         ("--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "r.json")): "is --out too",
+        ("--benchmarks", " , "): "--benchmarks ' , ': names no benchmark",
     }
     for argv, message in refusals.items():
         assert cli.eval_main([*base, *argv]) == 2
@@ -480,3 +482,16 @@ def test_coverage_ks_and_schedule_checks():
     assert validation_specs(load_config(None, [*toy_run, "eval.coverage_benchmarks=[toy_heldout_3digit]"]))
     with pytest.raises(ConfigError, match=r"^eval.coverage_benchmarks: \['toy_3digit'\] not among"):
         validation_specs(load_config(None, [*toy_run, "eval.coverage_benchmarks=[toy_3digit]"]))
+
+
+def test_lspo_eval_benchmarks_the_flag_else_the_config_s_else_the_packaged_three():
+    assert cli._benchmarks("a, b,", ("c",)) == ["a", "b"]  # the flag wins over the config's list
+    assert cli._benchmarks(None, ("c",)) is None  # None: the config's own list is kept
+    assert cli._benchmarks(None, ()) == ["math500", "aime24", "aime25"]
+    with pytest.raises(ConfigError, match="--benchmarks ',': names no benchmark"):
+        cli._benchmarks(",", ("c",))
+
+
+def test_lspo_eval_samples_on_a_power_of_two_of_the_devices():
+    # A call's rows are its problems rounded up to a power of two times n: they split over 4 of 6 devices.
+    assert [cli.evenly_splitting(n) for n in (1, 2, 3, 6, 7, 8, 12, 16)] == [1, 2, 2, 4, 4, 8, 8, 16]

@@ -80,7 +80,8 @@ def r1_prompt_lengths(data_dir: str, name: str) -> np.ndarray:
     from tools import qwen_vocab
 
     path = os.path.join(data_dir, f"{name}.jsonl")
-    if not os.path.isfile(path) and name in benchmarks.manifest():  # a clone without the data folder beside it
+    here = any(os.path.exists(os.path.join(data_dir, f"{name}{suffix}")) for suffix in (".jsonl", ".parquet"))
+    if not here and name in benchmarks.manifest():  # a clone without the data folder beside it
         path = str(benchmarks.packaged_file(name))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file: {path}")

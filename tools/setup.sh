@@ -5,11 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 python="${PYTHON:-python3.11}"
-command -v "$python" >/dev/null || python=python3
+[ -n "${PYTHON:-}" ] || command -v "$python" >/dev/null || python=python3  # a PYTHON named is used or refused
 if [ ! -x .venv/bin/python ]; then
+  found="$(command -v "$python" >/dev/null && "$python" -V 2>&1 | head -1 || true)"
   if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    found="$("$python" -V 2>&1 | head -1 || true)"
-    echo "tools/setup.sh: needs Python 3.11 or newer; $python is ${found:-not runnable}. Name one: PYTHON=/path/python3.11" >&2
+    echo "tools/setup.sh: needs Python 3.11 or newer; $python is ${found:-not one it can run}. Name one: PYTHON=/path/python3.11" >&2
     exit 2
   fi
   "$python" -m venv .venv

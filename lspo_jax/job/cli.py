@@ -397,9 +397,14 @@ def _eval_settings(run, args):
 
 def _benchmarks(flag: str | None, configured: tuple[str, ...]) -> list[str] | None:
     """``--benchmarks`` when given; else None (keep the config's own), or the packaged three where it names none."""
+    from lspo_jax.train_config import ConfigError
+
     if flag is None and configured:
         return None
-    return [b.strip() for b in (DEFAULT_BENCHMARKS if flag is None else flag).split(",") if b.strip()]
+    names = [b.strip() for b in (DEFAULT_BENCHMARKS if flag is None else flag).split(",") if b.strip()]
+    if not names:
+        raise ConfigError(f"--benchmarks {flag!r}: names no benchmark; leave it out for the config's own")
+    return names
 
 
 def _ints(flag: str, text: str) -> list[int]:
@@ -461,7 +466,7 @@ def samples_path(out: str | None, samples: str | None) -> str | None:
 def _eval_arguments(args) -> tuple[str | None, list[int] | None]:
     """The per-sample file (``samples_path``) and ``--seeds`` (None: the config's one seed), refused before any work
     where they cannot be used: an output that could not be written, one file for both, a seed given twice (it
-    would repeat its samples) or an unknown ``--protocol``."""
+    would repeat its samples), an unknown ``--protocol`` or a ``--benchmarks`` that names none."""
     from lspo_jax.options import eval_protocol
     from lspo_jax.train_config import ConfigError
 
@@ -479,6 +484,7 @@ def _eval_arguments(args) -> tuple[str | None, list[int] | None]:
         raise ConfigError(f"--seeds {args.seeds}: a seed given twice draws the same samples twice")
     if args.protocol is not None:
         eval_protocol(args.protocol, "--protocol")
+    _benchmarks(args.benchmarks, ())
     return samples, seeds
 
 
@@ -581,13 +587,24 @@ def _json_lines(path: str | None):
 
 
 def eval_mesh():
-    """Every device of this process, problems' rows split over them; None (the first device) when there is one."""
+    """This process's devices that a call's rows split over evenly, the rows split over them; None (the first
+    device) when that is one. The sampler rounds a call's problems up to a power of two, so a mesh of another size
+    would hold every row on every device: the largest power of two of them, the rest left idle and said so."""
     import jax
 
     from lspo_jax.models import sharding
 
     devices = jax.local_devices()
-    return None if len(devices) == 1 else sharding.make_mesh(sharding.MeshConfig(1, -1, 1), devices)
+    used = evenly_splitting(len(devices))
+    if used < len(devices):
+        print(f"lspo-eval: sampling on {used} of the {len(devices)} devices (a call's rows split over a power of two)",
+              file=sys.stderr)  # fmt: skip
+    return None if used == 1 else sharding.make_mesh(sharding.MeshConfig(1, -1, 1), devices[:used])
+
+
+def evenly_splitting(devices: int) -> int:
+    """The largest power of two up to ``devices``."""
+    return 1 << (devices.bit_length() - 1)
 
 
 def _eval_output(model: str, step, run, seeds: list[int], sampled_on: dict, results: dict) -> dict:
