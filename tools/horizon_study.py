@@ -266,7 +266,7 @@ def plot_gain_cost(figures: dict, baseline: str, columns: Sequence[str], path: s
     fig, axes = plt.subplots(1, max(len(gains), 1), figsize=(4.8 * max(len(gains), 1), 4), squeeze=False,
                              constrained_layout=True)  # fmt: skip
     for ax, gain in zip(axes[0], gains, strict=False):
-        for arm in figures:
+        for index, arm in enumerate(figures):
             if arm == baseline:
                 continue
             costs, gained = paired(figures, arm, baseline, cost), paired(figures, arm, baseline, gain)
@@ -275,13 +275,15 @@ def plot_gain_cost(figures: dict, baseline: str, columns: Sequence[str], path: s
                 continue
             mx, my = float(np.mean(x)), float(np.mean(y))
             ax.errorbar(mx, my, xerr=[[mx - min(x)], [max(x) - mx]], yerr=[[my - min(y)], [max(y) - my]],
-                        fmt="o", capsize=3, label=f"{arm} ({len(y)} seed{'s' * (len(y) > 1)})")  # fmt: skip
+                        fmt="o", capsize=3, color=f"C{index % 10}",  # the arm's colour in the curves' pictures
+                        label=f"{arm} ({len(y)} seed{'s' * (len(y) > 1)})")  # fmt: skip
         ax.axhline(0, color="grey", lw=0.8)
         ax.axvline(0, color="grey", lw=0.8)
         ax.set_xlabel(f"{cost} - {baseline} (points)")
         ax.set_ylabel(f"{gain} - {baseline} (points)")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:  # one legend beside the panels, which show the same arms
+        fig.legend(handles, labels, loc="outside right center", fontsize="small")
     fig.suptitle(f"Frontier gain against the learned class's cost, minus {baseline} paired by seed (mean, "
                  "bars = seed range)", fontsize=9)  # fmt: skip
     fig.savefig(path, dpi=100)

@@ -374,8 +374,10 @@ def plot_curves(runs: Sequence[RunTrace], path: str, key: str = "pass@1", horizo
             ax.set_ylim(-2, 102)  # one scale for every panel: a class stuck at 0 reads as 0, not as a flat middle
         ax.set_xlabel("step")
         ax.set_ylabel(f"held-out {key}{' (%)' if rate else ''}")
-        if ax.lines:
-            ax.legend(fontsize="small")
+    # One legend for every panel, beside them: with eight arms a legend in each panel hid the lines it named.
+    labelled = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    if labelled:
+        fig.legend(labelled.values(), labelled.keys(), loc="outside right center", fontsize="small")
     fig.suptitle(f"Held-out {key} per benchmark: mean over seeds, band = [min, max]", fontsize=9)
     fig.savefig(path, dpi=100)
     plt.close(fig)
