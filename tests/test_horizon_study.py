@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tools import horizon_study, tables
 
 # (step, pass@8) of the frontier class per arm and seed; every run starts at 0.1 (the same base model).
@@ -50,7 +52,7 @@ def test_peak_last_mean_and_the_paired_differences_by_hand(tmp_path, capsys):
     for metric in ("pass8", "answer_entropy"):  # a rate in percent, an entropy in nats: one panel each
         assert (tmp_path / f"band_{metric}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((tmp_path / "s.json").read_text())
-    assert saved["lspo"]["2"]["toy_3term_frontier"]["pass@8"]["peak_step"] == 50
+    assert saved["classes"]["lspo"]["2"]["toy_3term_frontier"]["pass@8"]["peak_step"] == 50
 
 
 def test_nothing_finished_is_one_line(tmp_path, capsys):
@@ -93,16 +95,19 @@ def test_the_mechanism_table_reads_each_runs_summary_and_sampler_records(tmp_pat
 
 
 # The gain-against-cost traces at the horizon (step 200; the validation at 225 is past it): per run the frontier's
-# (pass@8, coverage pass@256, accuracy) and the 3-digit accuracy. lspo seed 2's coverage pass did not run at 200.
+# (pass@8, coverage pass@256, accuracy), the beyond-reach accuracy and the 3-digit accuracy. lspo seed 2's coverage
+# pass did not run at 200.
 AT_200 = {
-    ("dapo", 1): (0.30, 0.50, 0.10, 0.90),
-    ("dapo", 2): (0.20, 0.60, 0.05, 0.80),
-    ("lspo", 1): (0.50, 0.55, 0.20, 0.85),
-    ("lspo", 2): (0.40, None, 0.15, 0.80),
+    ("dapo", 1): (0.30, 0.50, 0.10, 0.00, 0.90),
+    ("dapo", 2): (0.20, 0.60, 0.05, 0.00, 0.80),
+    ("lspo", 1): (0.50, 0.55, 0.20, 0.02, 0.85),
+    ("lspo", 2): (0.40, None, 0.15, 0.04, 0.80),
 }
-# (step, adapter reliance, spliced gradient share) of the lspo runs' training records.
+# The frontier's coverage pass@1 (the share of correct samples) at 200, where its pass ran; 0.01 at step 0.
+PASS1_AT_200 = {"dapo": 0.02, "lspo": 0.03}
+# (step, adapter reliance, spliced gradient share) of the lspo runs' training records; step 225 is past the horizon.
 TRAIN = {
-    1: [(50, 0.2, 0.30), (100, 0.4, None), (150, None, 0.10)],  # a step without spliced tokens: no reliance
+    1: [(50, 0.2, 0.30), (100, 0.4, None), (150, None, 0.10), (225, 9.9, None)],  # 150: no spliced tokens
     2: [(50, 0.1, None)],
 }
 
@@ -110,13 +115,17 @@ TRAIN = {
 def write_horizon_run(root, arm, seed):
     run = root / f"{arm}_seed{seed}"
     run.mkdir()
-    p8, cov, acc, learned = AT_200[arm, seed]
+    p8, cov, acc, beyond, learned = AT_200[arm, seed]
     frontier = {"kind": "eval", "benchmark": "toy_heldout_3term_frontier"}
-    records = [frontier | {"step": 0, "pass@8": 0.0, "accuracy": 0.0, "coverage/pass@256": 0.1},
+    covered = {"coverage/pass@256": cov, "coverage/pass@1_unbiased": PASS1_AT_200[arm]} if cov else {}
+    records = [frontier | {"step": 0, "pass@8": 0.0, "accuracy": 0.0, "coverage/pass@256": 0.1,
+                           "coverage/pass@1_unbiased": 0.01},
                {"kind": "eval", "step": 0, "benchmark": "toy_heldout_3digit", "accuracy": 0.3},
-               frontier | {"step": 200, "pass@8": p8, "accuracy": acc} | ({"coverage/pass@256": cov} if cov else {}),
+               frontier | {"step": 200, "pass@8": p8, "accuracy": acc} | covered,
+               {"kind": "eval", "step": 200, "benchmark": "toy_heldout_4digit_cliff_beyond", "accuracy": beyond},
                {"kind": "eval", "step": 200, "benchmark": "toy_heldout_3digit", "accuracy": learned},
-               frontier | {"step": 225, "pass@8": 1.0, "accuracy": 1.0, "coverage/pass@256": 1.0}]  # fmt: skip
+               frontier | {"step": 225, "pass@8": 1.0, "accuracy": 1.0, "coverage/pass@256": 1.0,
+                           "coverage/pass@1_unbiased": 1.0}]  # fmt: skip
     records += [{"kind": "train", "step": s, "scaffold/adapter_reliance": r} | ({"spliced_grad_share": g} if g else {})
                 for s, r, g in (TRAIN[seed] if arm == "lspo" else [])]  # fmt: skip
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -127,19 +136,41 @@ def test_gain_against_cost_and_reliance_at_the_horizon_by_hand(tmp_path, capsys)
     for arm, seed in AT_200:
         write_horizon_run(tmp_path, arm, seed)
     argv = ["--out", str(tmp_path), "--arms", "dapo", "lspo", "--seeds", "1", "2", "--horizon", "200", "--metrics",
-            "pass@8", "--plot", str(tmp_path / "h")]  # fmt: skip
+            "pass@8", "--plot", str(tmp_path / "h"), "--json", str(tmp_path / "h.json")]  # fmt: skip
     assert horizon_study.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    # dapo: pass@8 30, 20; pass@256 50, 60; frontier accuracy 10, 5; 3-digit 90, 80. No difference from itself.
-    assert "| dapo | 1 2 | 25.0 [20.0, 30.0] |  | 55.0 [50.0, 60.0] |  | 7.5 [5.0, 10.0] |  | 85.0 [80.0, 90.0] |  |" \
-        in lines  # fmt: skip
-    # lspo: pass@8 50 - 30 and 40 - 20; pass@256 55 - 50 (seed 2 has none at 200); accuracy 20 - 10 and 15 - 5;
-    # 3-digit 85 - 90 and 80 - 80 -> -2.5 [-5.0, +0.0].
-    want = ("| lspo | 1 2 | 45.0 [40.0, 50.0] | +20.0 [+20.0, +20.0] | 55.0 | +5.0 | 17.5 [15.0, 20.0] "
-            "| +10.0 [+10.0, +10.0] | 82.5 [80.0, 85.0] | -2.5 [-5.0, +0.0] |")  # fmt: skip
+    # dapo: pass@8 30, 20; pass@256 50, 60; frontier accuracy 10, 5; beyond reach 0, 0; 3-digit 90, 80. No
+    # difference from itself.
+    assert ("| dapo | 1 2 | 25.0 [20.0, 30.0] |  | 55.0 [50.0, 60.0] |  | 7.5 [5.0, 10.0] |  | 0.0 [0.0, 0.0] |  "
+            "| 85.0 [80.0, 90.0] |  |") in lines  # fmt: skip
+    # lspo: pass@8 50 - 30 and 40 - 20; pass@256 55 - 50 (seed 2 has none at 200, so over seed 1 alone); accuracy
+    # 20 - 10 and 15 - 5; beyond reach 2 - 0 and 4 - 0; 3-digit 85 - 90 and 80 - 80 -> -2.5 [-5.0, +0.0].
+    want = (
+        "| lspo | 1 2 | 45.0 [40.0, 50.0] | +20.0 [+20.0, +20.0] | 55.0 | +5.0 (seeds 1) | 17.5 [15.0, 20.0] "
+        "| +10.0 [+10.0, +10.0] | 3.0 [2.0, 4.0] | +3.0 [+2.0, +4.0] | 82.5 [80.0, 85.0] | -2.5 [-5.0, +0.0] |"
+    )
     assert want in lines
-    # Reliance: seed 1 (0.2 + 0.4) / 2, shares 30% at 50 and 10% at 150; seed 2 0.1, no share recorded. dapo: none.
+    assert not any(line.startswith("Values short of the horizon") for line in lines)  # every value is at 200
+    # Coverage pass@1 / pass@256: step 0 0.01 / 0.1 in every run; at 200 dapo (0.02, 0.02) / (0.50, 0.60), lspo seed
+    # 1 alone 0.03 / 0.55 (seed 2's pass did not run). Step 225 is past the horizon.
+    assert "| dapo | frontier | 2 | 1.00 / 10.0 | 2.00 / 55.0 |" in lines
+    assert "| lspo | frontier | 2 | 1.00 / 10.0 | 3.00 / 55.0 |" in lines
+    # Reliance: seed 1 (0.2 + 0.4) / 2 (9.9 at step 225 is past the horizon), shares 30% at 50 and 10% at 150;
+    # seed 2 0.1, no share recorded. dapo: none.
     assert "| lspo | 1 | 0.300 | 30.0 | 10.0 | +20.0 | +5.0 |" in lines
     assert "| lspo | 2 | 0.100 | - | - | +20.0 | - |" in lines
     assert not any(line.startswith("| dapo | 1 | ") for line in lines)
     assert (tmp_path / "h_gain_cost.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((tmp_path / "h.json").read_text())
+    assert saved["at_horizon"]["lspo"]["2"]["frontier pass@256"] is None  # not run at 200: no value, not NaN
+    assert saved["at_horizon"]["lspo"]["1"]["steps"]["3-digit accuracy"] == 200
+    assert saved["reliance"]["lspo"]["1"]["reliance"] == pytest.approx(0.3) and saved["reliance"]["dapo"]["1"] is None
+
+
+def test_a_value_short_of_the_horizon_is_named():
+    steps = horizon_study.STEPS
+    figures = {"a": {1: {"x": 5.0, "y": float("nan"), steps: {"x": 175, "y": 175}},
+                     2: {"x": 6.0, "y": 1.0, steps: {"x": 200, "y": 200}}}}  # fmt: skip
+    # Seed 1's x is from step 175; its y (not recorded there) is left out, as its cell is.
+    assert horizon_study.off_horizon(figures, 200) == ["a seed 1: x at step 175"]
+    assert horizon_study.off_horizon(figures, None) == ["a seed 1: x at step 175"]  # short of the latest step

@@ -62,6 +62,7 @@ def summarize(run: tables.RunTrace, horizon: int | None, metrics: Sequence[str])
             trained = [v for s, v in trace if s > 0]
             out.setdefault(benchmark, {})[metric] = {
                 "start": trace[0][1],
+                "start_step": trace[0][0],
                 "peak": max(v for _, v in trace),
                 "peak_step": max(trace, key=lambda sv: sv[1])[0],
                 "last": trace[-1][1],
@@ -93,12 +94,17 @@ def table(study: dict, benchmark: str, metric: str, baseline: str) -> str:
             continue
         row = [arm, " ".join(map(str, sorted(cells)))]
         row += [spread([c[s] for c in cells.values()], digits) for s in STATS]
+        both = [seed for seed in cells if arm != baseline and metric in base.get(seed, {}).get(benchmark, {})]
         for stat in STATS:
-            paired = [c[stat] - base[seed][benchmark][metric][stat] for seed, c in cells.items()
-                      if arm != baseline and metric in base.get(seed, {}).get(benchmark, {})]  # fmt: skip
-            row.append(spread(paired, digits, signed=True) if paired else "")
+            paired = [cells[seed][stat] - base[seed][benchmark][metric][stat] for seed in both]
+            row.append(spread(paired, digits, signed=True) + _paired_on(both, cells) if paired else "")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _paired_on(paired: Sequence[int], seeds: Sequence[int]) -> str:
+    """The seeds a difference is over, said where they are fewer than the arm's own (the baseline lacks some)."""
+    return "" if len(paired) == len(seeds) else f" (seeds {' '.join(map(str, sorted(paired)))})"
 
 
 def frontier_lines(study: dict, k_metric: str) -> list[str]:
@@ -110,8 +116,9 @@ def frontier_lines(study: dict, k_metric: str) -> list[str]:
             if benchmark is None or k_metric not in run[benchmark]:
                 continue
             p, e = run[benchmark][k_metric], run[benchmark].get(ENTROPY)
-            text = (f"- {arm} seed {seed}: {k_metric} {p['start']:.1f} at 0, peak {p['peak']:.1f} at step "
-                    f"{p['peak_step']}, {p['last']:.1f} at {p['last_step']} (mean {p['mean']:.1f})")  # fmt: skip
+            text = (f"- {arm} seed {seed}: {k_metric} {p['start']:.1f} at {p['start_step']}, peak "
+                    f"{p['peak']:.1f} at step {p['peak_step']}, {p['last']:.1f} at {p['last_step']} (mean "
+                    f"{p['mean']:.1f})")  # fmt: skip
             if e is not None:
                 text += f"; answer entropy {e['start']:.2f} -> {e['last']:.2f} nats (mean {e['mean']:.2f})"
             lines.append(text)
@@ -166,17 +173,21 @@ def mechanism_table(runs: Sequence[tables.RunTrace]) -> str:
 
 # ------------------------------------------------------------------------------- gain against cost per arm
 LEARNED = "3digit"  # the learned class whose accuracy is the cost: its benchmark name ends in this
+BEYOND = "beyond"  # the class no sample of the base solves: its benchmark name holds this word
 RELIANCE = "scaffold/adapter_reliance"
 GRAD_SHARE = "spliced_grad_share"
+STEPS = "steps"  # at_horizon's key for the step each column's value was read at
 
 
 def horizon_columns(k_metric: str, coverage_k: int) -> tuple[tuple[str, str, str], ...]:
     """``(column, class, metric)`` of the gain-against-cost table: the frontier's ``k_metric`` (pass@8), coverage
-    pass@k (``coverage/pass@K``, where the runs recorded a coverage pass) and accuracy, then the 3-digit accuracy."""
+    pass@k (``coverage/pass@K``, where the runs recorded a coverage pass) and accuracy, the beyond-reach class's
+    accuracy, then the cost: the 3-digit accuracy (the last column)."""
     return (
         (f"frontier {k_metric}", FRONTIER, k_metric),
         (f"frontier pass@{coverage_k}", FRONTIER, f"coverage/pass@{coverage_k}"),
         ("frontier accuracy", FRONTIER, "accuracy"),
+        ("beyond-reach accuracy", BEYOND, "accuracy"),
         ("3-digit accuracy", LEARNED, "accuracy"),
     )
 
@@ -184,18 +195,32 @@ def horizon_columns(k_metric: str, coverage_k: int) -> tuple[tuple[str, str, str
 def at_horizon(run: tables.RunTrace, horizon: int | None, columns: Sequence[tuple[str, str, str]]) -> dict:
     """Column -> the run's value (in %) at its class's last validation <= ``horizon``; NaN where that validation
     did not record it. Not an earlier value instead: a coverage pass runs on fewer steps than validation (step 0,
-    every ``eval.coverage_every`` and the last), and a figure from another step would not be at the horizon."""
-    out = {}
+    every ``eval.coverage_every`` and the last), and a figure from another step would not be at the horizon.
+    ``STEPS`` -> column -> the step of that validation (``off_horizon`` names those short of the horizon)."""
+    out: dict = {STEPS: {}}
     for column, cls, metric in columns:
         records = [r for r in run.evals
                    if _is_class(tables.benchmark_of(r), cls) and (horizon is None or r["step"] <= horizon)]  # fmt: skip
-        value = max(records, key=lambda r: r["step"]).get(metric) if records else None
+        last = max(records, key=lambda r: r["step"]) if records else {}
+        value = last.get(metric)
         out[column] = math.nan if value is None else 100.0 * value
+        out[STEPS][column] = last.get("step")
     return out
 
 
+def off_horizon(figures: dict, horizon: int | None) -> list[str]:
+    """``ARM seed SEED: COLUMN at step S`` for each value from a validation short of the horizon (a run that
+    stopped early or lost its last record), which its cell then mixes with the others' at the horizon; without a
+    horizon, short of the latest step any run reached."""
+    steps = [s for runs in figures.values() for f in runs.values() for s in f[STEPS].values() if s is not None]
+    target = horizon if horizon is not None else max(steps, default=None)
+    return [f"{arm} seed {seed}: {column} at step {step}" for arm, runs in figures.items()
+            for seed, f in sorted(runs.items()) for column, step in f[STEPS].items()
+            if step is not None and step != target and not math.isnan(f[column])]  # fmt: skip
+
+
 def _is_class(benchmark: str, cls: str) -> bool:
-    return cls in benchmark if cls == FRONTIER else benchmark.endswith(cls)
+    return cls in benchmark if cls in (FRONTIER, BEYOND) else benchmark.endswith(cls)
 
 
 def paired(figures: dict, arm: str, baseline: str, column: str) -> dict[int, float]:
@@ -214,16 +239,18 @@ def gain_cost_table(figures: dict, baseline: str, columns: Sequence[str]) -> str
         row = [arm, " ".join(map(str, sorted(runs)))]
         for c in columns:
             row.append(spread([f[c] for f in runs.values()], 1))
-            row.append("" if arm == baseline else spread(list(paired(figures, arm, baseline, c).values()), 1, True))
+            both = paired(figures, arm, baseline, c)
+            row.append("" if arm == baseline else spread(list(both.values()), 1, True) + _paired_on(both, runs))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def reliance(run: tables.RunTrace, share_steps: Sequence[int]) -> dict[str, float] | None:
-    """A scaffolded run's mean ``scaffold/adapter_reliance`` over its steps, and its ``spliced_grad_share`` at each
-    of ``share_steps`` (NaN where that step did not record it); None for a run that never recorded a reliance (no
-    adapter: not of the LSPO family)."""
-    train = [r for r in tables.read_metrics(os.path.join(run.path, "metrics.jsonl")) if r.get("kind") == "train"]
+def reliance(run: tables.RunTrace, share_steps: Sequence[int], horizon: int | None = None) -> dict[str, float] | None:
+    """A scaffolded run's mean ``scaffold/adapter_reliance`` over its steps up to ``horizon``, and its
+    ``spliced_grad_share`` at each of ``share_steps`` (NaN where that step did not record it); None for a run that
+    never recorded a reliance (no adapter: not of the LSPO family)."""
+    train = [r for r in tables.read_metrics(os.path.join(run.path, "metrics.jsonl"))
+             if r.get("kind") == "train" and (horizon is None or r["step"] <= horizon)]  # fmt: skip
     values = [r[RELIANCE] for r in train if r.get(RELIANCE) is not None]
     if not values:
         return None
@@ -231,7 +258,8 @@ def reliance(run: tables.RunTrace, share_steps: Sequence[int]) -> dict[str, floa
     return {"reliance": float(np.mean(values)), **{f"share@{s}": shares.get(s, math.nan) for s in share_steps}}
 
 
-def reliance_table(runs, figures: dict, baseline: str, share_steps: Sequence[int], columns: Sequence[str]) -> str:
+def reliance_table(runs, figures: dict, baseline: str, share_steps: Sequence[int], columns: Sequence[str],
+                   horizon: int | None = None) -> str:  # fmt: skip
     """Per LSPO-family run: its mean adapter reliance, its spliced rows' share of the gradient norm at
     ``share_steps`` (%), beside its transfer: the first two ``columns`` minus the baseline's of its seed."""
     gains = columns[:2]
@@ -239,7 +267,7 @@ def reliance_table(runs, figures: dict, baseline: str, share_steps: Sequence[int
             *(f"{c} - {baseline}" for c in gains)]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
-        own = reliance(run, share_steps)
+        own = reliance(run, share_steps, horizon)
         if own is None:
             continue
         base = figures.get(baseline, {}).get(run.seed)
@@ -247,6 +275,39 @@ def reliance_table(runs, figures: dict, baseline: str, share_steps: Sequence[int
         cells += [_figure(figures[run.arm][run.seed][c] - base[c] if base else math.nan, "+") for c in gains]
         lines.append("| " + " | ".join([run.arm, str(run.seed), *cells]) + " |")
     return "\n".join(lines) if len(lines) > 2 else "No run recorded an adapter reliance."
+
+
+def coverage_table(runs: Sequence[tables.RunTrace], horizon: int | None, coverage_k: int) -> str:
+    """Per arm and class (frontier, beyond reach), at each step a coverage pass ran (up to ``horizon``): the mean
+    over seeds of pass@1 (unbiased: the share of correct samples) / pass@``coverage_k``, in %."""
+    cells: dict[tuple[str, str], dict[int, list[tuple[float, float]]]] = {}
+    for run in runs:
+        for r in run.evals:
+            cls = next((c for c in (FRONTIER, BEYOND) if c in tables.benchmark_of(r)), None)
+            one, at_k = r.get("coverage/pass@1_unbiased"), r.get(f"coverage/pass@{coverage_k}")
+            if cls is None or one is None or at_k is None or (horizon is not None and r["step"] > horizon):
+                continue
+            cells.setdefault((run.arm, cls), {}).setdefault(r["step"], []).append((100.0 * one, 100.0 * at_k))
+    if not cells:
+        return "No run recorded a coverage pass."
+    steps = sorted({step for per in cells.values() for step in per})
+    head = ["arm", "class", "seeds", *(f"step {s}" for s in steps)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (arm, cls), per in cells.items():
+        row = [arm, "frontier" if cls == FRONTIER else "beyond reach", str(max(map(len, per.values())))]
+        row += [f"{np.mean([a for a, _ in per[s]]):.2f} / {np.mean([b for _, b in per[s]]):.1f}" if s in per else "-"
+                for s in steps]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _json_ready(value):
+    """``value`` with every NaN as None (JSON has no NaN) and int keys as strings."""
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
 
 
 def _figure(value: float, sign: str) -> str:
@@ -349,11 +410,19 @@ def _study(argv: list[str] | None) -> int:
     print(f"\nFrontier gain against the 3-digit cost at {where} (%, mean over seeds [min, max]; minus {baseline} "
           "paired by seed):\n")  # fmt: skip
     print(gain_cost_table(figures, baseline, names))
+    if short := off_horizon(figures, args.horizon):
+        print(f"\nValues short of the horizon, in the cells above with the others: {'; '.join(short)}")
+    print(f"\nCoverage by step (pass@1 / pass@{args.coverage_k} in %, mean over seeds):\n")
+    print(coverage_table(runs, args.horizon, args.coverage_k))
     print("\nAdapter reliance (mean over the run) and the spliced rows' gradient-norm share, beside the transfer:\n")
-    print(reliance_table(runs, figures, baseline, args.share_steps, names))
+    print(reliance_table(runs, figures, baseline, args.share_steps, names, args.horizon))
     if args.json:
+        relied = {run.arm: {} for run in runs}
+        for run in runs:
+            relied[run.arm][run.seed] = reliance(run, args.share_steps, args.horizon)
+        saved = {"classes": study, "at_horizon": figures, "reliance": relied}
         with open(args.json, "w") as f:
-            json.dump({arm: {str(s): r for s, r in per.items()} for arm, per in study.items()}, f, indent=1)
+            json.dump(_json_ready(saved), f, indent=1)
         print(f"horizon_study: wrote {args.json}")
     if args.plot:
         for metric in metrics:
