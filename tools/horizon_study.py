@@ -258,22 +258,24 @@ def reliance(run: tables.RunTrace, share_steps: Sequence[int], horizon: int | No
     return {"reliance": float(np.mean(values)), **{f"share@{s}": shares.get(s, math.nan) for s in share_steps}}
 
 
-def reliance_table(runs, figures: dict, baseline: str, share_steps: Sequence[int], columns: Sequence[str],
-                   horizon: int | None = None) -> str:  # fmt: skip
+def reliance_table(
+    relied: dict, figures: dict, baseline: str, share_steps: Sequence[int], columns: Sequence[str]
+) -> str:
     """Per LSPO-family run: its mean adapter reliance, its spliced rows' share of the gradient norm at
-    ``share_steps`` (%), beside its transfer: the first two ``columns`` minus the baseline's of its seed."""
+    ``share_steps`` (%), beside its transfer: the first two ``columns`` minus the baseline's of its seed.
+    ``relied``: ``{arm: {seed: reliance(...)}}``."""
     gains = columns[:2]
     head = ["arm", "seed", "adapter reliance", *(f"grad share @{s} (%)" for s in share_steps),
             *(f"{c} - {baseline}" for c in gains)]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for run in runs:
-        own = reliance(run, share_steps, horizon)
-        if own is None:
-            continue
-        base = figures.get(baseline, {}).get(run.seed)
-        cells = [f"{own['reliance']:.3f}", *(_figure(100.0 * own[f"share@{s}"], "") for s in share_steps)]
-        cells += [_figure(figures[run.arm][run.seed][c] - base[c] if base else math.nan, "+") for c in gains]
-        lines.append("| " + " | ".join([run.arm, str(run.seed), *cells]) + " |")
+    for arm, per in relied.items():
+        for seed, own in per.items():
+            if own is None:
+                continue
+            base = figures.get(baseline, {}).get(seed)
+            cells = [f"{own['reliance']:.3f}", *(_figure(100.0 * own[f"share@{s}"], "") for s in share_steps)]
+            cells += [_figure(figures[arm][seed][c] - base[c] if base else math.nan, "+") for c in gains]
+            lines.append("| " + " | ".join([arm, str(seed), *cells]) + " |")
     return "\n".join(lines) if len(lines) > 2 else "No run recorded an adapter reliance."
 
 
@@ -415,11 +417,11 @@ def _study(argv: list[str] | None) -> int:
     print(f"\nCoverage by step (pass@1 / pass@{args.coverage_k} in %, mean over seeds):\n")
     print(coverage_table(runs, args.horizon, args.coverage_k))
     print("\nAdapter reliance (mean over the run) and the spliced rows' gradient-norm share, beside the transfer:\n")
-    print(reliance_table(runs, figures, baseline, args.share_steps, names, args.horizon))
+    relied: dict[str, dict[int, dict | None]] = {}  # each run's records read once, for the table and the JSON
+    for run in runs:
+        relied.setdefault(run.arm, {})[run.seed] = reliance(run, args.share_steps, args.horizon)
+    print(reliance_table(relied, figures, baseline, args.share_steps, names))
     if args.json:
-        relied = {run.arm: {} for run in runs}
-        for run in runs:
-            relied[run.arm][run.seed] = reliance(run, args.share_steps, args.horizon)
         saved = {"classes": study, "at_horizon": figures, "reliance": relied}
         with open(args.json, "w") as f:
             json.dump(_json_ready(saved), f, indent=1)
