@@ -174,3 +174,26 @@ def test_a_value_short_of_the_horizon_is_named():
     # Seed 1's x is from step 175; its y (not recorded there) is left out, as its cell is.
     assert horizon_study.off_horizon(figures, 200) == ["a seed 1: x at step 175"]
     assert horizon_study.off_horizon(figures, None) == ["a seed 1: x at step 175"]  # short of the latest step
+
+
+def test_the_association_pooled_within_seed_and_within_arm_by_hand():
+    # Reliance x and pass@8 gain y of four runs (dapo 0 on both seeds, so y is the arm's own value):
+    # (a, 1) 1, 2; (a, 2) 2, 4; (b, 1) 3, 1; (b, 2) 4, 3.
+    # Pooled: x - 2.5 = (-1.5, -0.5, 0.5, 1.5), y - 2.5 = (-0.5, 1.5, -1.5, 0.5); the sum of products
+    # 0.75 - 0.75 - 0.75 + 0.75 = 0, so r = 0.
+    # Within seed: seed 1 x (1, 3) -> (-1, 1), y (2, 1) -> (0.5, -0.5); seed 2 x (2, 4) -> (-1, 1), y (4, 3) ->
+    # (0.5, -0.5): every pair opposite, r = -1. Within arm: a x (1, 2) -> (-0.5, 0.5), y (2, 4) -> (-1, 1); b x
+    # (3, 4) -> (-0.5, 0.5), y (1, 3) -> (-1, 1): r = +1.
+    xy = {("a", 1): (1.0, 2.0), ("a", 2): (2.0, 4.0), ("b", 1): (3.0, 1.0), ("b", 2): (4.0, 3.0)}
+    nan = float("nan")
+    relied = {"dapo": {1: None, 2: None}, "a": {}, "b": {}}
+    figures = {"dapo": {1: {"g8": 0.0, "g256": 0.0}, 2: {"g8": 0.0, "g256": 0.0}}, "a": {}, "b": {}}
+    for (arm, seed), (x, y) in xy.items():
+        # share@50 recorded by one run only; the pass@256 gain is the same in every run (no spread).
+        relied[arm][seed] = {"reliance": x, "share@50": 0.3 if (arm, seed) == ("a", 1) else nan}
+        figures[arm][seed] = {"g8": y, "g256": 7.0}
+    lines = horizon_study.association_table(relied, figures, "dapo", [50], ["g8", "g256"]).splitlines()
+    assert "| adapter reliance | g8 - dapo | 4 | +0.00 | -1.00 | +1.00 |" in lines
+    assert "| adapter reliance | g256 - dapo | 4 | - | - | - |" in lines
+    assert "| grad share @50 | g8 - dapo | 1 | - | - | - |" in lines
+    assert horizon_study.association_table({"dapo": {1: None}}, figures, "dapo", [50], ["g8"]).startswith("No run")

@@ -7,7 +7,8 @@ run's ``summary.json`` and training records); then, at the horizon, each arm's g
 coverage pass@256 where validation recorded a coverage pass, accuracy) against its cost on the learned 3-digit class
 (accuracy), each minus DAPO paired by seed; and per run of the LSPO family its adapter reliance (the mean over its
 steps of ``scaffold/adapter_reliance``) and its spliced rows' share of the gradient norm at steps 50 and 150
-(``spliced_grad_share``, recorded with ``scaffold.grad_share: true``) beside its transfer. Nothing trains: the runs
+(``spliced_grad_share``, recorded with ``scaffold.grad_share: true``) beside its transfer, and Pearson's r between
+those figures and the transfer, pooled, within seed and within arm. Nothing trains: the runs
 are ``OUT/ARM_seedSEED`` directories that ``tools.compare_arms`` wrote, and a run without ``summary.json``
 (unfinished) is left out and named.
 
@@ -279,6 +280,51 @@ def reliance_table(
     return "\n".join(lines) if len(lines) > 2 else "No run recorded an adapter reliance."
 
 
+def _pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    dx, dy = np.asarray(x, float) - np.mean(x), np.asarray(y, float) - np.mean(y)
+    denom = math.sqrt(float(dx @ dx) * float(dy @ dy))
+    return float(dx @ dy) / denom if denom > 0 else math.nan
+
+
+def _centred(values: Sequence[float], groups: Sequence) -> list[float]:
+    """Each value less the mean of its group's values."""
+    means = {g: np.mean([v for v, h in zip(values, groups, strict=True) if h == g]) for g in set(groups)}
+    return [v - means[g] for v, g in zip(values, groups, strict=True)]
+
+
+def association_table(
+    relied: dict, figures: dict, baseline: str, share_steps: Sequence[int], columns: Sequence[str]
+) -> str:
+    """Pearson's r over the LSPO-family runs between each mechanism figure (the adapter reliance, the spliced rows'
+    share at each of ``share_steps``) and each transfer (the first two ``columns`` minus the baseline's of the same
+    seed): pooled; within seed (each seed's mean taken out first, so it compares arms on one seed); within arm (each
+    arm's mean taken out, so it compares seeds of one arm). A run missing either figure is left out of that pair;
+    under three runs, or with no spread, r is "-". Over a few runs this is an association, not a cause."""
+    mechanisms = ["adapter reliance", *(f"grad share @{s}" for s in share_steps)]
+    runs = []  # (arm, seed, {figure: value}) per LSPO-family run whose seed the baseline ran
+    for arm, per in relied.items():
+        for seed, own in per.items():
+            base = figures.get(baseline, {}).get(seed)
+            if own is None or base is None:
+                continue
+            values = dict(zip(mechanisms, [own["reliance"], *(own[f"share@{s}"] for s in share_steps)], strict=True))
+            values |= {c: figures[arm][seed][c] - base[c] for c in columns[:2]}
+            runs.append((arm, seed, values))
+    head = ["mechanism", "transfer", "runs", "r pooled", "r within seed", "r within arm"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in mechanisms:
+        for c in columns[:2]:
+            kept = [(a, s, v[m], v[c]) for a, s, v in runs if not (math.isnan(v[m]) or math.isnan(v[c]))]
+            x, y = [k[2] for k in kept], [k[3] for k in kept]
+            rs = [math.nan] * 3
+            if len(kept) >= 3:
+                by_seed, by_arm = [k[1] for k in kept], [k[0] for k in kept]
+                rs = [_pearson(x, y), *(_pearson(_centred(x, g), _centred(y, g)) for g in (by_seed, by_arm))]
+            cells = ["-" if math.isnan(r) else f"{r:+.2f}" for r in rs]
+            lines.append("| " + " | ".join([m, f"{c} - {baseline}", str(len(kept)), *cells]) + " |")
+    return "\n".join(lines) if runs else "No run recorded an adapter reliance."
+
+
 def coverage_table(runs: Sequence[tables.RunTrace], horizon: int | None, coverage_k: int) -> str:
     """Per arm and class (frontier, beyond reach), at each step a coverage pass ran (up to ``horizon``): the mean
     over seeds of pass@1 (unbiased: the share of correct samples) / pass@``coverage_k``, in %."""
@@ -421,6 +467,9 @@ def _study(argv: list[str] | None) -> int:
     for run in runs:
         relied.setdefault(run.arm, {})[run.seed] = reliance(run, args.share_steps, args.horizon)
     print(reliance_table(relied, figures, baseline, args.share_steps, names))
+    print("\nPearson's r between the mechanism and the transfer over those runs (within seed: each seed's mean taken "
+          "out, arms compared; within arm: each arm's mean taken out, seeds compared):\n")  # fmt: skip
+    print(association_table(relied, figures, baseline, args.share_steps, names))
     if args.json:
         saved = {"classes": study, "at_horizon": figures, "reliance": relied}
         with open(args.json, "w") as f:
