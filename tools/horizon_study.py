@@ -270,12 +270,12 @@ def reliance_table(
             *(f"{c} - {baseline}" for c in gains)]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, per in relied.items():
+        transfer = {c: paired(figures, arm, baseline, c) for c in gains}
         for seed, own in per.items():
             if own is None:
                 continue
-            base = figures.get(baseline, {}).get(seed)
             cells = [f"{own['reliance']:.3f}", *(_figure(100.0 * own[f"share@{s}"], "") for s in share_steps)]
-            cells += [_figure(figures[arm][seed][c] - base[c] if base else math.nan, "+") for c in gains]
+            cells += [_figure(transfer[c].get(seed, math.nan), "+") for c in gains]
             lines.append("| " + " | ".join([arm, str(seed), *cells]) + " |")
     return "\n".join(lines) if len(lines) > 2 else "No run recorded an adapter reliance."
 
@@ -303,12 +303,12 @@ def association_table(
     mechanisms = ["adapter reliance", *(f"grad share @{s}" for s in share_steps)]
     runs = []  # (arm, seed, {figure: value}) per LSPO-family run whose seed the baseline ran
     for arm, per in relied.items():
+        transfer = {c: paired(figures, arm, baseline, c) for c in columns[:2]}
         for seed, own in per.items():
-            base = figures.get(baseline, {}).get(seed)
-            if own is None or base is None:
+            if own is None or seed not in figures.get(baseline, {}):
                 continue
             values = dict(zip(mechanisms, [own["reliance"], *(own[f"share@{s}"] for s in share_steps)], strict=True))
-            values |= {c: figures[arm][seed][c] - base[c] for c in columns[:2]}
+            values |= {c: transfer[c].get(seed, math.nan) for c in columns[:2]}
             runs.append((arm, seed, values))
     head = ["mechanism", "transfer", "runs", "r pooled", "r within seed", "r within arm"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
