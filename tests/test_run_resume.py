@@ -304,6 +304,11 @@ def test_print_config_shows_what_would_run(trained_run, capsys):
     # A new run's config prints without --out; training or resuming without one is refused in one line.
     assert cli.train_main(["--config", PAPER_CONFIG, "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == printed
+    # Options and overrides in any order: every override is taken, before and after --out.
+    argv = ["--config", PAPER_CONFIG, "steps=4", "--out", "unused", "rollout.group_size=4", "--print-config"]
+    assert cli.train_main(argv) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["steps"], printed["rollout"]["group_size"]) == (4, 4)
     for argv in (["--config", PAPER_CONFIG], ["--resume", "--print-config"]):
         with pytest.raises(SystemExit) as exit_info:
             cli.train_main(argv)

@@ -194,7 +194,9 @@ def _train_config(args):
 
 def train_main(argv: list[str] | None = None) -> int:
     parser = _train_parser()
-    args = parser.parse_args(argv)
+    # Options and key=value overrides in any order (`--config c.yaml steps=4 --out d k=v`): plain parse_args stops
+    # collecting the positional overrides at the first option after them.
+    args = parser.parse_intermixed_args(argv)
     if args.out is None and (args.resume or not args.print_config):
         parser.error("--out is required" + (" to resume" if args.resume else " (only --print-config runs without it)"))
     if args.out is not None and not args.out.strip():
