@@ -10,6 +10,10 @@
                 (a learned prompt sampler with a target's scores around the update)
     job/        a training run end to end: the loop, validation, metrics, plots, export, the commands
 
+The Python API is importable from the package itself, each imported at first use (``PUBLIC``): ``lspo_jax.train``
+(a whole run, as ``lspo-train`` makes it), ``lspo_jax.open_run`` (a started run, for a loop of one's own over its
+learner's verbs) and ``lspo_jax.load_config`` (``docs/python.md``).
+
 The public functional API (``DEPRECATED``) also imports by its pre-folder paths (``lspo_jax.losses.policy_loss``, ...),
 for release 0.1 only: each such name warns with a ``DeprecationWarning`` naming its real path, and every other
 old name is gone. Importing the package imports nothing else (no JAX): the commands start fast.
@@ -90,3 +94,18 @@ def lazy_exports(package: str, names: dict[str, str]) -> tuple[Any, Any]:
         return sorted(names)
 
     return __getattr__, __dir__
+
+
+# The Python API (``job.api``), stable names of the package itself, imported at first use: ``import lspo_jax`` stays
+# free of JAX, so the commands start fast.
+PUBLIC = {"train": "job.api", "open_run": "job.api", "load_config": "job.api"}
+__all__ = sorted(PUBLIC)
+_public_getattr, _ = lazy_exports(__name__, PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    return _public_getattr(name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *PUBLIC})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 
 class ConfigError(ValueError):
@@ -61,6 +61,9 @@ DataFormat = Literal["auto", "shared", "deepmath"]
 InstructionPosition = Literal["after", "before", "none"]
 LengthPolicy = Literal["skip", "truncate"]
 SolutionField = Literal["r1_solution_1", "r1_solution_2", "r1_solution_3"]
+# How a prompt is rendered (``data.template``): the tokenizer's own chat template (``plain`` where it has none),
+# DeepSeek-R1-Distill's written out by the project (any tokenizer with its tokens), or no chat markup at all.
+PromptTemplate = Literal["tokenizer", "r1", "plain"]
 ComputeDtype = Literal["float32", "bfloat16"]
 # Rematerialisation of the layer scan: "full" saves only each layer's input and recomputes the rest in the
 # backward pass; "dots" also saves the outputs of the weight matmuls (not the attention scores).
@@ -74,6 +77,17 @@ Attention = Literal["einsum", "xla", "cudnn", "blocked", "pallas", "splash"]
 # or the Pallas GPU decode kernel (``kernels.decode_attention``).
 DecodeAttention = Literal["einsum", "reduce", "xla", "pallas"]
 WandbMode = Literal["online", "offline"]
+# The learning rate after the warm-up (``AdamWConfig.schedule``): held, or decayed to ``min_lr_ratio`` of it by a
+# half cosine or a straight line (``optim.LR_SCHEDULES``).
+LRSchedule = Literal["constant", "cosine", "linear"]
+# Schulman's estimators of KL(pi_theta || pi_ref) on tokens sampled from pi_theta, log r = logp_ref - logp_theta
+# (``losses.KL_ESTIMATORS``): k3 = r - 1 - log r (unbiased, never negative; verl's low_var_kl, TRL's), k1 = -log r
+# (unbiased, high variance), k2 = (log r)^2 / 2 (biased, low variance).
+KLEstimator = Literal["k3", "k1", "k2"]
+# Where the KL penalty to the reference acts (``loss.kl_in``): a term of the policy loss, differentiated (verl's
+# use_kl_loss, TRL's beta), or a detached penalty on each row's reward before the advantages (verl's
+# use_kl_in_reward).
+KLPlacement = Literal["loss", "reward"]
 
 
 def choices(option: Any) -> tuple[str, ...]:
@@ -144,15 +158,27 @@ class Registry(dict):
 # ------------------------------------------------------------------------------------------ optimizers
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
-    """AdamW with linear warm-up and global-norm clipping.
+    """AdamW with linear warm-up, a decay after it, and global-norm clipping.
 
-    ``lr_t = lr * min(1, (t + 1) / warmup_steps)`` for step t = 0, 1, ... (the first step already moves;
-    ``warmup_steps = 0`` is a constant lr). ``max_grad_norm = None`` disables clipping. Weight decay is
-    decoupled (``p -= lr_t * weight_decay * p``) and applies to every parameter of the subtree.
+    ``lr_t = lr * min(1, (t + 1) / warmup_steps)`` for update t = 0, 1, ... (the first update already moves;
+    ``warmup_steps = 0``: no warm-up). After the warm-up ``schedule`` holds ``lr`` (``constant``) or decays it to
+    ``min_lr_ratio * lr`` at update ``decay_steps``, then holds that: with the progress
+    ``p = min(1, (t - W) / max(1, D - W))`` (W = warmup_steps, D = decay_steps, m = min_lr_ratio), ``cosine`` is
+    ``lr * (m + (1 - m) (1 + cos(pi p)) / 2)`` and ``linear`` is ``lr * (1 - (1 - m) p)``. ``decay_steps: null`` is the
+    optimizer's lifetime in updates, filled in by the run's config (``TrainConfig``) and recorded in its config.yaml:
+    for ``optim`` the run's updates (``steps x optim.mini_batches x optim.epochs``), for ``scaffold.sft``
+    ``scaffold.sft_steps`` (a fresh adapter's optimizer lives for one step's SFT; give a persistent adapter's its own).
+    ``max_grad_norm = None`` disables clipping. Weight decay is decoupled (``p -= lr_t * weight_decay * p``) and applies
+    to every parameter of the subtree.
     """
+
+    SECTION: ClassVar[str] = ""  # the dotted section a subclass is read at, which its option errors name
 
     lr: float = 1e-3
     warmup_steps: int = 0
+    schedule: LRSchedule = "constant"
+    min_lr_ratio: float = 0.0
+    decay_steps: int | None = None
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     b1: float = 0.9
@@ -160,9 +186,15 @@ class AdamWConfig:
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
+        if self.SECTION:
+            check(self, self.SECTION)
+        decay_ok = self.decay_steps is None or (isinstance(self.decay_steps, int) and self.decay_steps >= 1)
         checks = {
             "lr": (self.lr > 0, "must be positive"),
             "warmup_steps": (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "must be an int >= 0"),
+            "schedule": (self.schedule in choices(LRSchedule), f"must be one of {choices(LRSchedule)}"),
+            "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
+            "decay_steps": (decay_ok, "must be a positive int or null (the optimizer's lifetime)"),
             "weight_decay": (self.weight_decay >= 0, "must be >= 0"),
             "max_grad_norm": (self.max_grad_norm is None or self.max_grad_norm > 0, "must be positive or null"),
             "b1": (0 <= self.b1 < 1, "must be in [0, 1)"),
@@ -170,6 +202,13 @@ class AdamWConfig:
             "eps": (self.eps > 0, "must be positive"),
         }
         check_fields(self, checks)
+
+    def lasting(self, updates: int) -> AdamWConfig:
+        """This config with a null ``decay_steps`` set to ``updates``, the optimizer's lifetime; a constant schedule,
+        which reads no horizon, comes back as it is (the default programs keep their config)."""
+        if self.decay_steps is not None or self.schedule == "constant":
+            return self
+        return dataclasses.replace(self, decay_steps=max(1, updates))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +220,8 @@ class RLOptimConfig(AdamWConfig):
     over its own mini-batch's tokens (verl's convention); old log-probs stay those of the sampling policy, so from
     the second update on the clip acts on on-policy rows too. The warm-up counts updates, not steps.
     """
+
+    SECTION: ClassVar[str] = "optim"
 
     lr: float = 1e-6
     mini_batches: int = 1
@@ -196,6 +237,8 @@ class RLOptimConfig(AdamWConfig):
 @dataclasses.dataclass(frozen=True)
 class SFTOptimConfig(AdamWConfig):
     """The adapter's optimizer: AdamW lr 2.5e-5, re-initialised with every fresh adapter."""
+
+    SECTION: ClassVar[str] = "scaffold.sft"
 
     lr: float = 2.5e-5
 
@@ -288,3 +331,47 @@ def eval_protocol(name: Any, key: str = "eval.protocol") -> EvalProtocol:
     if not (isinstance(name, str) and name in EVAL_PROTOCOLS):
         raise ConfigError(f"{key}: must be one of {', '.join(EVAL_PROTOCOLS)} (or null), got {name!r}")
     return EVAL_PROTOCOLS[name]
+
+
+# ------------------------------------------------------------------------------------------ plug-ins
+class PluginImportError(ImportError):
+    """A ``module:function`` or ``file.py:function`` path that does not name a callable; the message says why."""
+
+
+@functools.cache
+def load_function(path: str) -> Any:
+    """The callable named by ``path``: ``package.module:function`` (imported as usual) or ``path/to/file.py:function``
+    (the file run as a module of its own, once per process). Cached: a worker process that scores thousands of
+    completions imports the user's module once. ``PluginImportError`` in one line otherwise."""
+    import hashlib
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    where, sep, name = path.rpartition(":")
+    if not sep or not where or not name:
+        raise PluginImportError("must be package.module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            file = Path(where).expanduser().resolve()
+            if not file.is_file():
+                raise PluginImportError(f"no such file {where}")
+            # A name of its own, never __main__: a script's `if __name__ == "__main__":` block is not run again.
+            digest = hashlib.sha256(str(file).encode()).hexdigest()[:12]
+            spec = importlib.util.spec_from_file_location(f"lspo_plugin_{file.stem}_{digest}", file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses and pickling look a module up here
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except PluginImportError:
+        raise
+    except Exception as err:  # the user's module failed at import: its own error, in one line
+        raise PluginImportError(f"cannot import {where} ({type(err).__name__}: {err})") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise PluginImportError(f"{where} has no {name!r}")
+    if not callable(fn):
+        raise PluginImportError(f"{where}:{name} is a {type(fn).__name__}, not a function")
+    return fn

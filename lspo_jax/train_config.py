@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -30,9 +31,12 @@ from lspo_jax.options import (
     Estimator,
     FieldError,
     InstructionPosition,
+    KLEstimator,
+    KLPlacement,
     LengthPolicy,
     MixSchedule,
     Placement,
+    PromptTemplate,
     ProtocolName,
     Remat,
     RLOptimConfig,
@@ -85,6 +89,31 @@ R1_INSTRUCTION = "Please reason step by step, and put your final answer within \
 
 
 @dataclasses.dataclass(frozen=True)
+class DataFields:
+    """``data.fields``: the column each role of a row is read from, where a file names it otherwise than its format
+    (``{problem: question, answer: gold, solution: worked, id: uid}``); null keeps the format's column. A section
+    rather than a free mapping: its keys are the roles, so a misspelt one is refused by name, and it stays hashable.
+    """
+
+    KEY_NAME: ClassVar[str] = "role"  # what ``from_dict``'s errors call a key of this section
+
+    problem: str | None = None
+    answer: str | None = None
+    solution: str | None = None
+    id: str | None = None
+
+    def __post_init__(self) -> None:
+        named = {}
+        for role, column in dataclasses.asdict(self).items():
+            require(column is None or bool(column.strip()), f"data.fields.{role}", "must name a column or be null",
+                    column)  # fmt: skip
+            require(column not in named, f"data.fields.{role}", f"is also data.fields.{named.get(column)}'s column; a "
+                    "column holds one role", column)  # fmt: skip
+            if column is not None:
+                named[column] = role
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Training prompts: a file or directory of rows, a hub dataset (``ORG/NAME[@REVISION][:PART]``, e.g.
     ``zwhe99/DeepMath-103K``: fetched once into the Hugging Face cache, ``lspo_jax.hub``), or ``toy:addition``.
@@ -92,14 +121,34 @@ class DataConfig:
     ``format`` says how rows are read: ``shared`` (``problem, answer``, and ``id, solution, source, meta`` where
     given: the packaged benchmarks' schema, which the hub's MATH-500 and AIME files also read as), ``deepmath``
     (DeepMath-103K: ``question, final_answer, difficulty, topic, r1_solution_1..3``; ``solution_field`` names the
-    trace the scaffold learns from), or ``auto`` (told apart by the fields of each file). Files are JSONL, parquet
-    or a JSON array; a directory is read file by file.
+    trace the scaffold learns from), or ``auto`` (told apart by the fields of each file: ``shared`` where a file has
+    ``problem`` or the column ``fields.problem`` names, else ``deepmath`` where it has ``question``). Files are JSONL,
+    parquet or a JSON array; a directory is read file by file.
+
+    ``fields`` (``DataFields``) maps the roles ``problem, answer, solution, id`` to a file's own column names, e.g.
+    ``{problem: question, answer: gold, solution: worked, id: uid}``; a role left out keeps its format's column, and
+    a row without the named column is read from its format's (the packaged benchmarks, in the shared schema, read
+    as before). A row missing its problem or answer is counted and listed by the column's name. The row's other
+    columns travel with it as ``Example.fields``, which the reward functions receive (DeepMath's unused traces are
+    left out). The solution column (``fields.solution``, else ``solution``, or ``solution_field`` in ``deepmath``)
+    holds the worked solutions the scaffold learns from: a cliff's adapter is fitted on them before it re-rolls the
+    cliff. A source with no solution in any row rescues no cliff, which the run says in one line; it then behaves as
+    DAPO on them.
 
     Each problem is sent as one user turn: ``instruction`` is placed ``after`` or ``before`` the problem
-    (joined by a newline), or left out (``none``); generated tasks (``toy:``) never get it.
+    (joined by a newline), or left out (``none``). ``system_prompt`` (null: none) is a system turn before it.
+    ``template`` renders the turns: ``tokenizer``, the tokenizer's chat template with its generation prompt (a
+    tokenizer without one renders ``plain``; a template that drops the system turn is refused); ``r1``,
+    DeepSeek-R1-Distill's ``<｜begin▁of▁sentence｜>{system_prompt}<｜User｜>{text}<｜Assistant｜><think>`` and a
+    newline, written out by the project for any tokenizer that has those tokens, the system prompt right after BOS
+    as R1's own template puts it; ``plain``, no chat markup: BOS (when the tokenizer has one), the system prompt
+    and a newline (when set), then the text. docs/getting-started.md shows one row rendered by each. Validation
+    prompts (``eval.benchmarks``) are rendered the same way; generated tasks (``toy:``) keep their own format: no
+    instruction, no system prompt, the tokenizer's template.
 
     Prompts longer than ``max_prompt_tokens`` and solutions longer than ``max_solution_tokens`` follow
-    their policy, ``skip`` or ``truncate``, and are counted. A truncated solution gets no EOS unless
+    their policy, ``skip`` or ``truncate``, and are counted (a prompt's length is that of the rendered prompt,
+    template, system prompt and instruction included). A truncated solution gets no EOS unless
     ``eos_after_truncated``: the adapter should not learn to stop mid-thought. Rows without a solution are
     counted and never used by the scaffold; rows lacking a required field are counted, listed and skipped.
     ``limit`` keeps the first that many usable prompts (null: all).
@@ -115,6 +164,9 @@ class DataConfig:
     solution_field: SolutionField = "r1_solution_1"
     instruction: str = R1_INSTRUCTION
     instruction_position: InstructionPosition = "after"
+    fields: DataFields = dataclasses.field(default_factory=DataFields)
+    system_prompt: str | None = None
+    template: PromptTemplate = "tokenizer"
     max_prompt_tokens: int = 512
     prompt_policy: LengthPolicy = "skip"
     max_solution_tokens: int = 4096
@@ -131,6 +183,8 @@ class DataConfig:
                  "must be a directory, default or null", self.cache_dir)  # fmt: skip
         require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be positive", self.max_prompt_tokens)
         require(self.max_solution_tokens > 0, "data.max_solution_tokens", "must be positive", self.max_solution_tokens)
+        require(self.system_prompt is None or bool(self.system_prompt.strip()), "data.system_prompt",
+                "must be text or null", self.system_prompt)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,17 +267,72 @@ class RolloutConfig:
         )
 
 
+BUILTIN_REWARD = "math_verify"  # ``reward.functions``' name of the built-in verifier
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardFunctionConfig:
+    """One entry of ``reward.functions``: ``fn`` is ``math_verify`` (the built-in verifier: 1.0 when the response's
+    last ``\\boxed{}`` answer equals the row's gold answer), an importable ``package.module:function``, or a file's
+    ``path/to/file.py:function`` (relative to the working directory). ``weight`` multiplies its score in the shaped
+    reward; ``name`` (default: the function's own) names its mean in the records, ``reward/<name>``;
+    ``correctness: true`` makes it the run's correctness signal (see ``RewardConfig``). The function is imported when
+    the config is read, so a bad path is refused before anything loads."""
+
+    fn: str
+    weight: float = 1.0
+    name: str | None = None
+    correctness: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            object.__setattr__(self, "name", self.fn.rpartition(":")[2] or self.fn)
+        if not self.name or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise FieldError("RewardFunctionConfig", "name", "must be letters, digits, '_', '.' or '-'", self.name)
+        if self.fn != BUILTIN_REWARD:
+            try:
+                options.load_function(self.fn)
+            except options.PluginImportError as err:
+                raise FieldError("RewardFunctionConfig", "fn", str(err), self.fn) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    """math-verify in ``workers`` processes with a hard per-item timeout; DAPO's overlong shaping."""
+    """How rollouts are scored: math-verify in ``workers`` processes with a hard per-item timeout, the reward
+    functions, and DAPO's overlong shaping.
+
+    ``functions`` (empty: the built-in verifier alone, weight 1) lists the reward functions; each rollout's shaped
+    reward, from which advantages are computed, is ``sum_i weight_i * f_i(response) + overlong penalty``. A function
+    is called as TRL calls its reward functions, ``fn(completions, **columns) -> list[float]``: ``completions`` the
+    response texts, and one list per row field, aligned with them: ``answer`` (the gold), ``problem``, ``solution``
+    (None where the row has none), ``id``, and every other column of the data file. It is called one completion at a
+    time in the verifier's worker processes (``workers``; 0: in this process), with ``timeout_s`` a call: a call that
+    raises, hangs past the timeout or returns no finite number scores 0 for that rollout, is counted in
+    ``reward/<name>_failed`` and said once; the run goes on. None scores 0 and is not a failure (TRL's "does not
+    apply").
+
+    **Which rollouts are successes** (cliffs, the scaffold's verified re-rolls, dynamic sampling, the first-mistake
+    judge's failed rows, the records' ``accuracy_mean``): a binary correctness signal, never the shaped sum. It is the
+    built-in verifier's 0/1 unless one function says ``correctness: true``, whose score >= 0.5 then counts as correct.
+    The verifier runs for it even when ``functions`` leaves it out of the reward. Validation's pass@k scores the
+    benchmarks with the built-in verifier.
+    """
 
     overlong_buffer: int = 1024
     overlong_factor: float = 1.0
     require_think_close: bool = False
     workers: int = 2
     timeout_s: float = 5.0
+    functions: tuple[RewardFunctionConfig, ...] = ()
 
     def __post_init__(self) -> None:
+        names = [f.name for f in self.functions]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        require(not twice, "reward.functions", f"two functions are named {twice[0] if twice else ''}; give each its "
+                "own name")  # fmt: skip
+        judges = [f.name for f in self.functions if f.correctness]
+        require(len(judges) <= 1, "reward.functions", f"at most one function may be the correctness signal, got "
+                f"{judges}")  # fmt: skip
         require(self.overlong_buffer > 0, "reward.overlong_buffer", "must be positive", self.overlong_buffer)
         require(self.workers >= 0, "reward.workers", "must be >= 0 (0 scores in-process)", self.workers)
         require(self.timeout_s > 0, "reward.timeout_s", "must be positive", self.timeout_s)
@@ -232,7 +341,21 @@ class RewardConfig:
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """The clipped surrogate: clip-higher ``eps_low``/``eps_high``, optional dual clip ``clip_c``; ``advantage`` is
-    the group baseline (``losses.group_advantages``'s estimator: ``std``, ``mean_only`` or ``loo``)."""
+    the group baseline (``losses.group_advantages``'s estimator: ``std``, ``mean_only`` or ``loo``).
+
+    GRPO's usual additions, off by default as in DAPO. ``kl_coef`` > 0 penalises the KL divergence from a frozen
+    reference policy: ``kl_reference`` (null: the base the run loaded from ``model.path``; or a Hugging Face
+    directory of the same architecture), whose log-probs of the rows are computed beside the old ones, in the same
+    pass and at the rollout temperature. ``kl_in: loss`` adds ``kl_coef`` times the token-mean of ``kl_estimator``
+    (``k3``: ``r - 1 - log r``, ``k1``: ``-log r``, ``k2``: ``(log r)^2 / 2``, ``log r = logp_ref - logp``;
+    ``losses.KL_ESTIMATORS``) to the loss, differentiated (verl's use_kl_loss, TRL's beta); ``kl_in: reward``
+    subtracts ``kl_coef`` times each row's summed k1 from its shaped reward before the advantages, detached (verl's
+    use_kl_in_reward; ``kl_estimator`` is not read). The record's ``kl_ref`` is the penalty's token-mean. The
+    reference's params stay on the devices, in bfloat16 when ``model.compute_dtype`` is (the forward casts to it
+    anyway), else in the base's dtype. ``entropy_coef`` > 0 subtracts that times the token-mean entropy of the
+    sampling distribution (``softmax(logits / temperature)``) over the response tokens from the loss,
+    differentiated (an entropy bonus).
+    """
 
     advantage: Estimator = "std"
     eps_low: float = 0.2
@@ -247,9 +370,20 @@ class LossConfig:
     # Truncated importance sampling against the sampling engine's numerics: each token's loss times
     # min(exp(old_logp - sampler_logp), tis_cap), detached (``corrections.importance_weights``); null: off.
     tis_cap: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    kl_in: KLPlacement = "loss"
+    kl_reference: str | None = None
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         options.check(self, "loss")
+        require(self.kl_coef >= 0, "loss.kl_coef", "must be >= 0 (0: no KL penalty)", self.kl_coef)
+        require(self.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0 (0: no entropy bonus)", self.entropy_coef)
+        require(self.kl_reference is None or bool(self.kl_reference.strip()), "loss.kl_reference",
+                "must be a Hugging Face directory or null (the base the run loaded)", self.kl_reference)  # fmt: skip
+        require(self.kl_reference is None or self.kl_coef > 0, "loss.kl_reference", "names the KL penalty's "
+                "reference, which is off (loss.kl_coef: 0); set loss.kl_coef or leave it null")  # fmt: skip
         require(
             self.chunk_size is None or self.chunk_size > 0,
             "loss.chunk_size",
@@ -264,6 +398,16 @@ class LossConfig:
         require(self.clip_c is None or self.clip_c > 1, "loss.clip_c", "must be > 1 or null", self.clip_c)
         require(self.micro_batches > 0, "loss.micro_batches", "must be positive", self.micro_batches)
         require(self.tis_cap is None or self.tis_cap > 0, "loss.tis_cap", "must be positive or null", self.tis_cap)
+
+    @property
+    def kl_loss_coef(self) -> float:
+        """The KL term's coefficient in the policy loss: ``kl_coef`` with ``kl_in: loss``, else 0."""
+        return self.kl_coef if self.kl_in == "loss" else 0.0
+
+    @property
+    def kl_reward_coef(self) -> float:
+        """The KL penalty's coefficient on the rewards: ``kl_coef`` with ``kl_in: reward``, else 0."""
+        return self.kl_coef if self.kl_in == "reward" else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,7 +705,20 @@ class TrainConfig:
                  f"and optim.epochs to 1 (they make {updates})")  # fmt: skip
         m, k = self.scaffold.cliff_max_successes, self.rollout.group_size
         require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
+        self._fix_decay_horizons()
         self._check_staleness()
+
+    def _fix_decay_horizons(self) -> None:
+        """A decaying schedule's null ``decay_steps`` set to its optimizer's lifetime, here where the run's length is
+        known: ``optim``'s to the run's updates (``steps x optim.mini_batches x optim.epochs``), ``scaffold.sft``'s to
+        ``scaffold.sft_steps`` (a fresh adapter's optimizer lives for one step's SFT). Every program built from the
+        config then reads one horizon, and the run's config.yaml records it, so a resume with more ``steps`` keeps the
+        schedule it began with rather than jumping to another rate midway. A constant schedule keeps its null."""
+        optim = self.optim.lasting(self.steps * self.optim.mini_batches * self.optim.epochs)
+        sft = self.scaffold.sft.lasting(self.scaffold.sft_steps)
+        object.__setattr__(self, "optim", optim)  # frozen: set once, while the config is being built
+        if sft is not self.scaffold.sft:
+            object.__setattr__(self, "scaffold", dataclasses.replace(self.scaffold, sft=sft))
 
     def _check_staleness(self) -> None:
         """Rows sampled one update old need their correction, and a sampler the update does not wait for."""
@@ -607,7 +764,8 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     data = _renamed(cls, data, where)
     unknown = sorted(set(data) - set(fields))
-    require(not unknown, f"{where}{unknown[0]}" if unknown else where, f"unknown key; known: {sorted(fields)}")
+    noun = getattr(cls, "KEY_NAME", "key")
+    require(not unknown, f"{where}{unknown[0]}" if unknown else where, f"unknown {noun}; known: {sorted(fields)}")
     values = {name: _coerce(hints[name], value, f"{where}{name}") for name, value in data.items()}
     try:
         return cls(**values)

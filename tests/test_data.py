@@ -53,6 +53,7 @@ def test_deepmath_parquet_maps_to_the_shared_schema_and_skips_bad_rows(tmp_path)
     assert rows[1] == {
         "id": "2", "problem": "What is 2+2?", "answer": "4", "solution": "trace 1 of 2\n</think>\n\\boxed{4}",
         "source": "deepmath", "meta": {"difficulty": 3.0, "topic": "Arithmetic"},
+        "fields": {"difficulty": 3.0, "topic": "Arithmetic"},  # the other columns, the unused traces left out
     }  # fmt: skip
     assert report.rows_invalid == 2
     assert report.row_errors == ["row 1 (id 1): missing final_answer", "row 3 (id 3): missing question"]

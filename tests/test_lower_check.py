@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import subprocess
 import sys
@@ -68,6 +69,27 @@ def test_a_kernel_is_chosen_for_the_platform_it_is_lowered_for(tool, shape):
     triton = f"@{tool.KERNEL_CALLS['pallas']}("
     assert triton in traced.lower(lowering_platforms=("cuda",)).as_text()
     assert triton not in traced.lower(lowering_platforms=("cpu",)).as_text()
+
+
+def test_a_kl_penalty_puts_the_reference_in_the_log_prob_pass_and_its_log_probs_in_the_update(tool):
+    """``loss.kl_coef``: the rollouts' pass takes the frozen reference's weights beside the base's (bfloat16: the recipe
+    computes in it, 2 bytes a parameter) and returns their log-probs too; the update's batch carries those."""
+    from lspo_jax.models import model
+
+    mesh = tool.abstract_mesh("fsdp4_tp2")
+
+    def traced(program, *overrides):
+        shape = tool.small_shape(overrides=overrides)
+        return shape, tool.PROGRAMS[program](shape, tool.model_config(shape, program, "blocked"), mesh).jaxpr
+
+    nbytes = lambda avals: sum(math.prod(a.shape) * a.dtype.itemsize for a in avals)
+    shape, off = traced("logprobs_base")
+    _, on = traced("logprobs_base", "loss.kl_coef=0.1")
+    params = model.count_params(model.abstract_params(shape.model)["base"])
+    assert nbytes(on.in_avals) - nbytes(off.in_avals) == 2 * params
+    assert (len(off.out_avals), len(on.out_avals)) == (1, 2) and on.out_avals[0] == on.out_avals[1]
+    (_, rl_off), (_, rl_on) = traced("rl_packed"), traced("rl_packed", "loss.kl_coef=0.1")
+    assert len(rl_on.in_avals) == len(rl_off.in_avals) + 1  # ref_logp, [rows, length] float32
 
 
 def test_the_decode_kernel_splits_into_power_of_two_blocks():

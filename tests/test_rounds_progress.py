@@ -29,9 +29,9 @@ class StubLearner:
     def sample(self, prompt_ids, key, lora_scale):
         return {"tokens": np.array([ids for ids in prompt_ids for _ in range(K)], np.int32)}
 
-    def score(self, rows, golds):
+    def score(self, rows, examples):
         self.held.append(sum(ref() is not None for ref in self.rounds))
-        signal = [gold in ("0", "1", "2") for gold in golds]
+        signal = [ex.answer in ("0", "1", "2") for ex in examples]
         accuracy = np.array([float(s and slot == 0) for s in signal for slot in range(K)], np.float32)
         self.rounds.append(weakref.ref(accuracy))
         return {**rows, "accuracy": accuracy}

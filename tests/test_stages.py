@@ -76,7 +76,7 @@ class FakeLearner:
                     sampler_logp=np.zeros((count, slots), np.float32),
                     scale=np.full(count, lora_scale, np.float32))  # fmt: skip
 
-    def score(self, rows, golds, *, per_row=False):
+    def score(self, rows, examples, *, per_row=False):
         self._log("score")
         self._seen(rows)
         passing = rows["scale"] > 0
@@ -89,6 +89,9 @@ class FakeLearner:
 
     def adapter_due(self) -> bool:
         return True
+
+    def take_reward_failures(self) -> dict:
+        return {}
 
     def reset_adapter(self, key) -> None:
         self._log("reset_adapter")

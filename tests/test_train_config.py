@@ -297,13 +297,15 @@ def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup()
     from lspo_jax import options
     from lspo_jax.job import run
     from lspo_jax.models import model
-    from lspo_jax.rl import corrections, losses, scaffold, train
+    from lspo_jax.rl import corrections, losses, optim, scaffold, train
 
     registries = {
         "rollout.engine": run.ENGINES,
         "model.attention": model.ATTENTIONS,
         "model.decode_attention": model.DECODE_ATTENTIONS,
         "loss.advantage": losses.ESTIMATORS,
+        "loss.kl_estimator": losses.KL_ESTIMATORS,
+        "optim.schedule": optim.LR_SCHEDULES,
         "scaffold.splice": scaffold.SPLICE_VARIANTS,
         "scaffold.correction": corrections.CORRECTIONS,
         "scaffold.adapter": options.ADAPTER_LIFETIMES,

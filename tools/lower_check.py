@@ -13,7 +13,8 @@ and sharding rules (``distributed``, ``sharding``, ``axes.LOGICAL_RULES``), at t
 recipe by default: R1-Distill-Qwen-1.5B, 32 x 16 rows of 1024 prompt + 8192 response tokens, bfloat16 compute):
 
     rl_packed, rl_padded   the RL update (``distributed.sharded_rl_step``) on packed token buffers and on padded rows
-    logprobs_base          the old-log-prob pass of the rollouts, adapter off (``distributed.sharded_logprobs``)
+    logprobs_base          the old-log-prob pass of the rollouts, adapter off (``distributed.sharded_logprobs``); with
+                           ``loss.kl_coef`` > 0 the frozen reference's too, its weights an argument beside the base's
     logprobs_adapter       the adapter-on pass of the scaffold's re-rolls (their importance-ratio denominators)
     sft                    the adapter's SFT step (``distributed.sharded_sft_step``)
     l2rr_target, l2rr_jvp  L2RR's target gradient and the directional derivatives of the batch
@@ -84,7 +85,7 @@ from lspo_jax.methods.l2rr import target as l2rr_target
 from lspo_jax.models import model, sharding
 from lspo_jax.models.axes import MESH_AXES
 from lspo_jax.rl import distributed, losses, optim, packing
-from lspo_jax.rl.learner import Learner
+from lspo_jax.rl.learner import Learner, reference_dtype
 from lspo_jax.rollout import lowering
 from lspo_jax.train_config import ConfigError, TrainConfig
 
@@ -183,7 +184,7 @@ def _abstract(tree: Any, shardings: Any) -> Any:
 def _rows(count: int, length: int, keys: Iterable[str], sharded: NamedSharding | None) -> dict[str, Any]:
     """A batch of ``count`` rows of ``length`` slots as ``packing`` makes them: int32 tokens, layouts and masks,
     float32 log-probs, advantages and weights (``advantages`` per token: LSPO's spliced rows carry token weights)."""
-    floats = {"old_logp": (length,), "advantages": (length,), "weight": ()}
+    floats = {"old_logp": (length,), "ref_logp": (length,), "advantages": (length,), "weight": ()}
     shapes = {key: (jnp.float32, floats[key]) if key in floats else (jnp.int32, (length,)) for key in keys}
     return {k: jax.ShapeDtypeStruct((count, *shape), dt, sharding=sharded) for k, (dt, shape) in shapes.items()}
 
@@ -223,25 +224,46 @@ def _length(run: TrainConfig) -> int:
 
 
 def rl_program(layout: str, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
-    run = shape.run
-    batch, micro = _rollout_rows(shape, mesh, layout, LOSS_KEYS)
+    """The update; with a KL term in the loss (``loss.kl_coef``, ``kl_in: loss``) its batch carries ``ref_logp``."""
+    run, spec = shape.run, losses.LossSpec.of(shape.run)
+    batch, micro = _rollout_rows(shape, mesh, layout, (*LOSS_KEYS, *(("ref_logp",) if spec.kl_coef else ())))
     step = distributed.sharded_rl_step(
-        config, mesh, rl=run.optim, sft=run.scaffold.sft, spec=losses.LossSpec.of(run), num_micro_batches=micro,
-        skip_nonfinite=True,
+        config, mesh, rl=run.optim, sft=run.scaffold.sft, spec=spec, num_micro_batches=micro, skip_nonfinite=True,
     )  # fmt: skip
     return step.trace(*_train_state(config, mesh, run), batch)
 
 
 def logprobs_program(adapter: bool, shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
     """The rollouts' pass (adapter off, the rollout's temperature) or the re-rolls' (the scaffold's scale and
-    temperature), on packed buffers (``loss.packing``, the recipe's layout)."""
+    temperature), on packed buffers (``loss.packing``, the recipe's layout). With a KL penalty (``loss.kl_coef``) the
+    rollouts' pass is the learner's: the frozen reference's weights are an argument beside the base's
+    (``reference_params``) and its log-probs an output beside theirs."""
     run = shape.run
     rows, micro = _rollout_rows(shape, mesh, "packed", ())
     scale = run.scaffold.reroll_scale if adapter else 0.0
     temperature = (run.scaffold.reroll_temperature if adapter else None) or run.rollout.temperature
     spec = dataclasses.replace(losses.LossSpec.of(run), temperature=temperature)
-    program = distributed.sharded_logprobs(config, mesh, lora_scale=scale, spec=spec, num_micro_batches=micro)
-    return program.trace(sharding.abstract_params(config, mesh), rows)
+    reference = not adapter and run.loss.kl_coef > 0
+    program = distributed.sharded_logprobs(
+        config, mesh, lora_scale=scale, spec=spec, num_micro_batches=micro, reference=reference
+    )
+    params = sharding.abstract_params(config, mesh)
+    if reference:
+        params["ref"] = reference_params(config, mesh)
+    return program.trace(params, rows)
+
+
+def reference_params(config: ModelConfig, mesh: AbstractMesh) -> Any:
+    """The KL penalty's frozen reference as the learner holds it: the base's layout, in ``learner.reference_dtype``."""
+    base = sharding.abstract_params(config, mesh)["base"]
+    dtype = lambda a: reference_dtype(config, a.dtype)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype(a), sharding=a.sharding), base)
+
+
+def resident_gib(tree: Any) -> float:
+    """GiB a device holds of ``tree``'s abstract arrays (each leaf's shard)."""
+    shard = lambda a: math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+    return sum(shard(a) for a in jax.tree.leaves(tree)) / GIB
 
 
 def sft_program(shape: Shape, config: ModelConfig, mesh: AbstractMesh) -> Built:
@@ -499,7 +521,10 @@ def h100_memory_gib() -> float:
 @dataclasses.dataclass
 class Fit:
     """One program compiled for one target and mesh: the executable's memory per device (GiB), its budget, whether
-    it fits; ``shape`` names the decode window with the largest peak; ``error`` is a refusal or failure in one line."""
+    it fits; ``shape`` names the decode window with the largest peak; ``error`` is a refusal or failure in one line.
+    ``resident_gib``: what the run keeps on the device beside the program's own arguments and counts against the
+    same budget, the KL penalty's frozen reference (``loss.kl_coef``) on every program of the learner's devices but
+    the log-prob pass, whose arguments hold it."""
 
     target: str
     program: str
@@ -510,6 +535,7 @@ class Fit:
     alias_gib: float | None = None
     temp_gib: float | None = None
     peak_gib: float | None = None
+    resident_gib: float | None = None
     budget_gib: float = 0.0
     fits: bool = False
     shape: str = ""
@@ -554,7 +580,7 @@ def compile_fit(fit: Fit, built: Built) -> None:
     fit.shape = label
     try:
         vars(fit).update(memory_gib(one.lower().compile()))
-        fit.fits = fit.peak_gib <= fit.budget_gib
+        fit.fits = fit.peak_gib + (fit.resident_gib or 0.0) <= fit.budget_gib
     except Exception as error:  # any refusal is the cell's result, reported as one line
         refused = refusal(error)
         where = f"{label}: " if label else ""
@@ -644,6 +670,8 @@ def compile_check(
                 mesh = mesh_of(name)
                 side = "" if splits is None else (" sample" if name in SAMPLER_SIDE else " learn")
                 fit = Fit(target_name, name, label + side, attention(name), budget_gib=budget)
+                if shape.run.loss.kl_coef and name != "logprobs_base" and side != " sample":
+                    fit.resident_gib = resident_gib(reference_params(model_cfg, mesh_of("logprobs_base")))
                 start = time.perf_counter()
                 try:
                     built = PROGRAMS[name](shape, model_cfg, mesh)
@@ -682,9 +710,11 @@ def fit_row(fit: Fit) -> str:
     verdict = "fits" if fit.fits else ("DOES NOT FIT" if fit.error is None else f"FAILED: {fit.error}")
     if fit.error and "refused by the compiler" in fit.error:
         verdict = f"DOES NOT FIT: {fit.error}"
+    # Counted in the verdict, not in the peak column (the compiler's figure for the program).
+    resident = f" (peak + {fit.resident_gib:.2f} reference resident)" if fit.resident_gib else ""
     return (
         f"{fit.target:<7} {fit.program:<17} {fit.mesh:<10} {fit.attention:<9} {sizes} {gib(fit.budget_gib)} "
-        f"{fit.compile_s:5.0f}  {verdict}{f' ({fit.shape})' if fit.shape else ''}"
+        f"{fit.compile_s:5.0f}  {verdict}{f' ({fit.shape})' if fit.shape else ''}{resident}"
     )
 
 

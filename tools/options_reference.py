@@ -90,6 +90,8 @@ def type_name(hint: Any) -> str:
         return f"list of {type_name(args[0])}"
     if hint in (int, float, str, bool):
         return hint.__name__
+    if dataclasses.is_dataclass(hint):  # an entry of a list (``reward.functions``): its keys, its class says more
+        return "{" + ", ".join(field.name for field in dataclasses.fields(hint)) + "}"
     # A new kind of annotation is the tool's to learn, not the page's to guess: a bug, with its traceback.
     raise TypeError(f"options_reference: no reading for the annotation {hint!r}")
 

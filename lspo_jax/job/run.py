@@ -70,6 +70,13 @@ class AgreedVerifier:
             return scores
         return np.asarray(multihost_utils.broadcast_one_to_all(scores))
 
+    def score_function(self, function: str, responses: Sequence[str], fields: Sequence[dict]) -> tuple[np.ndarray, Any]:
+        """A reward function's scores (``VerifierPool.score_function``), process 0's on every process alike."""
+        scores, stats = self.verifier.score_function(function, responses, fields)
+        if not len(scores):
+            return scores, stats
+        return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(scores, np.float32))), stats
+
     def __getattr__(self, name: str) -> Any:  # stats, close, ... of the wrapped verifier
         return getattr(self.verifier, name)
 
@@ -79,14 +86,18 @@ class Run:
 
     ``verifier`` replaces the math-verify pool: any object with ``score(responses, golds) -> array`` and
     ``close()``; the run owns it from then on and closes it, also when the run fails to start. The optional methods
-    come from the config, through ``build``'s plugs (``PROMPT_METHODS``, ``ADVANTAGE_METHODS``).
+    come from the config, through ``build``'s plugs (``PROMPT_METHODS``, ``ADVANTAGE_METHODS``). ``callbacks``: each is
+    called with every record the run writes (a copy; ``kind`` says which: ``train``, ``eval``, ``warmup``), after it
+    is written; one that returns True asks the run to stop, as a SIGTERM would (a checkpoint, then the summary).
+    A ``with`` block closes the run at its end.
     """
 
     def __init__(
         self, run: TrainConfig, out_dir: str, *, resume: bool = False, verifier: Any = None,
-        stop: StopFlag | None = None,
+        stop: StopFlag | None = None, callbacks: Sequence[Callable[[dict], Any]] = (),
     ):  # fmt: skip
-        self.run, self.out_dir, self.stop = run, out_dir, stop
+        self.run, self.out_dir, self.stop, self.callbacks = run, out_dir, stop, tuple(callbacks)
+        self._stop_in_force: StopFlag | None = stop  # the flag the loop reads, once training has begun
         os.makedirs(out_dir, exist_ok=True)
         # Several hosts share out_dir: process 0 writes the files, all of them write checkpoint shards.
         self.writer = jax.process_index() == 0
@@ -139,7 +150,8 @@ class Run:
                 check_cache_fits(run, self.policy.config, smesh, validate=False)
         engine.prepare(run, self.policy, out_dir, logs=bool(self.writer))  # before the data: the engine starts last
         self.examples, self.data_report = load_examples(run, self.policy, run.data.train, run.seed)
-        if self.writer and (line := self.data_report.losses()):
+        self.data_report.check_kept(f"data.train {run.data.train}")  # none kept: the one line that says why
+        for line in self.data_report.warnings(scaffold=run.scaffold.enabled) if self.writer else ():
             print(f"lspo-train: data.train {run.data.train}: {line}", file=sys.stderr)  # also in summary.json
         self.data_digest = example_store.source_digest(run.data.train)  # read with the store's key: no second pass
         self.examples = self.examples[: run.data.limit]  # the first `limit` usable prompts (all when null)
@@ -296,6 +308,15 @@ class Run:
         self._check_lock()
         self.history.append(record)
         self.log.write(record)
+        for callback in self.callbacks:
+            if callback(dict(record)) is True and self._stop_in_force is not None:
+                self._stop_in_force.requested = True  # read at the loop's next point, as a signal's would be
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     # ----------------------------------------------------------------------------------------- loop
     def validate(self, stop: StopFlag | None = None) -> dict[str, dict[str, float]] | None:
@@ -343,6 +364,7 @@ class Run:
 
     def _train(self, stop: StopFlag, start: float) -> dict[str, Any]:
         run, progress = self.run, None
+        self._stop_in_force = stop
         try:
             self._warm_up_once(stop)
             if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
@@ -556,13 +578,13 @@ SUMMED = ("cliff_groups", "scaffold_attempted", "scaffold_no_solution", "surpass
 
 def train_run(
     run: TrainConfig, out_dir: str, *, resume: bool = False, on_finish: Callable[[], None] | None = None,
-    stop: StopFlag | None = None,
+    stop: StopFlag | None = None, callbacks: Sequence[Callable[[dict], Any]] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """Train, write everything under ``out_dir``, and return the summary. ``on_finish`` is called once training
     has ended (or failed), before the run's resources close: ``lspo-train`` lets a SIGTERM from then on finish.
     ``stop``: a ``StopFlag`` the caller entered before start-up (a stop asked for during it ends start-up at its
-    next point with ``StartupStopped``); None: the run sets its own when training begins."""
-    job = Run(run, out_dir, resume=resume, stop=stop)
+    next point with ``StartupStopped``); None: the run sets its own when training begins. ``callbacks``: ``Run``'s."""
+    job = Run(run, out_dir, resume=resume, stop=stop, callbacks=callbacks)
     try:
         return job.train()
     finally:

@@ -9,8 +9,9 @@ built once per argument set (cached: a second run in the same process reuses the
     mix = sharded_mixed_rl_step(config, mesh, ...)                                  # the RL batch + an SFT term
     sft = sharded_sft_step(config, mesh, sft=...)                                   # (params, opt_state, batch)
     lp  = sharded_logprobs(config, mesh, lora_scale=0.0, spec=...)                  # (params, rows)
+          (``reference=True``: the frozen reference's log-probs too, ``params["ref"]``, for a KL penalty)
 
-``spec`` is the run's ``losses.LossSpec`` (clip, temperature, LM-head chunk), one for all of them.
+``spec`` is the run's ``losses.LossSpec`` (clip, temperature, LM-head chunk, regularizers), one for all of them.
 
 Params and optimizer state are split as ``sharding.param_shardings`` / ``opt_state_shardings`` say (FSDP over
 ``fsdp``, tensor parallel over ``tp``) and donated, so a step updates them in place; batch rows are split over
@@ -200,6 +201,7 @@ def sharded_logprobs(
     lora_scale: float = 0.0,
     spec: losses.LossSpec = _LOSS,
     num_micro_batches: int = 1,
+    reference: bool = False,
 ) -> Callable:
     """``logprobs.sequence_logprobs`` on ``mesh``: ``(params, rows) -> logp [B, T]``, at ``spec``'s temperature and
     LM-head chunk.
@@ -208,15 +210,29 @@ def sharded_logprobs(
     and ``positions``), each ``[B, T]``. ``num_micro_batches`` runs the rows in that many groups, one after
     another (as the RL step does), so a whole rollout batch of long rows does not hold every row's activations at
     once. A Python ``lora_scale`` of 0 runs the base alone (the adapter subtree is not even passed in).
+
+    ``reference`` (with ``lora_scale`` 0): ``params`` also holds ``ref``, a frozen reference laid out as the base (in
+    its dtype or bfloat16), and the program returns ``(logp, ref_logp)``: the reference's log-probs of the same rows
+    in the same layout, micro-batches and temperature, the second pass after the first, one program with both sets
+    of weights as its arguments (the memory a KL penalty's pass needs).
     """
+    if reference and lora_scale != 0:
+        raise ValueError(f"a reference pass runs beside the base's, adapter off; got lora_scale={lora_scale}")
     keys = ("base",) if lora_scale == 0 else ("base", "lora")
     params_sh = sharding.param_shardings(config, mesh)
+    params_sh = {**params_sh, "ref": params_sh["base"]}
+    keys = (*keys, "ref") if reference else keys
     batch_sh = sharding.batch_sharding(mesh)
 
-    def logprob_pass(params: Params, rows: dict[str, jax.Array]) -> jax.Array:
+    def one_pass(params: Params, rows: dict[str, jax.Array]) -> jax.Array:
         return logprobs.grouped_logprobs(
             config, params, rows, lora_scale=lora_scale, **spec.reading, num_micro_batches=num_micro_batches,
         )  # fmt: skip
+
+    def logprob_pass(params: Params, rows: dict[str, jax.Array]) -> jax.Array | tuple[jax.Array, jax.Array]:
+        if not reference:
+            return one_pass(params, rows)
+        return one_pass({"base": params["base"]}, rows), one_pass({"base": params["ref"]}, rows)
 
     jitted = jax.jit(
         in_mesh(mesh, logprob_pass), in_shardings=({k: params_sh[k] for k in keys}, batch_sh), out_shardings=batch_sh

@@ -6,7 +6,7 @@ config; and the verifier, the token-advantages strategy and the vLLM engine, whi
 ``train.train_step`` is written in its verbs:
 
     sample       rollouts of prompts from the base (``lora_scale`` 0) or with the adapter on, packed into rows
-    score        the verifier's accuracy and the shaped reward of packed rows
+    score        the correctness signal (0/1) and the shaped reward of packed rows (``reward.functions``)
     logprobs     teacher-forced log-probs of rows at the sampling temperature (the old-log-prob passes)
     reset_adapter / sft_step   a fresh adapter and its optimizer state / one adapter-only SFT update
     rl_step      one update of the base, skipped whole when non-finite (``mixed_rl_step``: with an SFT term)
@@ -25,17 +25,19 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from safetensors import SafetensorError
 
 from lspo_jax import options
-from lspo_jax.models import model, sharding
+from lspo_jax.models import hf, model, sharding
 from lspo_jax.models.model import Params
 from lspo_jax.rl import corrections, distributed, losses, optim, packing, scaffold
 from lspo_jax.rl.checkpoint import TrainState
 from lspo_jax.rl.packing import Arrays, Rows
 from lspo_jax.rollout.generator import Generator, Policy
-from lspo_jax.tasks import rewards
+from lspo_jax.tasks import reward_functions, rewards
 from lspo_jax.train_config import TrainConfig
 
 
@@ -65,7 +67,8 @@ class Placed:
 class Learner:
     """A run's policy, mesh, programs, verifier, engine and train state (see the module docstring), given whole.
 
-    ``verifier``: anything with ``score(responses, golds) -> array`` and ``close()``. ``engine``: a function
+    ``verifier``: anything with ``score(responses, golds) -> array`` and ``close()`` (and ``score_function``, to run
+    the reward functions in its workers: ``verify_pool.VerifierPool``'s). ``engine``: a function
     starting the run's vLLM engine (``rollout.engine: vllm``; ``vllm`` is the engine it started).
     ``token_advantages``: the step's strategy for per-token advantages (``train.TokenAdvantages``), None for
     GRPO's per-row ones. Without a verifier the learner can sample and train but not ``score``.
@@ -82,6 +85,9 @@ class Learner:
         running."""
         self.run, self.policy, self.mesh = run, policy, sharding.mesh_or_local(mesh)
         self.verifier, self.token_advantages = verifier, token_advantages
+        # The reward functions over the verifier (``reward.functions``), and their failures so far, by name.
+        self.rewards = reward_functions.Rewards.of(verifier, run.reward)
+        self.reward_failures: dict[str, int] = {}
         config = policy.config
         # Each strategy option resolved once: the step hands these on, never the names.
         self.estimator = losses.ESTIMATORS.resolve(run.loss.advantage)
@@ -96,6 +102,8 @@ class Learner:
             sharding.param_shardings(config, self.mesh),
             sharding.opt_state_shardings(config, self.mesh, self._tx),
         )
+        # The KL penalty's frozen reference (``loss.kl_coef``), copied before the state's base can be donated.
+        self.reference = reference_params(run, config, base["base"], self._layouts[0]["base"])
         # The adapter's init key is the run's seed: the first step resets it anyway, but its shapes set the state's.
         params = {"base": base["base"], "lora": model.init_lora(config, jax.random.key(run.seed))}
         self.state = TrainState(step=0, params=params, opt_state=self._tx.init(params))
@@ -180,19 +188,31 @@ class Learner:
         """The response texts of packed rows (special tokens dropped), as the verifier reads them."""
         return packing.decode_responses(self.policy.tokenizer, rows, self.run.data.max_prompt_tokens)
 
-    def score(self, rows: Rows, golds: Sequence[str], *, per_row: bool = False) -> Rows:
-        """``rows`` with ``accuracy`` (0/1, the verifier) and ``reward`` (accuracy + overlong penalty).
+    def score(self, rows: Rows, examples: Sequence[Any], *, per_row: bool = False) -> Rows:
+        """``rows`` with ``accuracy`` (0/1: the correctness signal, ``reward_functions.Rewards``), ``reward`` (the
+        reward functions' weighed sum + the overlong penalty) and ``reward/<name>``, each reward function's score (for
+        the records).
 
-        ``golds`` holds one answer per group of ``group_size`` rows, or one per row with ``per_row``.
+        ``examples`` (``data.Example``s, whose fields the reward functions receive, or gold answer strings) holds one
+        per group of ``group_size`` rows, or one per row with ``per_row``.
         """
         run, texts = self.run, self.decode(rows)
-        row_golds = list(golds) if per_row else [golds[i // run.rollout.group_size] for i in range(len(texts))]
-        accuracy = np.asarray(self.verifier.score(texts, row_golds), np.float32)
-        shaped = rewards.shaped_rewards(
-            accuracy, rows["lengths"], max_len=run.rollout.max_new_tokens,
-            buffer=min(run.reward.overlong_buffer, run.rollout.max_new_tokens), factor=run.reward.overlong_factor,
+        row_examples = list(examples) if per_row else [examples[i // run.rollout.group_size] for i in range(len(texts))]
+        scored = self.rewards.score(texts, row_examples)
+        for name, count in scored.failed.items():
+            self.reward_failures[name] = self.reward_failures.get(name, 0) + count
+        penalty = rewards.overlong_penalty(
+            rows["lengths"], run.rollout.max_new_tokens, min(run.reward.overlong_buffer, run.rollout.max_new_tokens),
+            run.reward.overlong_factor,
         )  # fmt: skip
-        return rows.replace(accuracy=accuracy, reward=np.asarray(shaped.reward, np.float32))
+        terms = {f"reward/{name}": np.asarray(values, np.float32) for name, values in scored.scores.items()}
+        return rows.replace(accuracy=scored.correct, reward=scored.reward + penalty, **terms)
+
+    def take_reward_failures(self) -> dict[str, int]:
+        """``reward/<name>_failed``: each reward function's failed calls since the last take (a step takes its own)."""
+        taken = {f"reward/{f.name}_failed": self.reward_failures.get(f.name, 0) for f in self.rewards.functions}
+        self.reward_failures = {}
+        return taken
 
     # -------------------------------------------------------------------------------------- passes
     def rows_per_micro(self, length: int) -> int:
@@ -238,14 +258,28 @@ class Learner:
         number of rows reuses a bounded set of compiled programs. The pass runs like the RL step: micro-batches one
         after another and the LM head in ``loss.chunk_size`` sequence chunks (``logprobs.grouped_logprobs``).
         """
+        return self._logprob_pass(rows, lora_scale, min_rows, temperature)[0]
+
+    def logprobs_with_reference(self, rows: Arrays) -> tuple[np.ndarray, np.ndarray]:
+        """``(logprobs(rows, lora_scale=0.0), the frozen reference's log-probs of rows)``, both from one program: the
+        same buffer rows, micro-batches and temperature (the rollout's), zero off the response mask. Only with a KL
+        penalty (``loss.kl_coef`` > 0), which gives the learner its reference."""
+        if self.reference is None:
+            raise ValueError("no reference policy: loss.kl_coef is 0")
+        return self._logprob_pass(rows, 0.0, 1, None, reference=True)
+
+    def _logprob_pass(self, rows, lora_scale, min_rows, temperature, reference=False) -> tuple[np.ndarray, ...]:
         count, spec = len(rows["tokens"]), self.loss_spec
         placed = self.place_rows(rows, (), self.run.loss.micro_batches, min_rows=min_rows)
         spec = dataclasses.replace(spec, temperature=temperature) if temperature else spec
         program = distributed.sharded_logprobs(
-            self.policy.config, self.mesh, lora_scale=lora_scale, spec=spec, num_micro_batches=placed.micro_batches
-        )
-        logp = placed.unpack(sharding.fetch(program(self.state.params, placed.arrays)))[:count]
-        return np.where(rows["mask"] > 0, logp, 0.0).astype(np.float32)
+            self.policy.config, self.mesh, lora_scale=lora_scale, spec=spec, num_micro_batches=placed.micro_batches,
+            reference=reference,
+        )  # fmt: skip
+        params = {**self.state.params, "ref": self.reference} if reference else self.state.params
+        out = program(params, placed.arrays)
+        logps = [placed.unpack(sharding.fetch(x))[:count] for x in (out if reference else (out,))]
+        return tuple(np.where(rows["mask"] > 0, logp, 0.0).astype(np.float32) for logp in logps)
 
     def sft_step(self, batch: Arrays) -> dict[str, Any]:
         """One adapter-only SFT update on ``batch`` (``packing.pack_sft`` rows), in micro-batches of at most
@@ -303,9 +337,15 @@ class Learner:
             num_micro_batches=micro_batches, sft_micro_batches=sft_micro_batches, token_weight=self.sft_token_weight,
         )  # fmt: skip
 
+    @property
+    def loss_keys(self) -> tuple[str, ...]:
+        """The per-token keys of an update's batch besides the tokens and layout: ``ref_logp`` too with a KL term in
+        the loss (``loss.kl_in: loss``), so the default update's batch, hence its program, is as it was."""
+        return ("mask", "old_logp", "advantages", *(("ref_logp",) if self.loss_spec.kl_coef else ()))
+
     def rl_grad_norm(self, batch: Arrays) -> float:
         """The norm of the RL gradient ``rl_step`` would take on ``batch``, with nothing updated."""
-        placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
+        placed = self.place_rows(batch, self.loss_keys, self.run.loss.micro_batches)
         program = distributed.sharded_rl_grad_norm(
             self.policy.config, self.mesh, spec=self.loss_spec, num_micro_batches=placed.micro_batches
         )
@@ -330,7 +370,7 @@ class Learner:
     def _base_update(self, batch: Arrays, term: SFTTerm | None, ends_step: bool) -> dict[str, Any]:
         state = self.state
         lr = optim.learning_rate(self.run.optim, state.updates)
-        placed = self.place_rows(batch, ("mask", "old_logp", "advantages"), self.run.loss.micro_batches)
+        placed = self.place_rows(batch, self.loss_keys, self.run.loss.micro_batches)
         pad_fraction = 1.0 - float(np.sum(batch["attention_mask"])) / placed.arrays["tokens"].size
         if term is None:
             program, arrays = self._rl_program(placed.micro_batches), placed.arrays
@@ -356,3 +396,36 @@ class Learner:
         finally:
             if self.verifier is not None:
                 self.verifier.close()
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def reference_dtype(config: Any, dtype: Any) -> Any:
+    """The dtype a frozen reference's params are held in: bfloat16 where the policy computes in it (the forward casts
+    every weight to it, so the log-probs are the same at half the memory of float32 master weights), else ``dtype``,
+    the base's own."""
+    return jnp.bfloat16 if config.compute_dtype == "bfloat16" else dtype
+
+
+def reference_params(run: TrainConfig, config: Any, base: Params, shardings: Any) -> Params | None:
+    """The KL penalty's frozen reference (``loss.kl_reference``): a copy of ``base``, the policy as the run loaded it
+    (a resumed run's too: it is the initial base), or the Hugging Face directory named, which must hold the base's
+    architecture; in ``reference_dtype``, laid out by ``shardings`` (the base's). None without a KL penalty."""
+    if not run.loss.kl_coef:
+        return None
+    reference = base if run.loss.kl_reference is None else _load_reference(run.loss.kl_reference, base)
+    reference = jax.tree.map(lambda x: jnp.asarray(x).astype(reference_dtype(config, x.dtype)), reference)
+    # A copy, never an alias: the update donates the state's base, which on one device may be ``base``'s buffers.
+    return jax.device_put(reference, shardings, may_alias=False)
+
+
+def _load_reference(path: str, base: Params) -> Params:
+    try:
+        _, params = hf.load_pretrained(path)
+    except (OSError, ValueError, SafetensorError) as err:  # missing, damaged, or not a Qwen2-family directory
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise options.ConfigError(f"loss.kl_reference: {first}") from None
+    shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
+    if shapes(params["base"]) != shapes(base):
+        raise options.ConfigError(f"loss.kl_reference: {path} is not of the policy's architecture (its weights' "
+                                  "names or shapes differ from model.path's)")  # fmt: skip
+    return params["base"]

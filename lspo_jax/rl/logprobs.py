@@ -52,6 +52,7 @@ def chunked_token_logprobs(
     chunk_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``token_logprobs(head_fn(hidden), targets)`` computed ``chunk_size`` positions at a time.
 
@@ -62,8 +63,9 @@ def chunked_token_logprobs(
     size, so it pads fewer positions than chunks (pad logits are dropped): a batch shorter than ``chunk_size`` is one
     chunk of its own length, not padded to ``chunk_size`` (with V = 151936 that padding was most of a short step).
 
-    Returns ``(logp [B, T], entropy [B, T] or None)``; the entropy (``token_entropy``, a metric: no gradient)
-    is computed from the same chunk when ``with_entropy``.
+    Returns ``(logp [B, T], entropy [B, T] or None)``; the entropy (``token_entropy``) is computed from the same
+    chunk when ``with_entropy``: a metric without gradient, or with ``entropy_grad`` differentiable (an entropy
+    bonus in the loss; its backward recomputes the chunk's logits as the log-probs' does).
     """
     b, t, d = hidden_BTD.shape
     n = -(-t // chunk_size)
@@ -79,7 +81,8 @@ def chunked_token_logprobs(
         logp_BC = token_logprobs(logits_BCV, y_BC, temperature)
         if not with_entropy:
             return logp_BC, None
-        return logp_BC, jax.lax.stop_gradient(token_entropy(logits_BCV, temperature))
+        entropy_BC = token_entropy(logits_BCV, temperature)
+        return logp_BC, entropy_BC if entropy_grad else jax.lax.stop_gradient(entropy_BC)
 
     logp_NBC, entropy_NBC = jax.lax.map(one_chunk, (h_NBCD, y_NBC))
     unchunk = lambda x_NBC: x_NBC.swapaxes(0, 1).reshape(b, n * size)[:, :t]
@@ -123,6 +126,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Per-token log-probs aligned with ``tokens``, and the logits they came from.
 
@@ -131,13 +135,13 @@ def sequence_logprobs(
     generated tokens) applies directly; position 0 must be masked out (in packed rows, each segment's first
     token). Returns ``(logp [B, T], logits)``. With ``chunk_size`` the LM head runs that many positions at a
     time (``chunked_token_logprobs``) and the logits, never held whole, are returned as None. ``with_entropy``
-    adds a third array, the entropy of each predicting distribution (``token_entropy``, a metric without
-    gradient), ``[B, T]`` aligned alike (position 0 holds 0).
+    adds a third array, the entropy of each predicting distribution (``token_entropy``, a metric without gradient;
+    differentiable with ``entropy_grad``, for an entropy bonus), ``[B, T]`` aligned alike (position 0 holds 0).
     """
     rows = dict(attention_mask=attention_mask, segment_ids=segment_ids, positions=positions)
     if chunk_size is not None:
         logp, entropy = _chunked_logprobs(
-            config, params, tokens, rows, lora_scale, temperature, chunk_size, with_entropy
+            config, params, tokens, rows, lora_scale, temperature, chunk_size, with_entropy, entropy_grad
         )
         return (logp, None, entropy) if with_entropy else (logp, None)
     logits = model.forward(config, params, tokens, **rows, lora_scale=lora_scale)
@@ -145,7 +149,8 @@ def sequence_logprobs(
     logp = shift(token_logprobs(logits[:, :-1], tokens[:, 1:], temperature))
     if not with_entropy:
         return logp, logits
-    return logp, logits, shift(token_entropy(jax.lax.stop_gradient(logits[:, :-1]), temperature))
+    head = logits[:, :-1] if entropy_grad else jax.lax.stop_gradient(logits[:, :-1])
+    return logp, logits, shift(token_entropy(head, temperature))
 
 
 def grouped_logprobs(
@@ -173,7 +178,7 @@ def grouped_logprobs(
     return merge_rows(jax.lax.map(one, split))
 
 
-def _chunked_logprobs(config, params, tokens, rows, lora_scale, temperature, chunk_size, entropy=False):
+def _chunked_logprobs(config, params, tokens, rows, lora_scale, temperature, chunk_size, entropy=False, grad=False):
     h_BTD = model.hidden_states(
         config, params, tokens, rows["attention_mask"], lora_scale=lora_scale,
         segment_ids_BT=rows["segment_ids"], positions_BT=rows["positions"],
@@ -185,6 +190,7 @@ def _chunked_logprobs(config, params, tokens, rows, lora_scale, temperature, chu
         chunk_size=chunk_size,
         temperature=temperature,
         with_entropy=entropy,
+        entropy_grad=grad,
     )
     shift = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
     return shift(logp), None if ent is None else shift(ent)
@@ -193,6 +199,7 @@ def _chunked_logprobs(config, params, tokens, rows, lora_scale, temperature, chu
 def logprobs_and_entropy(
     config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array | None = None, **options: Any
 ) -> tuple[jax.Array, jax.Array]:
-    """``sequence_logprobs`` (the same arguments) with its entropy in place of the logits: ``(logp, entropy)``."""
+    """``sequence_logprobs`` (the same arguments, ``entropy_grad`` included) with its entropy in place of the logits:
+    ``(logp, entropy)``."""
     logp, _, entropy = sequence_logprobs(config, params, tokens, attention_mask, **options, with_entropy=True)
     return logp, entropy

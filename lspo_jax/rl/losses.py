@@ -154,26 +154,131 @@ def masked_mean(x: jax.Array, mask: jax.Array, num_tokens: jax.Array | float | N
     return masked_sum(x, mask) / jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
 
 
+# --------------------------------------------------------------------------------- KL to a reference policy
+# Schulman's estimators of KL(pi_theta || pi_ref) from a token y ~ pi_theta, each a function of
+# log r = log pi_ref(y) - log pi_theta(y) (``options.KLEstimator``).
+KL_ESTIMATORS = options.Registry(options.KLEstimator, "KL estimator")
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(log_r: jax.Array) -> jax.Array:
+    """``r - 1 - log r``: unbiased, never negative, low variance; its gradient w.r.t. logp_theta is ``1 - r``.
+    log r is clamped to [-20, 20] first (verl's low_var_kl): a token the reference finds e^88 times likelier than
+    the policy would overflow exp in float32, and beyond the clamp the token gets no gradient rather than inf."""
+    log_r = jnp.clip(log_r, -20.0, 20.0)
+    return jnp.exp(log_r) - 1.0 - log_r
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(log_r: jax.Array) -> jax.Array:
+    """``-log r = log pi_theta - log pi_ref``: unbiased, high variance, negative on some tokens."""
+    return -log_r
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(log_r: jax.Array) -> jax.Array:
+    """``(log r)^2 / 2``: biased (its mean is E[(log r)^2] / 2), never negative, low variance when pi_ref ~ pi_theta."""
+    return 0.5 * log_r * log_r
+
+
+def _kl_tokens(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, estimator: str | Callable) -> jax.Array:
+    """The estimator per token, 0 off the mask (``where`` before it: a pad's garbage never reaches exp)."""
+    if ref_logp is None:
+        raise ValueError("a KL term needs the reference's log-probs (ref_logp) of the same tokens")
+    if logp.shape != ref_logp.shape or logp.shape != mask.shape:
+        raise ValueError(f"logp {logp.shape}, ref_logp {ref_logp.shape} and mask {mask.shape} must match")
+    mask = mask.astype(bool)
+    log_r = jnp.where(mask, ref_logp.astype(jnp.float32) - logp.astype(jnp.float32), 0.0)
+    return jnp.where(mask, KL_ESTIMATORS.resolve(estimator)(log_r), 0.0)
+
+
+def kl_penalty(
+    logp: jax.Array,
+    ref_logp: jax.Array,
+    mask: jax.Array,
+    estimator: str | Callable = "k3",
+    num_tokens: jax.Array | float | None = None,
+) -> jax.Array:
+    """Token-mean of a KL estimator, ``sum_{mask} k(log r_t) / num_tokens`` with ``log r_t = ref_logp - logp``
+    (``KL_ESTIMATORS``: k1, k2, k3), the reference a constant: differentiated, it pulls pi_theta towards pi_ref.
+
+    ``logp``, ``ref_logp``, ``mask`` are ``[B, T]``; ``num_tokens`` as in ``policy_loss``.
+    """
+    return masked_mean(_kl_tokens(logp, ref_logp, mask, estimator), mask, num_tokens)
+
+
+def sequence_kl(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, estimator: str | Callable = "k1") -> jax.Array:
+    """``[B]``: each row's sum of the estimator over its tokens, detached (k1: ``log pi_theta(y) - log pi_ref(y)``
+    of the whole response), the penalty ``loss.kl_in: reward`` takes from each row's reward."""
+    return jax.lax.stop_gradient(jnp.sum(_kl_tokens(logp, ref_logp, mask, estimator), axis=-1))
+
+
+def policy_regularizers(
+    logp: jax.Array,
+    mask: jax.Array,
+    *,
+    ref_logp: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str | Callable = "k3",
+    entropy_coef: float = 0.0,
+    num_tokens: jax.Array | float | None = None,
+) -> tuple[jax.Array, Metrics]:
+    """The terms GRPO's recipes may add to ``policy_loss``, as token-means over ``num_tokens``::
+
+        kl_coef * kl_penalty(logp, ref_logp, mask, kl_estimator) - entropy_coef * sum_{mask} H_t / num_tokens
+
+    ``entropy`` ``[B, T]`` is that of the sampling distribution (``logprobs.token_entropy``), differentiable for the
+    bonus to act (``logprobs.sequence_logprobs(..., entropy_grad=True)``). A coefficient of 0 adds nothing and needs
+    no array. Returns ``(term, metrics)``, metrics ``kl_ref``: the estimator's token-mean over this call's mask.
+    """
+    term, metrics = jnp.zeros((), jnp.float32), {}
+    if kl_coef:
+        term = term + kl_coef * kl_penalty(logp, ref_logp, mask, kl_estimator, num_tokens)
+        metrics["kl_ref"] = jax.lax.stop_gradient(kl_penalty(logp, ref_logp, mask, kl_estimator))
+    if entropy_coef:
+        term = term - entropy_coef * masked_mean(entropy, mask, num_tokens)
+    return term, metrics
+
+
 # ------------------------------------------------------------------------------------------- losses
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
     """How a run reads its policy's tokens, the same in the update, the log-prob passes and any method's
     per-prompt losses: the clip range (``eps_low``, ``eps_high``) and dual clip (``clip_c``) of ``policy_loss``, the
     ``temperature`` of the log-probs (the sampling one: ``softmax(logits / temperature)``) and the LM head's
-    ``chunk_size`` (``logprobs.chunked_token_logprobs``). Frozen and hashable: a static argument of the jitted
-    programs."""
+    ``chunk_size`` (``logprobs.chunked_token_logprobs``); and the update's ``policy_regularizers``: ``kl_coef`` of the
+    KL term in the loss (0 also where the run puts the KL in the reward) with its ``kl_estimator``, and
+    ``entropy_coef``. Frozen and hashable: a static argument of the jitted programs."""
 
     eps_low: float = 0.2
     eps_high: float = 0.28
     clip_c: float | None = None
     temperature: float = 1.0
     chunk_size: int | None = None
+    kl_coef: float = 0.0
+    kl_estimator: Callable = kl_k3
+    entropy_coef: float = 0.0
 
     @classmethod
     def of(cls, run: Any) -> LossSpec:
-        """A run's (``train_config.TrainConfig``): ``loss``'s clip and chunk, ``rollout.temperature``."""
+        """A run's (``train_config.TrainConfig``): ``loss``'s clip, chunk and regularizers, ``rollout.temperature``."""
         loss = run.loss
-        return cls(loss.eps_low, loss.eps_high, loss.clip_c, run.rollout.temperature, loss.chunk_size)
+        return cls(
+            loss.eps_low, loss.eps_high, loss.clip_c, run.rollout.temperature, loss.chunk_size,
+            kl_coef=loss.kl_loss_coef, kl_estimator=KL_ESTIMATORS.resolve(loss.kl_estimator),
+            entropy_coef=loss.entropy_coef,
+        )  # fmt: skip
+
+    @property
+    def regularized(self) -> bool:
+        """Whether the update adds ``policy_regularizers`` to the policy loss (the default adds nothing)."""
+        return bool(self.kl_coef or self.entropy_coef)
+
+    @property
+    def regularizers(self) -> dict[str, Any]:
+        """``policy_regularizers``' coefficient keywords."""
+        return {"kl_coef": self.kl_coef, "kl_estimator": self.kl_estimator, "entropy_coef": self.entropy_coef}
 
     @property
     def clip(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lspo_jax import options
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import model
 from lspo_jax.options import AdamWConfig, RLOptimConfig, SFTOptimConfig  # noqa: F401 (optim's own config names)
@@ -38,8 +39,8 @@ _LOSS = losses.LossSpec()  # the paper's clip, temperature 1, the LM head unchun
 
 # -------------------------------------------------------------------------------------- transforms
 def adamw_transform(config: AdamWConfig) -> optax.GradientTransformation:
-    """``clip_by_global_norm(max_grad_norm)`` then AdamW with the warm-up schedule of ``config``."""
-    schedule = _warmup_schedule(config.lr, config.warmup_steps)
+    """``clip_by_global_norm(max_grad_norm)`` then AdamW with the schedule of ``config`` (``lr_schedule``)."""
+    schedule = lr_schedule(config)
     adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay)
     if config.max_grad_norm is None:
         return adamw
@@ -48,7 +49,47 @@ def adamw_transform(config: AdamWConfig) -> optax.GradientTransformation:
 
 def learning_rate(config: AdamWConfig, count: int) -> float:
     """The rate of ``config``'s schedule at the update that follows ``count`` applied ones."""
-    return float(_warmup_schedule(config.lr, config.warmup_steps)(count))
+    return float(lr_schedule(config)(count))
+
+
+# The decay after the warm-up: the progress p in [0, 1] and the floor m (``min_lr_ratio``) -> lr's factor, 1 at p = 0.
+LR_SCHEDULES = options.Registry(options.LRSchedule, "learning-rate schedule")
+
+
+@LR_SCHEDULES.register("constant")
+def constant_decay(progress: jax.Array, floor: float) -> float:
+    return 1.0
+
+
+@LR_SCHEDULES.register("cosine")
+def cosine_decay(progress: jax.Array, floor: float) -> jax.Array:
+    """``m + (1 - m) (1 + cos(pi p)) / 2``: 1 at p = 0, ``(1 + m) / 2`` midway, m at p = 1."""
+    return floor + (1.0 - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+
+
+@LR_SCHEDULES.register("linear")
+def linear_decay(progress: jax.Array, floor: float) -> jax.Array:
+    """``1 - (1 - m) p``: a straight line from 1 to m."""
+    return 1.0 - (1.0 - floor) * progress
+
+
+def lr_schedule(config: AdamWConfig) -> optax.Schedule:
+    """``config``'s rate as a function of the updates applied: the linear warm-up, then its ``schedule``'s decay over
+    ``decay_steps`` (see ``AdamWConfig``); the optimizer and ``learning_rate`` both read it."""
+    decay = LR_SCHEDULES.resolve(config.schedule)
+    if decay is constant_decay:  # the warm-up alone, as before there were schedules: the same program
+        return _warmup_schedule(config.lr, config.warmup_steps)
+    if config.decay_steps is None:
+        raise ValueError(f"a {config.schedule} schedule needs decay_steps: a run's config sets null to the optimizer's "
+                         "lifetime (AdamWConfig.lasting)")  # fmt: skip
+    lr, warmup, floor = config.lr, config.warmup_steps, config.min_lr_ratio
+    span, warm = max(1, config.decay_steps - warmup), _warmup_schedule(1.0, warmup)
+
+    def schedule(count: jax.Array) -> jax.Array:
+        progress = jnp.clip((count - warmup) / span, 0.0, 1.0)  # 0 through the warm-up: the decay's factor is 1
+        return lr * warm(count) * decay(progress, floor)
+
+    return schedule
 
 
 def _warmup_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
@@ -86,8 +127,13 @@ def make_optimizer(
 
 def direct_optimizer(rl: RLOptimConfig, sft: SFTOptimConfig) -> optax.GradientTransformation:
     """The direct-supervision control's optimizer (``scaffold.supervise: base``): ``make_optimizer``'s with the
-    base's AdamW at its peak rate (``rl`` without warm-up), initialised fresh every step as the adapter's is."""
-    return make_optimizer(dataclasses.replace(rl, warmup_steps=0), sft)
+    base's AdamW at its peak rate (``rl`` without warm-up or decay), initialised fresh every step as the adapter's
+    is."""
+    return make_optimizer(_peak(rl), sft)
+
+
+def _peak(rl: RLOptimConfig) -> RLOptimConfig:
+    return dataclasses.replace(rl, warmup_steps=0, schedule="constant")
 
 
 def update_subtree(
@@ -124,13 +170,15 @@ def rl_step(
     spec: losses.LossSpec = _LOSS,
     num_micro_batches: int = 1,
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
-    """One RL update of the base: ``policy_loss`` token-mean over the whole batch, adapter off.
+    """One RL update of the base: ``policy_loss`` token-mean over the whole batch (plus ``spec``'s
+    ``losses.policy_regularizers``: KL to the reference, entropy bonus), adapter off.
 
-    ``spec``: the clip, temperature and LM-head chunk (``losses.LossSpec``); ``num_micro_batches`` accumulates the
-    gradient over that many groups of rows (``losses.accumulate_gradients``).
+    ``spec``: the clip, temperature, LM-head chunk and regularizers (``losses.LossSpec``); ``num_micro_batches``
+    accumulates the gradient over that many groups of rows (``losses.accumulate_gradients``).
 
-    ``batch``: ``tokens``, ``mask`` (response tokens) and ``old_logp``, all ``[B, T]`` and aligned as in
-    ``logprobs.sequence_logprobs``, ``advantages`` ``[B]`` or ``[B, T]``, and the rows' layout: ``attention_mask``
+    ``batch``: ``tokens``, ``mask`` (response tokens) and ``old_logp`` (and ``ref_logp``, the reference's log-probs,
+    where ``spec.kl_coef`` > 0), all ``[B, T]`` and aligned as in ``logprobs.sequence_logprobs``, ``advantages``
+    ``[B]`` or ``[B, T]``, and the rows' layout: ``attention_mask``
     (left-padded rows) or ``segment_ids`` and ``positions`` (packed rows, ``packing.pack_rows``). The forward pass
     gets only ``params["base"]`` with ``lora_scale = 0``, so the adapter is neither computed nor differentiated.
     ``spec.chunk_size`` runs the LM head in sequence chunks (see ``logprobs.sequence_logprobs``).
@@ -154,13 +202,21 @@ def rl_gradients(
     """``rl_step``'s ``(loss, gradient w.r.t. the base, metrics)`` before the optimizer: ``batch`` as there."""
 
     def loss_fn(base: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
+        # The entropy is differentiated only for a bonus that reads it: the default program stays the metric's.
         logp, entropy = logprobs.logprobs_and_entropy(
-            config, {BASE: base}, micro["tokens"], **logprobs.layout(micro), **spec.reading
-        )
+            config, {BASE: base}, micro["tokens"], **logprobs.layout(micro), **spec.reading,
+            entropy_grad=bool(spec.entropy_coef),
+        )  # fmt: skip
         loss, metrics = losses.policy_loss(
             logp, micro["old_logp"], micro["advantages"], micro["mask"], num_tokens=num_tokens, **spec.clip
         )
-        metrics["entropy"] = losses.masked_mean(entropy, micro["mask"])
+        metrics["entropy"] = losses.masked_mean(entropy, micro["mask"])  # aux: never differentiated
+        if spec.regularized:
+            term, extra = losses.policy_regularizers(
+                logp, micro["mask"], ref_logp=micro.get("ref_logp"), entropy=entropy, num_tokens=num_tokens,
+                **spec.regularizers,
+            )  # fmt: skip
+            loss, metrics = loss + term, {**metrics, **extra}
         return loss, metrics
 
     return losses.accumulate_gradients(loss_fn, base, batch, num_micro_batches)
@@ -267,7 +323,7 @@ def base_sft_step(
     chunk_size: int | None = None,
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
     """One SFT update of the base, adapter off: ``sft_step``'s loss and batch, ``direct_optimizer``'s state."""
-    tx = adamw_transform(dataclasses.replace(rl, warmup_steps=0))
+    tx = adamw_transform(_peak(rl))
     return _sft_update(config, params, opt_state, batch, tx, BASE, num_micro_batches, chunk_size)
 
 

@@ -210,9 +210,9 @@ def sample_round(
             compact = learner.sample([ex.prompt_ids for ex in repeated], key, lora_scale=0.0, n=1)
     with phases("reward", check_stop=False):  # one stop check per round, before its sampling
         if per_prompt:
-            rows, valid = dict(learner.score(compact, [ex.answer for ex in picked])), np.ones(len(picked) * k, bool)
+            rows, valid = dict(learner.score(compact, picked)), np.ones(len(picked) * k, bool)
         else:
-            compact = learner.score(compact, [ex.answer for ex in repeated], per_row=True)
+            compact = learner.score(compact, repeated, per_row=True)
             rows, valid = in_slots(compact, counts, k)
     zero_variance = _zero_variance(rows["accuracy"], valid, k)
     rescuable = np.array([ex.solution_ids is not None for ex in picked], bool) & run.scaffold.uses_cliffs

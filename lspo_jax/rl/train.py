@@ -11,7 +11,8 @@ timer, named as in its record (``time_<stage>``, ``Phases.NAMES``), in the order
     reroll   K samples per cliff prompt from pi_theta+phi; verified (reward), their adapter-on log-probs
              (logprob), passing ones spliced into failed rows
     logprob  old_logp = log pi_theta on base rows, the re-rolls' log pi_theta+phi (carried by the splice) on
-             spliced rows
+             spliced rows; with a KL penalty (``loss.kl_coef``) the frozen reference's log-probs from the same pass,
+             into the loss or the rewards (``kl_to_reference``)
              (``scaffold.correction`` and ``loss.tis_cap`` may change these and add weights:
              ``corrections.importance_weights``); with an external engine, proof that it sampled the re-rolls with
              the adapter on (``engine_adapter_check``: a run whose engine held the base stops)
@@ -128,11 +129,11 @@ def train_step(
     sync_before = _sync_seconds(learner)
     sample_key, scaffold_key = step_keys(draw)
     rows, valid = sample_and_score(learner, draw, sample_key, phases, sampled)  # sample, reward
-    record = rollout_metrics(learner.run, rows, valid)
+    record = {**rollout_metrics(learner.run, rows, valid), **reward_record(rows, valid)}
     scaffolded = scaffold_cliffs(learner, rows, draw.examples, scaffold_key, phases, valid)
     rows, spliced_mask, scaffold_record = scaffolded.rows, scaffolded.spliced_rows, scaffolded.counts
     with phases("logprob"):
-        base_logp = learner.logprobs(rows, lora_scale=0.0)
+        base_logp, ref_logp = policy_logprobs(learner, rows)
     # The log-probs of the policy that sampled each row: the adapter-on one's on spliced rows, the base's elsewhere.
     behaviour_logp = np.where(spliced_mask[:, None], rows.get("adapter_logp", base_logp), base_logp)
     record.update(spliced_diagnostics(base_logp, behaviour_logp, rows["mask"], spliced_mask))
@@ -144,6 +145,9 @@ def train_step(
         learner.run, rows, base_logp, behaviour_logp, spliced_mask, correction=learner.correction
     )
     rows = rows.replace(old_logp=old_logp)
+    if ref_logp is not None:
+        rows, kl_record = kl_to_reference(learner, rows, base_logp, ref_logp)
+        record.update(kl_record)
     advantages, advantages_record = step_advantages(learner, rows, draw.examples, valid, phases)
     record.update(advantages_record)
     phases.check("update")  # the step's last stop check: the base changes only after it
@@ -159,6 +163,7 @@ def train_step(
     record["spliced_accuracy_mean"] = float(rows["accuracy"].mean())
     record.update(scaffold_record)
     record.update(update_metrics(learner, update))
+    record.update(learner.take_reward_failures())  # the step's draw rounds, rollouts and re-rolls
     return StepResult({"step": learner.state.step, **record, **phases.seconds}, observation)
 
 
@@ -174,6 +179,8 @@ def update_base(
         advantages = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
         record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
     batch = {**{k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}, "advantages": advantages}
+    if "ref_logp" in rows:  # a KL term in the loss (``kl_to_reference``)
+        batch["ref_logp"] = rows["ref_logp"]
     if learner.run.scaffold.grad_share and spliced_rows.any():  # one more gradient pass
         record["spliced_grad_norm"] = spliced_grad_norm(learner, batch, spliced_rows)
         if learner.run.optim.mini_batches * learner.run.optim.epochs > 1:  # the update reports mini-batch norms
@@ -189,6 +196,27 @@ def update_base(
     if "spliced_grad_norm" in record and total:
         record["spliced_grad_share"] = record["spliced_grad_norm"] / float(total)
     return update, observation
+
+
+def policy_logprobs(learner: Learner, rows: Rows) -> tuple[np.ndarray, np.ndarray | None]:
+    """The base's log-probs of the step's rows (the old log-probs of those it sampled) and, with a KL penalty
+    (``loss.kl_coef``), the frozen reference's from the same pass (``Learner.logprobs_with_reference``); else None."""
+    if not learner.run.loss.kl_coef:
+        return learner.logprobs(rows, lora_scale=0.0), None
+    return learner.logprobs_with_reference(rows)
+
+
+def kl_to_reference(learner: Learner, rows: Rows, base_logp, ref_logp) -> tuple[Rows, dict[str, float]]:
+    """The KL penalty's part of the step before the advantages. ``loss.kl_in: loss``: the rows carry ``ref_logp`` into
+    the update, whose loss adds the term and whose metrics give ``kl_ref``. ``reward``: each row's shaped reward loses
+    ``kl_coef`` times its summed k1, ``log pi_theta(y) - log pi_ref(y)`` of the base that is updated (on spliced rows
+    too, whose sampler was the adapter), detached (``losses.sequence_kl``); ``kl_ref`` is k1's token-mean."""
+    loss, mask = learner.run.loss, rows["mask"]
+    if loss.kl_loss_coef:
+        return rows.replace(ref_logp=ref_logp), {}
+    row_kl = np.asarray(losses.sequence_kl(base_logp, ref_logp, mask))
+    reward = np.asarray(rows["reward"] - loss.kl_reward_coef * row_kl, np.float32)
+    return rows.replace(reward=reward), {"kl_ref": float(row_kl.sum() / max(1.0, float(np.sum(mask > 0))))}
 
 
 def spliced_grad_norm(learner: Learner, batch: dict, spliced_rows: np.ndarray) -> float:
@@ -214,7 +242,7 @@ def sample_and_score(
         else:
             rows = learner.sample([ex.prompt_ids for ex in draw.examples], key, lora_scale=0.0)
     with phases("reward"):
-        return learner.score(rows, [ex.answer for ex in draw.examples]), None
+        return learner.score(rows, draw.examples), None
 
 
 def step_advantages(learner: Learner, rows: Rows, examples, valid, phases: Phases) -> tuple[np.ndarray, dict]:
@@ -259,7 +287,7 @@ def update_metrics(learner: Learner, update: dict[str, Any]) -> dict[str, Any]:
         **{name: update.get(name) for name in names},
         "update_skipped": not update["finite"],
         "nonfinite_total": learner.state.nonfinite_total,
-        **{k: v for k, v in update.items() if k.startswith(("ratio", "approx_kl"))},
+        **{k: v for k, v in update.items() if k.startswith(("ratio", "approx_kl", "kl_ref"))},
         **{f"scaffold/{k}": v for k, v in update.items() if k.startswith("mix_")},  # the mixed objective's
     }
 
@@ -334,7 +362,7 @@ def rescue_with_adapter(learner: Learner, rows: Rows, cliff_examples, usable, ke
     with phases("reroll"):
         rerolls, slots = reroll(learner, cliff_examples, reroll_key)
     with phases("reward"):
-        rerolls = learner.score(rerolls, [ex.answer for ex in cliff_examples for _ in range(n)], per_row=True)
+        rerolls = learner.score(rerolls, [ex for ex in cliff_examples for _ in range(n)], per_row=True)
     with phases("logprob"):
         # The spliced rows' importance-ratio denominator: the adapter-on policy that sampled them.
         logp = learner.logprobs(rerolls, lora_scale=scale, min_rows=slots * n, temperature=temperature)
@@ -454,6 +482,13 @@ def rollout_metrics(run: TrainConfig, rows: Rows, valid: np.ndarray | None = Non
         "rollouts": int(valid.sum()),
         "effective_prompt_ratio": float(informative.mean()),
     }
+
+
+def reward_record(rows: Rows, valid: np.ndarray | None = None) -> dict[str, float]:
+    """``reward/<name>``: each reward function's mean score over the sampled rollouts (the valid rows, the rows'
+    ``reward/<name>`` fields, ``Learner.score``'s), before the scaffold, as ``accuracy_mean`` and ``reward_mean``."""
+    valid = np.ones(len(rows["accuracy"]), bool) if valid is None else valid
+    return {name: float(np.asarray(rows[name])[valid].mean()) for name in rows if name.startswith("reward/")}
 
 
 def _sync_seconds(learner: Learner) -> float:

@@ -1,10 +1,12 @@
 """Training data: rows read into one schema, tokenised into prompts and SFT targets, drawn in a resumable order.
 
-A row is ``{"id", "problem", "answer", "solution", "source", "meta"}`` (the schema of the packaged benchmarks).
-Files in that schema, in the hub's own fields for it (MATH-500's ``unique_id``, MathArena's ``problem_idx``, or no
-id at all: the row's position), and DeepMath-103K files (``question, final_answer, difficulty, topic,
-r1_solution_1..3``) are read into it, as JSONL, parquet or a JSON array, from a file, a directory of them, or a hub
-dataset (``ORG/NAME[@REV][:PART]``, ``lspo_jax.hub``); ``toy:addition`` is the demo's generated task.
+A row is ``{"id", "problem", "answer", "solution", "source", "meta", "fields"}`` (the schema of the packaged
+benchmarks; ``fields``: the record's other columns, for the reward functions). Files in that schema, in the hub's own
+fields for it (MATH-500's ``unique_id``, MathArena's ``problem_idx``, or no id at all: the row's position), and
+DeepMath-103K files (``question, final_answer, difficulty, topic, r1_solution_1..3``) are read into it, as JSONL,
+parquet or a JSON array, from a file, a directory of them, or a hub dataset (``ORG/NAME[@REV][:PART]``,
+``lspo_jax.hub``); ``toy:addition`` is the demo's generated task. ``data.fields`` names a file's own columns for the
+roles problem, answer, solution and id.
 
 Bad rows never crash a run: a row lacking a required field, or with one of a type no grader reads (a list
 answer), is skipped and listed, a prompt over the token limit is skipped or truncated per config, a solution over
@@ -12,10 +14,11 @@ its limit likewise, and a row without a solution stays a training prompt but is 
 such case is counted in ``DataReport``. Gold answers are parsed once here, and rows whose gold does not parse are
 left out (they would be permanent cliffs that no rollout can pass).
 
-Prompts are rendered with the tokenizer's chat template when it has one. For DeepSeek-R1-Distill-Qwen that
-gives ``<｜begin▁of▁sentence｜><｜User｜>{problem}<｜Assistant｜><think>\n``: the prompt already opens the
-thought, which is why a DeepMath ``r1_solution_*`` trace (no opening ``<think>``, one ``</think>``, then the
-written solution) is the SFT target as it is, followed by EOS. A trace cut to ``max_solution_tokens`` gets no EOS
+Prompts are rendered per ``data.template`` (``TEMPLATES``): by default with the tokenizer's chat template when it has
+one. For DeepSeek-R1-Distill-Qwen that gives ``<｜begin▁of▁sentence｜><｜User｜>{problem}<｜Assistant｜><think>\n``,
+as ``r1`` does for any tokenizer with those tokens: the prompt already opens the thought, which is why a DeepMath
+``r1_solution_*`` trace (no opening ``<think>``, one ``</think>``, then the written solution) is the SFT target as
+it is, followed by EOS. A trace cut to ``max_solution_tokens`` gets no EOS
 (unless ``data.eos_after_truncated``): the cut is mid-thought, and an EOS there would teach the adapter to stop.
 """
 
@@ -29,12 +32,17 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from lspo_jax import hub
+from lspo_jax import hub, options
 from lspo_jax.tasks import rewards, toy
 from lspo_jax.text import error_cause
-from lspo_jax.train_config import DataConfig
+from lspo_jax.train_config import DataConfig, DataFields
 
-REQUIRED = {"shared": ("problem", "answer"), "deepmath": ("question", "final_answer")}
+ROLES = tuple(f.name for f in dataclasses.fields(DataFields))  # problem, answer, solution, id: ``data.fields``' keys
+# The column each role is read from where ``data.fields`` names none, or a row lacks the one it names; a DeepMath
+# row's solution is ``data.solution_field``'s trace.
+COLUMNS = {"shared": {"problem": "problem", "answer": "answer", "solution": "solution"},
+           "deepmath": {"problem": "question", "answer": "final_answer"}}  # fmt: skip
+TRACES = options.choices(options.SolutionField)  # DeepMath's R1 traces: the unused two are never read
 # The fields a row's id is taken from, first present first (the hub's MATH-500, MathArena); else its position.
 ID_FIELDS = ("id", "unique_id", "problem_idx")
 MAX_LISTED = 100  # rows named in ``DataReport.row_errors``; the count is always complete
@@ -42,13 +50,15 @@ MAX_LISTED = 100  # rows named in ``DataReport.row_errors``; the count is always
 
 class Example:
     """One training prompt: token ids of the prompt and of its worked solution (EOS appended unless it was
-    truncated), if any; the problem and solution texts for a judge that reads them (``first_mistake``).
+    truncated), if any; the problem and solution texts for a judge that reads them (``first_mistake``); ``fields``,
+    the row's other columns as JSON values (``difficulty``, ``test_cases``), which the reward functions receive:
+    read them, never change them (the examples are shared by every step that draws them).
 
     ``solution_ids`` is given, or made on first use by ``encode(example)`` (``example_store``: a run's prompts
     are tokenised up front, its solutions only when the scaffold needs one).
     """
 
-    __slots__ = ("id", "answer", "prompt_ids", "problem", "solution", "_solution_ids", "_encode")
+    __slots__ = ("id", "answer", "prompt_ids", "problem", "solution", "fields", "_solution_ids", "_encode")
 
     def __init__(
         self,
@@ -59,9 +69,11 @@ class Example:
         problem: str = "",
         solution: str | None = None,
         *,
+        fields: dict[str, Any] | None = None,
         encode: Callable[[Example], np.ndarray | None] | None = None,
     ):
         self.id, self.answer, self.prompt_ids, self.problem, self.solution = id, answer, prompt_ids, problem, solution
+        self.fields = {} if fields is None else fields
         self._solution_ids, self._encode = solution_ids, encode if solution else None
 
     @property
@@ -89,7 +101,9 @@ class DataReport:
     them described in ``row_errors`` (with rows kept whose solution was not a string). Solutions are counted
     as they are tokenised (``solutions_encoded``): a file's at start, a cached source's when first used, so
     ``solution_skipped``, ``solution_truncated`` and ``solution_errors`` (a solution that failed to tokenise:
-    never a scaffold target, listed in ``row_errors``) count those so far.
+    never a scaffold target, listed in ``row_errors``) count those so far. ``prompt_longest`` is the longest prompt
+    rendered (tokens), ``max_prompt_tokens`` the limit it was held to (0: a report not made by loading), and
+    ``solution_column`` the column the worked solutions were read from.
     """
 
     rows: int = 0
@@ -104,6 +118,9 @@ class DataReport:
     solution_truncated: int = 0
     solution_errors: int = 0
     gold_unparseable: list[str] = dataclasses.field(default_factory=list)
+    prompt_longest: int = 0
+    max_prompt_tokens: int = 0
+    solution_column: str = ""
 
     def losses(self) -> str | None:
         """One line on the rows that loading dropped or cut, for the console; None when it kept them all whole."""
@@ -113,7 +130,43 @@ class DataReport:
         if not lost:
             return None
         example = f"; e.g. {self.row_errors[0]}" if self.row_errors else ""
-        return f"{self.kept} of {self.rows} rows kept; {lost}{example}"
+        length = f"; {line}" if (line := self.too_long()) else ""
+        return f"{self.kept} of {self.rows} rows kept; {lost}{example}{length}"
+
+    def too_long(self) -> str | None:
+        """The prompts over ``data.max_prompt_tokens``, the longest, and the key that keeps them; None when none
+        was (or the report names no limit)."""
+        over = self.prompt_skipped + self.prompt_truncated
+        if not over or not self.max_prompt_tokens:
+            return None
+        limit = self.max_prompt_tokens
+        said = (f"{over} of {self.kept + self.prompt_skipped} prompts are longer than data.max_prompt_tokens={limit} "
+                f"(the longest {self.prompt_longest} tokens, with the template and instruction)")  # fmt: skip
+        if self.prompt_skipped:
+            return f"{said}; raise data.max_prompt_tokens or set data.prompt_policy: truncate"
+        return f"{said}, cut to their last {limit} tokens; raise data.max_prompt_tokens to keep them whole"
+
+    def no_solution(self) -> str | None:
+        """A line when no kept row has a worked solution: the scaffold has nothing to learn a cliff from."""
+        if not self.kept or self.solution_missing < self.kept:
+            return None
+        column = f" (column {self.solution_column!r})" if self.solution_column else ""
+        return (
+            f"no row has a worked solution{column}: cliffs cannot be rescued, as the LSPO scaffold learns "
+            "from worked solutions, so the run behaves as DAPO on them; name the column in data.fields.solution"
+        )
+
+    def warnings(self, scaffold: bool = True) -> list[str]:
+        """The lines a run prints on its training source: what loading dropped or cut (``losses``), and for a run
+        whose scaffold learns from worked solutions, a source that has none (``no_solution``)."""
+        lines = [self.losses(), self.no_solution() if scaffold else None]
+        return [line for line in lines if line]
+
+    def check_kept(self, what: str) -> None:
+        """``DataError`` saying why, when loading kept no row of ``what`` (``data.train FILE``): the prompts' length
+        and the key that fixes it, else what was lost."""
+        if not self.kept:
+            raise DataError(f"{what}: {self.too_long() or self.losses() or 'it holds no rows'}")
 
     def invalid(self, where: str, problem: str) -> None:
         self.rows_invalid += 1
@@ -173,7 +226,8 @@ def iter_rows(
     path, files = source_files(spec)
     index, usable = 0, 0  # index: a DeepMath row's id when it has none, its position in the whole source
     for file in files:
-        fmt = config.format if config.format != "auto" else _detect_format(file)
+        fmt = config.format if config.format != "auto" else _detect_format(file, config)
+        report.solution_column = config.fields.solution or COLUMNS[fmt].get("solution", config.solution_field)
         name = file.name if path.is_dir() else ""
         for where, record in _records(file, fmt, config):
             if index == max_rows:
@@ -224,8 +278,9 @@ def _open(file: Path) -> BinaryIO:
         raise DataError(f"{file}: cannot be opened ({error_cause(err)})") from err
 
 
-def _detect_format(file: Path) -> str:
-    """``shared`` or ``deepmath``, from the fields of the file's first record (parquet: its schema)."""
+def _detect_format(file: Path, config: DataConfig) -> str:
+    """``shared`` or ``deepmath``, from the fields of the file's first record (parquet: its schema): a file with
+    ``problem``, or the column ``data.fields.problem`` names, is read as ``shared``."""
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -243,11 +298,12 @@ def _detect_format(file: Path) -> str:
                 if isinstance(record, dict):
                     fields = set(record)
                     break
-    if "problem" in fields or not fields:  # no record at all: nothing to read either way
+    if "problem" in fields or config.fields.problem in fields or not fields:  # no record: nothing to read either way
         return "shared"
     if "question" in fields:
         return "deepmath"
-    raise DataError(f"{file}: cannot tell the format from its fields {sorted(fields)}; set data.format")
+    raise DataError(f"{file}: cannot tell the format from its fields {sorted(fields)}; set data.format, or name the "
+                    "problem's column in data.fields.problem")  # fmt: skip
 
 
 def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, dict[str, Any] | None]]:
@@ -255,10 +311,9 @@ def _records(file: Path, fmt: str, config: DataConfig) -> Iterator[tuple[str, di
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        # Only the columns that are used: the three R1 traces of DeepMath-103K run to gigabytes in memory.
-        wanted = ("id", "question", "final_answer", "difficulty", "topic", config.solution_field)
-        names = _parquet(file, pq.read_schema).names
-        columns = [n for n in names if fmt == "shared" or n in wanted]
+        # Not the traces that are not used: the three R1 traces of DeepMath-103K run to gigabytes in memory.
+        unused = set(TRACES) - {config.solution_field, config.fields.solution} if fmt == "deepmath" else set()
+        columns = [n for n in _parquet(file, pq.read_schema).names if n not in unused]
         batches = _parquet(file, lambda f: pq.ParquetFile(f).iter_batches(PARQUET_BATCH, columns=columns))
         i = 0
         while (batch := _parquet(file, lambda _: next(batches, None))) is not None:
@@ -313,33 +368,51 @@ def _to_shared(
     record: dict[str, Any], fmt: str, config: DataConfig, index: int, where: str, report: DataReport
 ) -> dict[str, Any] | None:
     """The record in the shared schema, or None (counted and listed) when a required field is missing or of a
-    type no grader reads (``_field_error``). A record with no id field (``ID_FIELDS``) takes its position in the
-    source, as a DeepMath row does."""
-    ident = next((record[k] for k in ID_FIELDS if not _missing(record.get(k))), index)
+    type no grader reads (``_field_error``). A record with no id field (``ID_FIELDS``, or the one ``data.fields.id``
+    names) takes its position in the source, as a DeepMath row does. Each role is read from its ``_column``."""
+    problem_key, answer_key, solution_key = (_column(record, role, fmt, config) for role in ROLES[:3])
+    id_key = next((k for k in (config.fields.id, *ID_FIELDS) if k is not None and not _missing(record.get(k))), None)
+    ident = index if id_key is None else record[id_key]
     where = f"{where} (id {ident})"
-    if (error := _field_error(record, fmt)) is not None:
+    if (error := _field_error(record, problem_key, answer_key)) is not None:
         report.invalid(where, error)
         return None
-    problem_key, answer_key = REQUIRED[fmt]
-    solution_key = "solution" if fmt == "shared" else config.solution_field
     row = {"id": str(ident), "problem": record[problem_key], "answer": _answer_text(record[answer_key]),
            "solution": _solution_text(record.get(solution_key), solution_key, where, report)}  # fmt: skip
+    used = {problem_key, answer_key, solution_key, id_key}
+    fields = _json_values({k: v for k, v in record.items() if k not in used and (fmt == "shared" or k not in TRACES)})
     if fmt == "shared":
         meta = record.get("meta")
         if meta is None:  # a hub file's own fields (subject, level, url, ...) kept as the schema keeps them
-            meta = {k: v for k, v in record.items() if k not in SHARED_FIELDS and k not in ID_FIELDS}
-        return {**record, **row, "meta": meta}
-    return {**row, "source": "deepmath", "meta": {"difficulty": record.get("difficulty"), "topic": record.get("topic")}}
+            meta = {k: v for k, v in record.items() if k not in SHARED_FIELDS and k not in ID_FIELDS and k not in used}
+        return {**record, **row, "meta": meta, "fields": fields}
+    meta = {"difficulty": record.get("difficulty"), "topic": record.get("topic")}
+    return {**row, "source": "deepmath", "meta": meta, "fields": fields}
 
 
-def _field_error(record: dict[str, Any], fmt: str) -> str | None:
+def _column(record: dict[str, Any], role: str, fmt: str, config: DataConfig) -> str:
+    """The column ``role`` is read from: the one ``data.fields`` names where the record has it, else the format's;
+    the named one again when the record has neither, so that a row missing it is listed by the user's name."""
+    named = getattr(config.fields, role)
+    if named is not None and named in record:
+        return named
+    default = COLUMNS[fmt].get(role, config.solution_field)
+    return default if named is None or default in record else named
+
+
+def _json_values(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` as JSON would give them back (a parquet date as its text, a tuple as a list): the same values
+    whether the examples were kept in memory or read back from their store."""
+    return json.loads(json.dumps(fields, default=str)) if fields else {}
+
+
+def _field_error(record: dict[str, Any], problem_key: str, answer_key: str) -> str | None:
     """Why ``record`` cannot be a row, or None. A required field that is missing, a problem that is not a string,
     or an answer that is neither a string nor a number: ``str`` of a list answer (``["3", "4"]``, common in math
     datasets) is a gold no rollout can match, so the row would be a cliff on every step with accuracy 0."""
-    missing = [k for k in REQUIRED[fmt] if _missing(record.get(k))]
+    missing = [k for k in (problem_key, answer_key) if _missing(record.get(k))]
     if missing:
         return f"missing {', '.join(missing)}"
-    problem_key, answer_key = REQUIRED[fmt]
     if not isinstance(record[problem_key], str):
         return f"{problem_key} is {_a_type(record[problem_key])}, not a string"
     if _answer_text(record[answer_key]) is None:
@@ -385,19 +458,71 @@ def prompt_text(problem: str, config: DataConfig) -> str:
     return f"{problem}\n{config.instruction}"
 
 
-def render_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Prompt token ids: the tokenizer's chat template (one user turn, generation prompt) when it has one,
-    else BOS + the text.
+def render_prompt(tokenizer: Any, text: str, config: DataConfig | None = None) -> list[int]:
+    """Prompt token ids of one user turn ``text`` per ``config``'s template and system prompt (None: the
+    tokenizer's chat template when it has one, else BOS + the text; no system prompt).
 
-    The template is rendered to text and then encoded without special tokens, since the template writes
-    its own BOS (the way transformers tokenizes a rendered chat).
+    The prompt is rendered to text and then encoded without special tokens, since the template writes its own BOS
+    (the way transformers tokenizes a rendered chat).
     """
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": text}]
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(ids)
+    return render_prompts(tokenizer, [text], config)[0]
+
+
+def render_texts(tokenizer: Any, texts: Sequence[str], config: DataConfig | None = None) -> list[str]:
+    """The prompts as text, one per user turn in ``texts``, per ``data.template`` and ``data.system_prompt``
+    (``config`` None: the generated tasks' own format, the tokenizer's template and no system prompt)."""
+    template, system = ("tokenizer", None) if config is None else (config.template, config.system_prompt)
+    if template == "tokenizer" and not getattr(tokenizer, "chat_template", None):
+        template = "plain"
+    return TEMPLATES.resolve(template)(tokenizer, texts, system)
+
+
+TEMPLATES = options.Registry(options.PromptTemplate, "prompt template")
+
+
+@TEMPLATES.register("tokenizer")
+def _chat_template(tokenizer: Any, texts: Sequence[str], system: str | None) -> list[str]:
+    """The tokenizer's own chat template: a system turn (when set), the user turn, the generation prompt."""
+    import jinja2
+
+    head = [{"role": "system", "content": system}] if system else []
+    try:
+        rendered = [
+            tokenizer.apply_chat_template([*head, {"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=False)
+            for text in texts
+        ]  # fmt: skip
+    except (jinja2.TemplateError, ValueError) as err:  # a template that refuses a system turn raises
+        raise DataError(f"data.template: the tokenizer's chat template failed ({error_cause(err)}); set "
+                        "data.template: r1 or plain, or data.system_prompt: null") from err  # fmt: skip
+    # A template written for user turns alone (some ports of R1's) drops a system turn without a word.
+    if system and rendered and system.strip() not in rendered[0]:
+        raise DataError("data.system_prompt: the tokenizer's chat template leaves the system turn out; set "
+                        "data.template: r1 or plain, or data.system_prompt: null")  # fmt: skip
+    return rendered
+
+
+# DeepSeek-R1-Distill's markup; its chat template puts a system prompt right after BOS, with no separator.
+R1_BOS, R1_USER, R1_ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+
+
+@TEMPLATES.register("r1")
+def _r1_template(tokenizer: Any, texts: Sequence[str], system: str | None) -> list[str]:
+    """``<｜begin▁of▁sentence｜>{system}<｜User｜>{text}<｜Assistant｜><think>`` and a newline, as DeepSeek-R1-Distill's
+    template renders one turn; each of its three marks must be one token of the tokenizer, not text."""
+    marks = (R1_BOS, R1_USER, R1_ASSISTANT)
+    lacking = [mark for mark, ids in zip(marks, encode_texts(tokenizer, marks), strict=True) if len(ids) != 1]
+    if lacking:
+        raise DataError(f"data.template: r1 needs the tokens {', '.join(lacking)}, which the tokenizer does not "
+                        "have; set data.template: tokenizer or plain")  # fmt: skip
+    return [f"{R1_BOS}{system or ''}{R1_USER}{text}{R1_ASSISTANT}<think>\n" for text in texts]
+
+
+@TEMPLATES.register("plain")
+def _plain_template(tokenizer: Any, texts: Sequence[str], system: str | None) -> list[str]:
+    """No chat markup: BOS (when the tokenizer has one), the system prompt and a newline (when set), the text."""
+    head = (tokenizer.bos_token if tokenizer.bos_token_id is not None else "") + (f"{system}\n" if system else "")
+    return [head + text for text in texts]
 
 
 def encode_rows(
@@ -410,17 +535,17 @@ def encode_rows(
 ) -> tuple[list[Example], DataReport]:
     """Tokenise rows into ``Example``s, applying the length policies and counting what they did.
 
-    ``instruction=False`` sends the problem text alone (the generated tasks' own format). Rows are encoded
-    ``ENCODE_CHUNK`` at a time through the fast tokenizer's batch call (its Rust threads share the work), and a
-    solution's ids are kept as an int32 array: at DeepMath-103K's scale, with R1 traces of thousands of tokens,
-    tuples of Python ints would hold some 36 bytes a token.
+    ``instruction=False`` sends the problem text alone, in the tokenizer's template with no system prompt (the
+    generated tasks' own format). Rows are encoded ``ENCODE_CHUNK`` at a time through the fast tokenizer's batch
+    call (its Rust threads share the work), and a solution's ids are kept as an int32 array: at DeepMath-103K's
+    scale, with R1 traces of thousands of tokens, tuples of Python ints would hold some 36 bytes a token.
     """
     report = report or DataReport()
     examples = []
     for first in range(0, len(rows), ENCODE_CHUNK):
         chunk = rows[first : first + ENCODE_CHUNK]
         texts = [prompt_text(row["problem"], config) if instruction else row["problem"] for row in chunk]
-        prompts = render_prompts(tokenizer, texts)
+        prompts = render_prompts(tokenizer, texts, config if instruction else None)
         solutions = encode_texts(tokenizer, [row.get("solution") or "" for row in chunk])
         for row, prompt, solution in zip(chunk, prompts, solutions, strict=True):
             report.rows += 1
@@ -428,9 +553,8 @@ def encode_rows(
                 continue
             solution_ids = _solution(row, solution, tokenizer, config, report)
             text = row.get("solution") or None
-            examples.append(
-                Example(str(row["id"]), str(row["answer"]), tuple(prompt), solution_ids, str(row["problem"]), text)
-            )
+            examples.append(Example(str(row["id"]), str(row["answer"]), tuple(prompt), solution_ids,
+                                    str(row["problem"]), text, fields=row.get("fields")))  # fmt: skip
     report.kept = len(examples)
     return examples, report
 
@@ -439,7 +563,9 @@ ENCODE_CHUNK = 512
 
 
 def checked_prompt(prompt: list[int], config: DataConfig, report: DataReport) -> list[int] | None:
-    """The prompt under ``max_prompt_tokens`` per ``prompt_policy`` (None: skipped), counted in ``report``."""
+    """The prompt under ``max_prompt_tokens`` per ``prompt_policy`` (None: skipped), counted in ``report`` with
+    the longest seen and the limit, which its console line names."""
+    report.prompt_longest, report.max_prompt_tokens = max(report.prompt_longest, len(prompt)), config.max_prompt_tokens
     if len(prompt) <= config.max_prompt_tokens:
         return prompt
     if config.prompt_policy == "skip":
@@ -458,13 +584,9 @@ def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
 
 
-def render_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+def render_prompts(tokenizer: Any, texts: Sequence[str], config: DataConfig | None = None) -> list[list[int]]:
     """``render_prompt`` of each text, encoded in one batch."""
-    if not getattr(tokenizer, "chat_template", None):
-        return [render_prompt(tokenizer, text) for text in texts]
-    messages = [[{"role": "user", "content": text}] for text in texts]
-    rendered = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
-    return encode_texts(tokenizer, rendered)
+    return encode_texts(tokenizer, render_texts(tokenizer, texts, config))
 
 
 def _solution(

@@ -2,11 +2,11 @@
 
 The first load of a source reads it a batch of rows at a time, checks every row as ``data.load_examples`` does
 (required fields, the gold answer, the prompt's length, each counted in the same ``DataReport``), tokenises the
-prompts and writes what it keeps to an Arrow file: the texts, the prompt's ids and the solution's text. A later
-load (a second run, a resume) memory-maps that file and re-parses nothing. A solution is tokenised when the run
-first asks for it (``Example.solution_ids``): the scaffold reads one only for a cliff prompt, a few a step of a
-source that holds hundreds of millions of solution tokens. The examples and their order are exactly those of
-``data.load_examples``.
+prompts and writes what it keeps to an Arrow file: the texts, the prompt's ids, the solution's text and the row's
+other columns (``Example.fields``, as one JSON text). A later load (a second run, a resume) memory-maps that file
+and re-parses nothing. A solution is tokenised when the run first asks for it (``Example.solution_ids``): the
+scaffold reads one only for a cliff prompt, a few a step of a source that holds hundreds of millions of solution
+tokens. The examples and their order are exactly those of ``data.load_examples``.
 
 A store is keyed by what its content depends on: the bytes of each data file (sha256), the tokenizer (its
 serialised model without the padding and truncation that calls set, its chat template and special ids, the
@@ -47,11 +47,13 @@ from lspo_jax.tasks import data, rewards
 from lspo_jax.text import error_cause
 from lspo_jax.train_config import DataConfig
 
-FORMAT_VERSION = 3  # 2: a content digest beside the files; 3: rows typed (a number answer, a list refused), hub ids
+# 2: a content digest beside the files; 3: rows typed (a number answer, a list refused), hub ids; 4: the rows' other
+# columns (``Example.fields``), the prompt's template and system prompt, the longest prompt in the report.
+FORMAT_VERSION = 4
 CONTENT_FILES = ("examples.arrow", "report.json")
 DIGEST_FILE = "content.sha256"
-PROMPT_FIELDS = ("format", "solution_field", "instruction", "instruction_position", "max_prompt_tokens",
-                 "prompt_policy")  # fmt: skip
+PROMPT_FIELDS = ("format", "solution_field", "instruction", "instruction_position", "fields", "system_prompt",
+                 "template", "max_prompt_tokens", "prompt_policy")  # fmt: skip
 PROGRESS_S = 15.0  # a line this often while a store is built
 MEMO = 4096  # examples kept built (a solution's ids included) for the steps that draw them again
 
@@ -130,11 +132,16 @@ def store_key(spec: str, tokenizer: Any, config: DataConfig, max_rows: int | Non
         "format_version": FORMAT_VERSION,
         "files": [[str(f.relative_to(path)) if path.is_dir() else f.name, file_digest(f)] for f in files],
         "tokenizer": fingerprint,
-        "data": {name: getattr(config, name) for name in PROMPT_FIELDS},
+        "data": {name: _plain(getattr(config, name)) for name in PROMPT_FIELDS},
         "max_rows": max_rows,
         "math_verify": importlib.metadata.version("math-verify"),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _plain(value: Any) -> Any:
+    """A setting as JSON writes it: a section (``data.fields``) as its mapping."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def source_digest(spec: str) -> str | None:
@@ -233,7 +240,8 @@ def content_digest(path: Path) -> str:
 
 def _schema() -> pa.Schema:
     return pa.schema([("id", pa.string()), ("answer", pa.string()), ("problem", pa.large_string()),
-                      ("solution", pa.large_string()), ("prompt_ids", pa.list_(pa.int32()))])  # fmt: skip
+                      ("solution", pa.large_string()), ("prompt_ids", pa.list_(pa.int32())),
+                      ("fields", pa.large_string())])  # fmt: skip
 
 
 def _chunks(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
@@ -249,7 +257,7 @@ def _chunks(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str
 
 def _encode_chunk(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig, report: data.DataReport) -> Any:
     """The rows whose prompt passes the length policy, as a record batch; the solutions stay text."""
-    prompts = data.render_prompts(tokenizer, [data.prompt_text(r["problem"], config) for r in rows])
+    prompts = data.render_prompts(tokenizer, [data.prompt_text(r["problem"], config) for r in rows], config)
     kept = []
     for row, prompt in zip(rows, prompts, strict=True):
         if (prompt := data.checked_prompt(prompt, config, report)) is not None:
@@ -262,6 +270,7 @@ def _encode_chunk(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig
         "problem": [str(r["problem"]) for r, _ in kept],
         "solution": [r.get("solution") or None for r, _ in kept],
         "prompt_ids": [p for _, p in kept],
+        "fields": [json.dumps(r["fields"]) if r.get("fields") else None for r, _ in kept],  # JSON: any column's type
     }
     return pa.record_batch(columns, schema=_schema())
 
@@ -317,8 +326,9 @@ class StoredExamples(Sequence):
             self.memo.move_to_end(row)
             return example
         value = {name: column[row].as_py() for name, column in self.columns.items()}
+        fields = json.loads(value["fields"]) if value["fields"] else None
         example = data.Example(value["id"], value["answer"], tuple(value["prompt_ids"]), None, value["problem"],
-                               value["solution"], encode=self.encode)  # fmt: skip
+                               value["solution"], fields=fields, encode=self.encode)  # fmt: skip
         self.memo[row] = example
         if len(self.memo) > MEMO:
             self.memo.popitem(last=False)

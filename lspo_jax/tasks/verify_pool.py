@@ -19,11 +19,12 @@ import signal
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 
 import numpy as np
 
+from lspo_jax.tasks.reward_functions import call_function
 from lspo_jax.tasks.rewards import _math_verify, score_response
 
 __all__ = ["VerifierPool", "VerifierStats"]
@@ -41,18 +42,27 @@ class VerifierStats:
     timeouts: int = 0
     errors: int = 0
     restarts: int = 0
+    error_types: list[str] = field(default_factory=list, repr=False)  # what the errors raised, for a message
 
     def add(self, other: VerifierStats) -> None:
-        for key, value in asdict(other).items():
-            setattr(self, key, getattr(self, key) + value)
+        for key, value in self.as_dict().items():
+            setattr(self, key, value + getattr(other, key))
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "error_types"}
+
+
+def _score_item(function: str | None, response: str, arg, require_think_close: bool) -> float:
+    """One item's score: math-verify against the gold ``arg`` (``function`` None), or the reward function at the path
+    ``function`` on the row's fields ``arg`` (``reward_functions.call_function``)."""
+    if function is None:
+        return score_response(response, arg, require_think_close=require_think_close)
+    return call_function(function, response, arg)
 
 
 def _worker_main(conn) -> None:
-    """Worker loop: report ready, then answer ``(index, score, error)`` for each ``(index, response, gold,
-    require_think_close)`` task until ``None`` or a closed pipe."""
+    """Worker loop: report ready, then answer ``(index, score, error)`` for each ``(index, function, response, arg,
+    require_think_close)`` task (``_score_item``) until ``None`` or a closed pipe."""
     # Ctrl-C reaches the whole process group; the parent decides what happens to workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     score_response(*_WARMUP)
@@ -64,9 +74,9 @@ def _worker_main(conn) -> None:
             return
         if task is None:
             return
-        index, response, gold, require_think_close = task
+        index, item = task[0], task[1:]
         try:
-            result = (index, score_response(response, gold, require_think_close=require_think_close), None)
+            result = (index, _score_item(*item), None)
         except BaseException as exc:  # math-verify's TimeoutException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -95,8 +105,8 @@ class _Worker:
     def idle(self) -> bool:
         return self.ready and self.task is None
 
-    def submit(self, index: int, response: str, gold: str, require_think_close: bool, timeout: float) -> None:
-        self.conn.send((index, response, gold, require_think_close))
+    def submit(self, index: int, item: tuple, timeout: float) -> None:
+        self.conn.send((index, *item))
         self.task = index
         self.deadline = time.monotonic() + timeout
 
@@ -180,13 +190,29 @@ class VerifierPool:
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
         think = self.require_think_close if require_think_close is None else require_think_close
+        return self._score([(None, r, g, think) for r, g in zip(responses, golds, strict=True)])[0]
+
+    def score_function(
+        self, function: str, responses: Sequence[str], fields: Sequence[dict]
+    ) -> tuple[np.ndarray, VerifierStats]:
+        """The reward function at the path ``function`` (``options.load_function``) on each response and its row's
+        ``fields``, one call an item with the pool's timeout: float32 ``[len(responses)]`` (a failed item scores 0)
+        and the batch's counters, whose ``error_types`` name what the failed calls raised."""
+        if len(responses) != len(fields):
+            raise ValueError(f"{len(responses)} responses but {len(fields)} rows of fields")
+        return self._score([(function, r, f, False) for r, f in zip(responses, fields, strict=True)])
+
+    def _score(self, items: list[tuple]) -> tuple[np.ndarray, VerifierStats]:
+        """Score ``(function, response, arg, require_think_close)`` items (``_score_item``)."""
+        if self._closed:
+            raise RuntimeError("VerifierPool is closed")
         batch = VerifierStats()
-        accuracy = np.zeros(len(responses), np.float32)
+        accuracy = np.zeros(len(items), np.float32)
         try:
             if self.num_workers == 0:
-                self._score_in_process(responses, golds, think, accuracy, batch)
+                self._score_in_process(items, accuracy, batch)
             else:
-                self._score_in_workers(responses, golds, think, accuracy, batch)
+                self._score_in_workers(items, accuracy, batch)
         except BaseException:
             # Results still in flight would be read as answers to the next batch: drop those workers.
             self._replace_busy_workers()
@@ -194,7 +220,7 @@ class VerifierPool:
         finally:
             self.last_stats = batch
             self.stats.add(batch)
-        return accuracy
+        return accuracy, batch
 
     def wait_ready(self) -> None:
         """Block until every worker has imported math-verify (e.g. before the first timed step)."""
@@ -223,25 +249,26 @@ class VerifierPool:
 
     # ----------------------------------------------------------------------------------------- internals
     @staticmethod
-    def _score_in_process(responses, golds, think, accuracy, batch) -> None:
-        for i, (response, gold) in enumerate(zip(responses, golds, strict=True)):
+    def _score_in_process(items, accuracy, batch) -> None:
+        for i, item in enumerate(items):
             try:
-                accuracy[i] = score_response(response, gold, require_think_close=think)
+                accuracy[i] = _score_item(*item)
             except BaseException as exc:
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 batch.errors += 1
+                batch.error_types.append(type(exc).__name__)
             batch.scored += 1
 
-    def _score_in_workers(self, responses, golds, think, accuracy, batch) -> None:
-        pending = deque(range(len(responses)))
-        remaining = len(responses)
+    def _score_in_workers(self, items, accuracy, batch) -> None:
+        pending = deque(range(len(items)))
+        remaining = len(items)
         while remaining:
             for worker in list(self._workers):
                 if pending and worker.idle:
                     i = pending[0]
                     try:
-                        worker.submit(i, responses[i], golds[i], think, self.timeout)
+                        worker.submit(i, items[i], self.timeout)
                     except OSError:  # it died while idle: the item was never sent, so it waits for another
                         self._replace(worker)
                         batch.restarts += 1
@@ -275,7 +302,9 @@ class VerifierPool:
                 raise RuntimeError(f"worker answered item {index} while working on {worker.task}")
             accuracy[index] = value
             batch.scored += 1
-            batch.errors += error is not None
+            if error is not None:
+                batch.errors += 1
+                batch.error_types.append(error)
             worker.finish()
             finished += 1
         return finished
