@@ -1158,6 +1158,15 @@ def print_table(result: dict) -> None:
         print(f"section {name:<8} {section['status']:<8} {fmt(section.get('seconds'))} s  {detail}")
 
 
+def jax_backend() -> str:
+    """JAX's default backend, asked in a process of its own: JAX in this one would hold the accelerator's memory
+    (it preallocates) that each section's process needs."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    asked = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    return asked.stdout.strip().splitlines()[-1] if asked.returncode == 0 and asked.stdout.strip() else "unknown"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -1165,6 +1174,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.section:
         run_section(args)
         return
+    if not args.smoke and jax_backend() == "cpu":
+        print(
+            "benchmarks.gpu: JAX finds no GPU here (its backend is cpu): the full shapes time an accelerator, and "
+            "would run for hours on CPU cores; pass --smoke to check the code with tiny shapes",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     result = orchestrate(args)
     print_table(result)
     log(args.t0, "main", f"wrote {args.out}")

@@ -7,7 +7,10 @@ afterwards without asking the hub: a snapshot already in the cache is used as it
 to pin one, or refresh the cache with ``hf download``). With ``HF_HUB_OFFLINE=1`` only the cache is read. A name
 that cannot be had is one line saying where it was looked for and how to fetch it.
 
-A local path always wins: a spec is a hub name only when no file or directory of that name exists.
+A local path always wins: a spec is a hub name only when no file or directory of that name exists; where the cache
+holds a repository of that name too, the run says which it took (``shadowed``). A spec that reads as a hub name but
+breaks its spelling (``acme//toy``, ``acme/toy@``, a space) is said to be no valid hub name (``malformed``) rather
+than a missing local path.
 """
 
 from __future__ import annotations
@@ -31,6 +34,43 @@ def is_hub_name(spec: str) -> bool:
     if match is None or Path(spec).exists():
         return False
     return not match["repo"].endswith(DATA_SUFFIXES) or bool(match["revision"] or match["part"])
+
+
+_SAID: set[str] = set()  # the shadowed specs already said, once a process
+
+
+def malformed(spec: str) -> str | None:
+    """Why ``spec``, written as a hub name would be (``ORG/...``, relative, no local path of that name), is not a valid
+    one; None for a valid hub name, an existing local path or a path that reads as one (``/``, ``.``, ``~``)."""
+    if _SPEC.match(spec) or Path(spec).exists() or spec.startswith(("/", ".", "~")) or "/" not in spec.strip("/"):
+        return None
+    repo = re.split(r"[@:]", spec, maxsplit=1)[0]
+    if re.search(r"\s", spec):
+        why = "it holds whitespace"
+    elif "//" in repo or repo.endswith("/") or repo.startswith("/"):
+        why = "a part of it between slashes is empty"
+    elif repo.count("/") > 1:
+        why = "a repository is ORG/NAME, one slash"
+    elif re.search(r"@(:|$)", spec) or re.search(r":$", spec):
+        why = "nothing follows its '@' or ':'"
+    else:
+        why = "it holds characters the hub does not allow (letters, digits, '-', '_', '.')"
+    return f"not a valid hub name ({why}; ORG/NAME[@REVISION][:PART]), and no such local path"
+
+
+def shadowed(spec: str, repo_type: str = "model") -> str | None:
+    """The line that says a local path ``spec`` was taken where the hub cache also holds a repository of that name;
+    None otherwise, and for a spec already said in this process."""
+    if spec in _SAID or not _SPEC.match(spec) or not Path(spec).exists():
+        return None
+    from huggingface_hub import constants
+
+    repo = _SPEC.match(spec)["repo"]
+    if not (Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{repo.replace('/', '--')}").is_dir():
+        return None
+    _SAID.add(spec)
+    return (f"{spec}: the local path {Path(spec).resolve()} is taken, not the hub's {repo} in the Hugging Face cache; "
+            f"move or rename the local one to use the cache's")  # fmt: skip
 
 
 def parse(spec: str) -> tuple[str, str | None, str | None]:

@@ -20,6 +20,11 @@ class ConfigError(ValueError):
     """A config value that does not fit its field; the message names the dotted key."""
 
 
+class RolloutError(RuntimeError):
+    """The rollout engine's samples are not the policy's it was meant to sample (the adapter not on, weights that
+    did not sync): found mid-run from the samples themselves, not from the config."""
+
+
 class FieldError(ValueError):
     """A dataclass field's bad value in the config's one dialect, ``Owner.name: what is allowed, got value``; the
     config reader says it at the dotted key the user typed instead (``at``)."""
@@ -52,6 +57,9 @@ Supervise = Literal["adapter", "base", "mixed", "sft_warmup"]
 MixSchedule = Literal["cosine", "constant"]
 # Per-token weights of the mixed objective's SFT term: none, or CHORD-phi's detached p (1 - p).
 SFTTokenWeight = Literal["none", "p1mp"]
+# What the RL update trains (``optim.train``): the base's own weights, or a persistent policy adapter of shape
+# ``model.policy_lora`` beside a frozen base (LoRA RL), the policy being base + that adapter.
+PolicyTraining = Literal["full", "lora"]
 # What samples the rollouts: the JAX sampler, or a vLLM engine given the base's weights after each update.
 RolloutEngine = Literal["jax", "vllm"]
 # Where rollouts sampled ahead are drawn: on the learner's own devices, or on devices of their own beside it.
@@ -213,7 +221,12 @@ class AdamWConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLOptimConfig(AdamWConfig):
-    """The base model's optimizer: AdamW lr 1e-6 (the paper's DAPO recipe).
+    """The RL update's optimizer: AdamW lr 1e-6 on the base (the paper's DAPO recipe).
+
+    ``train``: what the update trains. ``full`` (default): the base's weights. ``lora``: a persistent policy adapter
+    (its rank, alpha and targets in ``model.policy_lora``) beside a frozen base, which gets neither gradient nor
+    optimizer state; the policy is base + adapter (``optim.py``); give it an adapter's rate (``lr`` about 10x to 100x
+    a full update's: a rank-r update moves fewer weights further).
 
     ``mini_batches`` and ``epochs``: PPO-style updates per RL step, ``epochs`` passes over the step's rows in
     ``mini_batches`` shuffled mini-batches (default 1 and 1: the paper's one update). Each update's token-mean is
@@ -226,6 +239,7 @@ class RLOptimConfig(AdamWConfig):
     lr: float = 1e-6
     mini_batches: int = 1
     epochs: int = 1
+    train: PolicyTraining = "full"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -69,14 +69,22 @@ class ModelSource:
     the training and log-prob passes: ``einsum``, ``xla``, ``cudnn`` (fused, on a CUDA GPU with bf16) or
     ``blocked`` (pure JAX, flash-style: no ``[T, T]`` scores on any backend). ``decode_attention`` is the JAX
     sampler's decode step over the KV cache: ``reduce`` (default), ``einsum``, ``xla`` or ``pallas`` (GPU).
+
+    ``lora`` is the shape of the scaffold's transient adapter (rank, alpha, targets); ``policy_lora`` that of LoRA RL's
+    persistent policy adapter (``optim.train: lora``; unused otherwise), beside it because both are parts of the
+    model's forward pass (``model.decoder`` stacks them) and their optimizers live in ``optim`` and ``scaffold.sft``.
+    ``param_dtype`` stores the base's weights: ``float32`` (default), or ``bfloat16`` for a frozen base
+    (``optim.train: lora`` only: half the memory; the adapters stay float32).
     """
 
     path: str = "toy"
+    param_dtype: ComputeDtype = "float32"
     compute_dtype: ComputeDtype = "float32"
     remat: Remat = "none"
     attention: Attention = "einsum"
     decode_attention: DecodeAttention = "reduce"
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    policy_lora: LoraConfig = dataclasses.field(default_factory=lambda: LoraConfig(rank=32, alpha=64.0))
 
     def __post_init__(self) -> None:
         options.check(self, "model")
@@ -210,7 +218,24 @@ class RolloutConfig:
     last ``sampler_devices`` devices (null: half) to the sampling of each step's rollouts, on a mesh of their own,
     and the rest to the learner's mesh (``mesh`` sizes apply to it); the learner pushes the base to them after each
     update, device to device. Validation and the scaffold's re-rolls sample on the learner's devices.
+    ``max_logprob_gap``: each step records ``rollout/logprob_gap``, the mean ``|sampler - trainer|`` log-prob of the
+    tokens the base sampled; a run stops (a rollout error, after a checkpoint) once it is above this bound for
+    ``max_logprob_gap_steps`` steps in a row (0: never), an engine that no longer samples the policy being trained
+    (a weight sync that did not land). Null takes the bound of the engine and ``model.compute_dtype``
+    (``LOGPROB_GAP_BOUNDS``).
     """
+
+    # (engine, compute dtype) -> the default max_logprob_gap, nats a token. Measured: the JAX sampler against the
+    # trainer on the tests' tiny Qwen2 (2 layers), 4 steps: float32 1.2e-7 to 1.7e-7 (one float32 rounding of
+    # log-probs near 0), bfloat16 7e-4 to 1.2e-3. A deep model's bfloat16 gap grows with its depth and its logits'
+    # size (bfloat16 keeps 8 bits: a logit of 20 rounds by up to 0.08), so its bound is set a decade above the tiny
+    # model's; float32 keeps four decades of room. vLLM runs other kernels (its attention, fused sampling): its
+    # float32 gap on a tiny Qwen2 is about 3e-5 (tests/test_vllm.py), and in bfloat16 a gap of a few 1e-2 is what
+    # trainers report between vLLM and their own forward. An engine left with the weights of one update before
+    # moves the gap by what that update moved the log-probs: detected when the updates are larger than the rounding.
+    LOGPROB_GAP_BOUNDS: ClassVar[dict[tuple[str, str], float]] = {
+        ("jax", "float32"): 1e-3, ("jax", "bfloat16"): 0.05, ("vllm", "float32"): 2e-3, ("vllm", "bfloat16"): 0.1,
+    }  # fmt: skip
 
     prompts_per_step: int = 32
     group_size: int = 16
@@ -226,9 +251,24 @@ class RolloutConfig:
     max_staleness: int = 0
     placement: Placement = "colocated"
     sampler_devices: int | None = None
+    max_logprob_gap: float | None = None
+    max_logprob_gap_steps: int = 2
+
+    def logprob_gap_bound(self, compute_dtype: str) -> float | None:
+        """The ``rollout/logprob_gap`` above which a step counts towards the stop; None: never stops."""
+        if not self.max_logprob_gap_steps:
+            return None
+        if self.max_logprob_gap is not None:
+            return self.max_logprob_gap
+        return self.LOGPROB_GAP_BOUNDS[(self.engine, compute_dtype)]
 
     def __post_init__(self) -> None:
         options.check(self, "rollout")
+        require(self.max_logprob_gap is None or self.max_logprob_gap > 0, "rollout.max_logprob_gap",
+                "must be positive (nats a token) or null (the engine's and dtype's bound)",
+                self.max_logprob_gap)  # fmt: skip
+        require(self.max_logprob_gap_steps >= 0, "rollout.max_logprob_gap_steps", "must be >= 0 (0 never stops)",
+                self.max_logprob_gap_steps)  # fmt: skip
         require(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be positive", self.prompts_per_step)
         require(
             self.group_size > 1,
@@ -440,9 +480,10 @@ class ScaffoldConfig:
     ``mix_mu`` decayed by ``mix_schedule`` (``cosine``: ``mix_mu * (1 + cos(pi t / steps)) / 2`` at the step that
     follows t done, over the ``steps`` of the config in force; ``constant``); a step without cliffs adds nothing.
     ``supervise: sft_warmup`` is SFT then RL: before its first step the base is fine-tuned on the training set's
-    solutions for ``warmup_tokens`` solution tokens (``rl.warmup``; required, read by this arm alone), then every
-    step is DAPO's. To match the direct control's budget, set ``warmup_tokens`` to the sum of its records'
-    ``scaffold/sft_tokens`` over a run (or their mean per step times ``steps``).
+    solutions for ``warmup_tokens`` solution tokens (``rl.warmup``; required by this arm, refused by the others), then
+    every step is DAPO's; it needs the scaffold on (``enabled: false`` with it is refused, not run as plain DAPO).
+    To match the direct control's budget, set ``warmup_tokens`` to the sum of its records' ``scaffold/sft_tokens``
+    over a run (or their mean per step times ``steps``).
     """
 
     enabled: bool = True
@@ -481,6 +522,13 @@ class ScaffoldConfig:
         require(not (self.enabled and self.supervise == "sft_warmup") or self.warmup_tokens is not None,
                  "scaffold.warmup_tokens", "sft_warmup needs its SFT budget in solution tokens: set it, e.g. to the "
                  "direct arm's (supervise: base) scaffold/sft_tokens summed over a run")  # fmt: skip
+        # Accepted and ignored, either would run another arm than the one named, without a word.
+        require(self.warmup_tokens is None or self.supervise == "sft_warmup", "scaffold.warmup_tokens",
+                f"is read by scaffold.supervise: sft_warmup only (it is {self.supervise}); remove it or set the "
+                "supervision", self.warmup_tokens)  # fmt: skip
+        require(self.enabled or self.supervise != "sft_warmup", "scaffold.supervise",
+                "sft_warmup runs with the scaffold on, and scaffold.enabled is false (a plain DAPO run, no "
+                "warm-up); set scaffold.enabled: true")  # fmt: skip
         require(self.sft_steps > 0, "scaffold.sft_steps", "must be positive", self.sft_steps)
         require(self.min_cliff_bucket > 0, "scaffold.min_cliff_bucket", "must be positive", self.min_cliff_bucket)
         require(self.is_cap > 0, "scaffold.is_cap", "must be positive", self.is_cap)
@@ -705,6 +753,7 @@ class TrainConfig:
                  f"and optim.epochs to 1 (they make {updates})")  # fmt: skip
         m, k = self.scaffold.cliff_max_successes, self.rollout.group_size
         require(m < k, "scaffold.cliff_max_successes", f"{m} makes every group of {k} a cliff; set it below {k}")
+        self._check_lora_training()
         self._fix_decay_horizons()
         self._check_staleness()
 
@@ -719,6 +768,19 @@ class TrainConfig:
         object.__setattr__(self, "optim", optim)  # frozen: set once, while the config is being built
         if sft is not self.scaffold.sft:
             object.__setattr__(self, "scaffold", dataclasses.replace(self.scaffold, sft=sft))
+
+    def _check_lora_training(self) -> None:
+        """LoRA RL trains the policy adapter alone: a bf16 base only where it is frozen, and none of the options that
+        write the base (the supervision controls) or copy it alone (a stale sampler's copy)."""
+        lora = self.optim.train == "lora"
+        require(self.model.param_dtype == "float32" or lora, "model.param_dtype", "bfloat16 stores a frozen base: "
+                "set optim.train: lora (full RL updates need float32 master weights)")  # fmt: skip
+        if not lora:
+            return
+        require(self.scaffold.supervise == "adapter", "scaffold.supervise", f"{self.scaffold.supervise} updates the "
+                "base, which optim.train: lora keeps frozen; use adapter", self.scaffold.supervise)  # fmt: skip
+        require(not self.rollout.max_staleness, "rollout.max_staleness", "samples from a copy of the base alone; "
+                "set it to 0 with optim.train: lora", self.rollout.max_staleness)  # fmt: skip
 
     def _check_staleness(self) -> None:
         """Rows sampled one update old need their correction, and a sampler the update does not wait for."""

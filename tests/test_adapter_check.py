@@ -87,14 +87,15 @@ def test_no_spliced_tokens_no_check():
     assert got == dict.fromkeys(scaffold.ADAPTER_CHECK)
 
 
-def test_lspo_train_ends_on_it_in_one_line_with_exit_2(capsys):
+def test_lspo_train_ends_on_it_in_one_line_as_a_rollout_error(capsys):
     def body(args):
         check(BASE + 0.0, noise=0.01)
 
-    assert cli._run_command("lspo-train", body, None, "interrupted") == cli.EXIT_CONFIG == 2
+    # The samples, not the config, are at fault: exit 4 (EXIT_ROLLOUT), said as a rollout error.
+    assert cli._run_command("lspo-train", body, None, "interrupted") == cli.EXIT_ROLLOUT == 4
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert err.startswith("lspo-train: config error: rollout.engine vllm sampled the re-rolls of step 7 from the base")
+    assert err.startswith("lspo-train: rollout error: rollout.engine vllm sampled the re-rolls of step 7 from the base")
 
 
 # ------------------------------------------------------------------------------------------ in the loop

@@ -63,8 +63,9 @@ def test_the_built_in_arms_of_the_field_by_name(tool, base):
     with pytest.raises(ConfigError, match=r"^--arm sft_warmup: scaffold\.warmup_tokens: sft_warmup needs") as err:
         tool.parse_arms(["sft_warmup", "direct"], base)  # no direct arm before it to take the budget from
     assert "\n" not in str(err.value)
-    budgeted = load_config(DEMO, ["scaffold.warmup_tokens=5000"])
-    warm = tool.cell_config(budgeted, tool.parse_arms(["sft_warmup"], budgeted)["sft_warmup"], 42).scaffold
+    arms = tool.parse_arms(["sft_warmup", "dapo"], base, ["scaffold.warmup_tokens=5000"])
+    assert "scaffold.warmup_tokens=5000" not in arms["dapo"]  # the other arms do not read it: not given to them
+    warm = tool.cell_config(base, arms["sft_warmup"], 42).scaffold
     assert (warm.supervise, warm.warmup_tokens, warm.uses_cliffs) == ("sft_warmup", 5000, False)
     assert list(tool.parse_arms([], base)) == ["lspo", "dapo"]
 
@@ -117,8 +118,14 @@ def test_the_warmup_budget_is_what_each_seeds_direct_run_spent(tool, tmp_path, m
     assert tool.main(argv) == 0
     # 120 + 0 + 80 = 200 for seed 42 (step 41 is past the demo's 40 steps); 50 + 25 = 75 for seed 43.
     assert calls == [("base", 42, None), ("sft_warmup", 42, 200), ("base", 43, None), ("sft_warmup", 43, 75)]
-    assert "compare_arms: sft_warmup seed 43: scaffold.warmup_tokens=75, what direct spent" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "compare_arms: sft_warmup seed 43: scaffold.warmup_tokens=75, what direct spent" in err
+    training = [line.split(" to step")[0] for line in err.splitlines() if line.startswith("compare_arms: training")]
+    assert training == [
+        f"compare_arms: training {arm} seed {seed}" for seed in (42, 43) for arm in ("direct", "sft_warmup")
+    ]
     assert tool.main(argv) == 0 and len(calls) == 4  # reused: the derived budget matches the saved config
+    assert "compare_arms: direct seed 42: reusing the run in " in capsys.readouterr().err
     # A warm-up run of another config is refused before anything trains, though its budget is not known yet.
     saved = tmp_path / "sft_warmup_seed43" / "config.yaml"
     saved.write_text(saved.read_text().replace("sft_steps: 8", "sft_steps: 3"))
@@ -165,12 +172,14 @@ def test_a_training_error_is_one_line(tool, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tool, "train_run", train_run)
     argv = ["--config", DEMO, "--seeds", "42", "--out", str(tmp_path / "arms")]
     assert tool.main(argv) == 2
-    assert capsys.readouterr().err == f"compare_arms: data.train: {tmp_path}/gone.parquet does not exist\n"
+    assert (
+        capsys.readouterr().err.splitlines()[-1] == f"compare_arms: data.train: {tmp_path}/gone.parquet does not exist"
+    )
     # With LSPO_JAX_DEBUG set, the traceback comes before the same line.
     monkeypatch.setenv("LSPO_JAX_DEBUG", "1")
     assert tool.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("Traceback") and err.endswith(
+    assert err.split("\n", 1)[1].startswith("Traceback") and err.endswith(
         f"\ncompare_arms: data.train: {tmp_path}/gone.parquet does not exist\n"
     )
 

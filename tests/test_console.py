@@ -109,3 +109,17 @@ def test_vllm_log_lines_go_to_the_run_directory_and_only_errors_to_the_console(t
     assert os.environ["VLLM_LOGGING_CONFIG_PATH"] == str(tmp_path / "vllm_logging.json")  # the engine's own read
     for handler in vllm_logger.handlers:
         handler.close()
+
+
+def test_the_lines_name_the_arm_a_dapo_run_is_not_called_lspo():
+    from lspo_jax.train_config import load_config
+
+    def name(*overrides):
+        return progress_module.arm_name(load_config(None, list(overrides)).scaffold)
+
+    assert (name(), name("scaffold.enabled=false"), name("scaffold.supervise=mixed")) == ("lspo", "dapo", "mixed")
+    stream = io.StringIO()
+    bar = Progress(total=2, stream=stream, name="dapo")
+    bar.step(1, METRICS)
+    bar.step(2, METRICS)
+    assert {line.split(":")[0] for line in stream.getvalue().splitlines()} == {"dapo"}

@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import signal
 
 import jax
 import numpy as np
@@ -152,7 +154,8 @@ def test_validation_scores_gold_solutions_against_transformers(tmp_path, monkeyp
                                 "data.max_prompt_tokens=32", "data.max_solution_tokens=64", "rollout.temperature=0.7",
                                 *SHORT,
                                 "eval.n=2", "eval.ks=[1]", f"eval.benchmarks=[{sums}, {bare}]"])  # fmt: skip
-    monkeypatch.setattr(evaluation, "sample_responses", lambda run, g, params, prompts, key: ["x"] * 2 * len(prompts))
+    sampled = lambda run, g, params, prompts, key, **options: ["x"] * 2 * len(prompts)  # noqa: E731
+    monkeypatch.setattr(evaluation, "sample_responses", sampled)
     job = Run(config, str(tmp_path / "run"), verifier=_NoVerifier())
     try:
         results = job.validate()
@@ -207,8 +210,8 @@ def test_lspo_eval_on_math500_with_the_jax_sampler(model_dir, tmp_path, monkeypa
     sampled = []
     real = evaluation.sample_responses
 
-    def spy(run, policy, params, prompts, key):
-        texts = real(run, policy, params, prompts, key)
+    def spy(run, policy, params, prompts, key, **options):
+        texts = real(run, policy, params, prompts, key, **options)
         sampled.extend(texts)
         return texts
 
@@ -307,8 +310,8 @@ def test_lspo_eval_keeps_the_benchmarks_scored_before_a_stop(model_dir, tmp_path
 
     def second_interrupted(*args):
         calls.append(args[3])
-        if len(calls) == 2:
-            raise KeyboardInterrupt
+        if len(calls) == 2:  # Ctrl-C as the second benchmark starts: its sampling stops at its first check
+            os.kill(os.getpid(), signal.SIGINT)
         return real(*args)
 
     monkeypatch.setattr(cli, "_eval_benchmark", second_interrupted)
@@ -321,7 +324,7 @@ def test_lspo_eval_keeps_the_benchmarks_scored_before_a_stop(model_dir, tmp_path
     assert cli.eval_main(argv) == cli.EXIT_INTERRUPTED
     results = json.loads(out.read_text())
     assert results["finished"] is False and list(results["benchmarks"]) == ["toy_heldout"] and len(calls) == 2
-    assert "the 1 benchmarks scored are in" in capsys.readouterr().err
+    assert "lspo-eval: interrupted; the 1 benchmark scored in " in capsys.readouterr().err
     monkeypatch.setattr(cli, "_eval_benchmark", real)
     assert cli.eval_main(argv) == 0
     results = json.loads(out.read_text())
@@ -370,7 +373,7 @@ def test_lspo_eval_from_a_checkpoint(model_dir, tmp_path, monkeypatch):
     job.close()
     seen = []
 
-    def scripted(run, policy, params, prompts, key):  # sample 0 answers 2 and sample 1 answers 3, every problem
+    def scripted(run, policy, params, prompts, key, **options):  # sample 0 answers 2 and 1 answers 3, every problem
         seen.append(params)
         return [f"so \\boxed{{{answer}}}" for _ in prompts for answer in (2, 3)]
 
@@ -438,7 +441,7 @@ class _BoxedVerifier:
         return [float(last_boxed(r) == g) for r, g in zip(responses, golds, strict=True)]
 
 
-def _scripted_coverage(run, generator, params, prompts, key):  # the first eval.n of each problem's texts
+def _scripted_coverage(run, generator, params, prompts, key, **options):  # the first eval.n of each problem's texts
     return [text for prompt in prompts for text in COVERAGE_TEXTS[prompt[0]][: run.eval.n]]
 
 

@@ -283,3 +283,15 @@ def test_trace_summary_of_a_host_trace_counts_self_time():
     assert summary["source"] == "host" and summary["total_ms"] == pytest.approx(0.14)
     want = {"fusion.2": 0.06, "while.3": 0.05, "dot.1": 0.03}
     assert {r["name"]: r["ms"] for r in summary["top"]} == pytest.approx(want)
+
+
+def test_the_full_shapes_on_a_machine_without_a_gpu_are_refused_in_one_line(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--out", str(tmp_path / "gpu.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert (
+        proc.stderr.startswith("benchmarks.gpu: JAX finds no GPU here (its backend is cpu)")
+        and "--smoke" in proc.stderr
+    )
+    assert not (tmp_path / "gpu.json").exists()  # nothing timed, nothing written

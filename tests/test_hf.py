@@ -186,7 +186,6 @@ def test_tied_lm_head_must_equal_embedding(hf_tied_dir, tmp_path):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("model_type", "llama", "model_type='llama'"),
         ("use_sliding_window", True, "use_sliding_window=True.*sliding-window"),
         ("rope_scaling", {"type": "yarn", "factor": 4.0}, "rope_scaling"),
         (
@@ -243,12 +242,13 @@ def test_a_model_directory_that_cannot_load_is_one_config_error_naming_it(hf_unt
     if damage == "weights":
         (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
     else:
-        config.update({"shape": {"intermediate_size": 96}, "architecture": {"model_type": "llama"}}[damage])
+        config.update({"shape": {"intermediate_size": 96}, "architecture": {"model_type": "mistral"}}[damage])
         (model / "config.json").write_text(json.dumps(config))
     run = load_config(None, [f"model.path={model}"])
     with pytest.raises(ConfigError) as raised:
         load_policy(run, str(tmp_path / "cache"))
     message = str(raised.value)
     assert message.startswith(f"model.path {model}: ") and "\n" not in message
-    expected = {"weights": "", "shape": "wrong shape for", "architecture": "llama"}[damage]
+    refused = "model_type 'mistral' is not supported; supported: qwen2, qwen3, llama"
+    expected = {"weights": "", "shape": "wrong shape for", "architecture": refused}[damage]
     assert expected in message

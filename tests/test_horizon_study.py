@@ -197,3 +197,20 @@ def test_the_association_pooled_within_seed_and_within_arm_by_hand():
     assert "| adapter reliance | g256 - dapo | 4 | - | - | - |" in lines
     assert "| grad share @50 | g8 - dapo | 1 | - | - | - |" in lines
     assert horizon_study.association_table({"dapo": {1: None}}, figures, "dapo", [50], ["g8"]).startswith("No run")
+
+
+def test_runs_validated_at_n_4_say_why_pass_at_8_is_left_out(tmp_path, capsys):
+    for (arm, seed), trace in TRACES.items():
+        run = tmp_path / f"{arm}_seed{seed}"
+        run.mkdir()
+        records = [{"kind": "eval", "step": s, "benchmark": "toy_3term_frontier", "pass@1": v / 2, "pass@4": v}
+                   for s, v in trace]  # fmt: skip
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (run / "summary.json").write_text("{}")
+    argv = ["--out", str(tmp_path), "--seeds", "1", "2", "--metrics", "pass@8", "--plot", str(tmp_path / "band")]
+    assert horizon_study.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "horizon_study: no run's validation recorded pass@8, left out of the tables and pictures; they recorded " \
+           "pass@1, pass@4 (pass@k up to the eval.n they validated with: --metrics pass@4)" in captured.err  # fmt: skip
+    assert "toy_3term_frontier, pass@8" not in captured.out and not (tmp_path / "band_pass8.png").exists()
+    assert "The frontier class per run (pass@4 in %" in captured.out  # the largest k they hold, not an empty pass@8

@@ -121,7 +121,9 @@ def test_both_processes_resume_the_stopped_run_to_its_end(stopped_job):
     procs = [launch(stopped_job["out"], port, i, resume=True) for i in range(2)]
     outputs = finish(procs, TIMEOUT_S)
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:]
-    assert all(re.search(rf"^steps {STEPS} in [\d.]+ s$", text, re.MULTILINE) for text in outputs), outputs[1][-3000:]
+    # The whole run's time, and the resumed part's beside it.
+    finished = rf"^steps {STEPS} in [\d.]+ s \([\d.]+ s since the resume\)$"
+    assert all(re.search(finished, text, re.MULTILINE) for text in outputs), outputs[1][-3000:]
     # The resumed steps follow the stopped ones in the same log, none repeated or skipped.
     assert [r["step"] for r in train_records(stopped_job["out"])] == list(range(1, STEPS + 1))
     assert checkpoint_steps(stopped_job["out"])[-1] == STEPS

@@ -129,3 +129,13 @@ def test_plot_metrics_without_records_is_one_line(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
     assert plot_metrics.main([str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"{tmp_path / 'train_curves.png'}\n"
+
+
+def test_plot_metrics_says_it_left_out_a_cut_last_record(tmp_path, capsys):
+    from tools import plot_metrics
+
+    text = "".join(json.dumps(r) + "\n" for r in TRAIN)
+    (tmp_path / "metrics.jsonl").write_text(text + '{"kind": "train", "step": 9, "loss"')  # killed mid-write
+    assert plot_metrics.main([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"plot_metrics: {tmp_path / 'metrics.jsonl'}: its last line was cut off mid-write"), err

@@ -292,7 +292,7 @@ def test_eval_refuses_an_unwritable_out_and_an_empty_benchmark_before_any_work(t
     assert "no directory" in one_line(capsys, "lspo-eval")
     too_long = write_jsonl(tmp_path / "long.jsonl", too_long_rows(2))
     assert cli.eval_main([*base, "--benchmarks", too_long]) == 2
-    assert "long: no problem is left to evaluate (rows read: 1)" in one_line(capsys, "lspo-eval")  # --limit 1
+    assert "long: no problem is left to evaluate (rows read: 1; " in one_line(capsys, "lspo-eval")  # --limit 1
     assert cli.eval_main([*base, "--ks", "1,a"]) == 2
     assert "config error: --ks 1,a: not a comma-separated list of integers" in one_line(capsys, "lspo-eval")
 

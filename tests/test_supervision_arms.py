@@ -120,8 +120,9 @@ def test_bad_supervision_settings_are_one_line_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert str(err.value).startswith(f"{key}: ") and "\n" not in str(err.value)
-    # With the scaffold off the supervision is not read: the DAPO arm of a warm-up config loads.
-    assert not load_config(None, ["scaffold.supervise=sft_warmup", "scaffold.enabled=false"]).scaffold.enabled
+    # With the scaffold off a warm-up would not run: refused (test_refusals.py), as a budget no arm reads is.
+    with pytest.raises(ConfigError, match=r"^scaffold\.supervise: sft_warmup runs with the scaffold on"):
+        load_config(None, ["scaffold.supervise=sft_warmup", "scaffold.warmup_tokens=9", "scaffold.enabled=false"])
 
 
 # ------------------------------------------------------------------------------------- the mixed arm
@@ -213,14 +214,15 @@ def test_sft_warmup_spends_its_budget_then_runs_dapo_and_resumes_to_the_same_rec
         assert "sft_loss" not in r and "supervised_groups" not in r
     assert job.summary["warmup"]["scaffold/warmup_tokens"] == warm["scaffold/warmup_tokens"]
 
-    # A stop asked for during the warm-up is taken once it ends (its checkpoint written at step 0).
+    # A stop asked for as the warm-up's checkpoint is written stops the run there, at step 0 (a stop during the
+    # warm-up itself drops it: test_stops.py).
     part, stop = str(tmp_path / "part"), StopFlag()
 
-    def stop_during_warmup(job):
+    def stop_after_warmup(job):
         job.stop = stop
-        wrap(job.learner, "base_sft_updates", before=lambda batches: setattr(stop, "requested", True))
+        wrap(job, "save", after=lambda _: setattr(stop, "requested", True))
 
-    stopped = run_steps(config, part, easy_rule, prepare=stop_during_warmup)
+    stopped = run_steps(config, part, easy_rule, prepare=stop_after_warmup)
     assert stopped.summary["stopped_early"] and stopped.state.step == 0
     # Killed between that checkpoint and the warm-up's record: the checkpoint's copy of the record is kept.
     path = os.path.join(part, "metrics.jsonl")

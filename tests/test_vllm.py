@@ -103,9 +103,24 @@ def test_two_step_lspo_run_with_vllm_rollouts_logs_sync_time_and_mismatch(checks
     records = got["train_records"]
     assert [r["step"] for r in records] == [1, 2] and got["summary_exists"]
     for record in records:
-        assert record["vllm_sync_seconds"] > 0  # the params changed since the last step: pushed again
+        assert record["rollout/sync_s"] > 0  # the params changed since the last step: pushed again
+        assert isinstance(record["rollout/sync_host_bytes"], int) and record["rollout/sync_host_bytes"] >= 0
+        # The sampler's gap, recorded for every engine: vLLM's is its mismatch on the base-sampled rows.
+        assert record["rollout/logprob_gap"] == pytest.approx(record["vllm_logp_abs_diff"])
         assert math.isfinite(record["vllm_logp_abs_diff"]) and math.isfinite(record["vllm_kl"])
         assert record["vllm_logp_abs_diff"] < 1e-2 and abs(record["vllm_kl"]) < 1e-3  # float32 on both sides
+
+
+def test_an_engine_whose_base_syncs_do_not_land_stops_the_run_within_two_steps(checks):
+    got = checks["train"]["stale_engine"]
+    assert got["error"] is not None, got
+    assert "above rollout.max_logprob_gap 0.002 (vllm, float32) for 2 steps in a row" in got["error"]
+    # The first step may still find the engine current (the step stopped before it never updated the base); from
+    # the first whose base moved, the gap is the update's, and the second such step stops the run.
+    stale = [gap > 2e-3 for gap in got["gaps"]]
+    assert stale[-2:] == [True, True] and sum(stale) == 2, got["gaps"]
+    on_policy = [r["rollout/logprob_gap"] for r in checks["train"]["train_records"]]
+    assert max(on_policy) < 2e-3, on_policy
 
 
 def test_the_runs_rerolls_are_proven_adapter_on_and_their_reliance_recorded(checks):

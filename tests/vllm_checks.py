@@ -257,6 +257,7 @@ def train(workdir: str) -> dict:
             "train_records": [r for r in records if r.get("kind") == "train"],
             "summary_exists": os.path.exists(os.path.join(out_dir, "summary.json")),
             "base_for_adapter": base_for_adapter(job),
+            "stale_engine": stale_engine(job),
         }
     finally:
         job.close()
@@ -291,6 +292,34 @@ def base_for_adapter(job, tries: int = 3) -> dict:
         vllm_sampler.merge_lora = merge
         del learner.score
     out["step_after"] = job.state.step
+    return out
+
+
+def stale_engine(job, tries: int = 3) -> dict:
+    """Up to ``tries`` more steps of ``job`` with the engine's base syncs skipped (it keeps the weights it last got:
+    the base before an update, or the merged adapter of the last re-rolls), each step's record put through the run's
+    gap check as the loop does: the error (None if none came), the steps tried and each step's gap."""
+    from lspo_jax.job.run import SamplerGapError
+    from lspo_jax.rollout.vllm_sampler import VLLMSampler
+
+    real = VLLMSampler.sync_weights
+
+    def sync_weights(self, config, params, *, lora_scale=0.0, force=False):
+        return 0.0 if not lora_scale else real(self, config, params, lora_scale=lora_scale, force=force)
+
+    VLLMSampler.sync_weights = sync_weights
+    out: dict = {"error": None, "steps_tried": 0, "gaps": []}
+    try:
+        while out["error"] is None and out["steps_tried"] < tries:
+            out["steps_tried"] += 1
+            metrics = job.one_step()
+            out["gaps"].append(metrics["rollout/logprob_gap"])
+            try:
+                job._check_gap(metrics)
+            except SamplerGapError as err:
+                out["error"] = str(err)
+    finally:
+        VLLMSampler.sync_weights = real
     return out
 
 

@@ -71,13 +71,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _calibrate(argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The docstring's first paragraph: its first line alone stops mid-sentence.
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default=None, help="a Hugging Face directory (default: the shipped warm start)")
-    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--samples", type=int, default=64, help="draws per problem (default 64)")
     p.add_argument("--k", type=int, default=8, help="the group size the cliff share is taken at")
     p.add_argument("--classes", default=None, help="comma-separated class names (default: all)")
     p.add_argument("--json", default=None, help="write the figures here")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of configs/demo.yaml")
     args = p.parse_args(argv)
 
     from lspo_jax.config import cache_root

@@ -41,6 +41,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from datetime import date
 
 import jax
@@ -105,13 +106,17 @@ def _open_brackets(override: str) -> bool:
     return value.count("[") > value.count("]") or value.count("{") > value.count("}")
 
 
-def parse_arms(items: list[str], base_config) -> dict[str, list[str]]:
+def parse_arms(items: list[str], base_config, budget: Sequence[str] = ()) -> dict[str, list[str]]:
     """Arm name -> overrides of every ``--arm`` (the built-in arms without any), each checked to make a valid config
-    on ``base_config``: a bad one fails here, before anything trains, naming its arm and key."""
+    on ``base_config``: a bad one fails here, before anything trains, naming its arm and key. ``budget``: the
+    ``scaffold.warmup_tokens=N`` given after the arms, added to the arms that warm up (the config refuses it
+    elsewhere)."""
     arms: dict[str, list[str]] = {}
     for name, overrides in [parse_arm(item) for item in items] or [(n, list(ARMS[n])) for n in DEFAULT_ARMS]:
         if name in arms:
             raise ConfigError(f"--arm {name}: given twice")
+        if apply_overrides(to_dict(base_config), overrides)["scaffold"].get("supervise") == "sft_warmup":
+            overrides = [*overrides, *budget]
         checked = overrides
         if budget_source(base_config, arms, overrides) is not None:
             checked = [*overrides, BUDGET_PLACEHOLDER]  # checked here, its budget read once direct has run
@@ -202,7 +207,13 @@ def run_cell(base_config, name: str, overrides: list[str], seed: int, out_root: 
         print(f"{tool}: {name} seed {seed} finished at step {summary['steps']}; resuming it to steps={config.steps}",
               file=sys.stderr)  # fmt: skip
     if summary is None or summary["stopped_early"] or summary["steps"] < config.steps:
-        summary = train_run(config, out, resume=resume_or_restart(out, tool))
+        resume = resume_or_restart(out, tool)
+        # The runs' own lines do not name the arm or the seed: this one says which run they are of.
+        print(f"{tool}: {'resuming' if resume else 'training'} {name} seed {seed} to step {config.steps} in {out}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        summary = train_run(config, out, resume=resume)
+    else:
+        print(f"{tool}: {name} seed {seed}: reusing the run in {out} (step {summary['steps']})", file=sys.stderr)
     if summary["stopped_early"]:  # its checkpoint is written; go no further
         print(f"{tool}: {name} seed {seed} stopped at step {summary['steps']}; run again to resume", file=sys.stderr)
         raise SystemExit(75)
@@ -306,8 +317,10 @@ def _compare(argv: list[str] | None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     check_seeds(args.seeds)
-    base = load_config(args.config, args.overrides)
-    arms = parse_arms(args.arm, base)
+    # The warm-up's budget is its arm's alone: the base config of the other arms would refuse it.
+    budget = [o for o in args.overrides if o.partition("=")[0].strip() == "scaffold.warmup_tokens"]
+    base = load_config(args.config, [o for o in args.overrides if o not in budget])
+    arms = parse_arms(args.arm, base, budget)
     sources = {name: budget_source(base, dict(list(arms.items())[:i]), o) for i, (name, o) in enumerate(arms.items())}
     for name, overrides in arms.items():
         for seed in args.seeds:  # a derived budget is checked once it is known (``budgeted``), the rest here

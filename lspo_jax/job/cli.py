@@ -13,6 +13,7 @@ import threading
 import traceback
 
 EXIT_CONFIG = 2  # a bad config, file, path or checkpoint: nothing ran
+EXIT_ROLLOUT = 4  # the rollout engine's samples were not the policy's (a rollout error); a checkpoint was written
 EXIT_STOPPED = 75  # stopped by SIGTERM or Ctrl-C with a checkpoint written: `--resume` continues it (EX_TEMPFAIL)
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM before the run had started: nothing to resume from it
 DEBUG_VAR = "LSPO_JAX_DEBUG"  # set (to anything but 0): a one-line error also prints its traceback
@@ -32,9 +33,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 # OS errors that say what to do: (what failed, the advice). Space and a read-only file system can only be a write's,
 # so they are looked for through an error's causes too (a checkpoint's write deep in orbax); permissions may be a
 # read's, so only an OSError raised as it is gets that line.
+RESUME_ADVICE = "a run continues from its last checkpoint with --resume"
 _WRITES = {
-    errno.ENOSPC: ("cannot write", "free some space; a run continues from its last checkpoint with --resume"),
-    errno.EDQUOT: ("cannot write", "free some space; a run continues from its last checkpoint with --resume"),
+    errno.ENOSPC: ("cannot write", f"free some space; {RESUME_ADVICE}"),
+    errno.EDQUOT: ("cannot write", f"free some space; {RESUME_ADVICE}"),
     errno.EROFS: ("cannot write", "choose a writable --out"),
 }
 _ACCESS = {errno.EACCES: ("cannot use", "check its permissions"), errno.EPERM: ("cannot use", "check its permissions")}
@@ -42,8 +44,11 @@ _ACCESS = {errno.EACCES: ("cannot use", "check its permissions"), errno.EPERM: (
 
 def describe(err: BaseException) -> str:
     """One line for a user error: what failed, on which path, and what to do."""
+    from lspo_jax.options import RolloutError
     from lspo_jax.train_config import ConfigError
 
+    if isinstance(err, RolloutError):
+        return f"rollout error: {err}"
     if isinstance(err, ConfigError):
         return f"config error: {err}"
     if _out_of_memory(err):
@@ -75,6 +80,8 @@ def _run_command(prog: str, body, args, interrupted: str) -> int:
     """``body(args)``'s exit status, through one funnel: a user error (``_user_errors``) is one line and
     ``EXIT_CONFIG``, its traceback only with ``LSPO_JAX_DEBUG`` set; Ctrl-C or SIGTERM before the command's own
     handlers take over is ``interrupted`` and ``EXIT_INTERRUPTED``. Any other error is a bug: its traceback."""
+    from lspo_jax.options import RolloutError
+
     _quiet_imports()
     try:
         with _terminate_as_interrupt():
@@ -82,13 +89,26 @@ def _run_command(prog: str, body, args, interrupted: str) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: {interrupted}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except RolloutError as err:  # found mid-run, from the samples: not the config's fault, and not a bug here
+        if os.environ.get(DEBUG_VAR, "0") not in ("", "0"):
+            traceback.print_exc()
+        print(f"{prog}: {describe(err)}", file=sys.stderr)
+        return EXIT_ROLLOUT
     except Exception as err:
         if not (isinstance(err, _user_errors()) or _out_of_memory(err)):
             raise
         if os.environ.get(DEBUG_VAR, "0") not in ("", "0"):
             traceback.print_exc()
-        print(f"{prog}: {describe(err)}", file=sys.stderr)
+        print(f"{prog}: {_with_resume_advice(describe(err), getattr(args, 'out', None))}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _with_resume_advice(line: str, out: str | None) -> str:
+    """``line`` without the advice to ``--resume`` where the run directory ``out`` holds no checkpoint to resume from
+    (the disk filled during the first one): its records refuse the same command again, so it is removed first."""
+    if RESUME_ADVICE not in line or not out or has_checkpoint(out) or not os.path.isdir(out):
+        return line
+    return line.replace(RESUME_ADVICE, f"{out} holds no checkpoint to resume from: remove it and start the run again")
 
 
 def _finish_on_terminate() -> None:
@@ -139,7 +159,9 @@ def _train_parser() -> argparse.ArgumentParser:
         prog="lspo-train",
         description="Train with LSPO (or DAPO: scaffold.enabled=false).",
         epilog=f"Exit status: 0 finished; {EXIT_CONFIG} bad config, data, path or checkpoint (nothing ran); 3 stopped "
-        f"after non-finite updates in a row; {EXIT_STOPPED} stopped by SIGTERM or Ctrl-C with a checkpoint written "
+        f"after non-finite updates in a row; {EXIT_ROLLOUT} stopped on a rollout error (the engine did not sample the "
+        "policy: its log-probs off the trainer's, a checkpoint written first; or the adapter not on); "
+        f"{EXIT_STOPPED} stopped by SIGTERM or Ctrl-C with a checkpoint written "
         f"(--resume continues it); {EXIT_INTERRUPTED} interrupted during start-up.",
     )
     p.add_argument("--config", help="YAML config (defaults apply to keys it does not name); a new run needs one")
@@ -151,7 +173,9 @@ def _train_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue from the latest checkpoint in --out (with its config.yaml when --config is not given)",
     )
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as YAML and exit (no --config: defaults)"
+    )
     p.add_argument(
         "--no-plots",
         action="store_true",
@@ -182,6 +206,8 @@ def _train_config(args):
             print(f"lspo-train: resuming with {saved}", file=sys.stderr)
     if config_path is None and args.resume:
         raise ConfigError(f"--resume: {saved} is missing (the run's own settings); pass the run's config with --config")
+    if config_path is None and args.print_config:  # printed, not run: the built-in defaults, overrides on top
+        return load_config(None, args.overrides)
     if config_path is None:
         # The built-in defaults are the paper's shape (32 x 16 rollouts of 8192 tokens): no machine to run by
         # accident. configs/ has the recipes.
@@ -209,7 +235,7 @@ def _train(args) -> int:
 
     # SIGTERM and Ctrl-C set a flag from here on, read at start-up's own points and then by the loop: a handler that
     # raised could land in a garbage-collector callback, where the exception is dropped and the run goes on.
-    with StopFlag() as stop:
+    with StopFlag("lspo-train") as stop:
         try:
             summary = _start_and_train(args, stop)
         except StartupStopped as err:
@@ -274,9 +300,13 @@ def format_summary(summary: dict) -> str:
     def nats(x):
         return "n/a" if x is None else f"{x:.3f}"
 
+    session, skipped = summary.get("seconds_session", summary["seconds"]), summary.get("nonfinite_updates")
     lines = [
         f"steps {summary['steps']} in {summary['seconds']} s"
-        + (" (stopped early)" if summary["stopped_early"] else ""),
+        + (f" ({session} s since the resume)" if session != summary["seconds"] else "")
+        + (" (stopped early)" if summary["stopped_early"] else "")
+        # An update whose loss or gradient was not finite is skipped whole: the base did not take it.
+        + (f"; {skipped} updates skipped as non-finite" if skipped else ""),
         f"cliff groups {summary['cliff_groups']}, {summary['scaffold_attempted']} attempted by the scaffold "
         f"({summary['scaffold_no_solution']} without a worked solution), surpassed {summary['surpassed_groups']} "
         f"(surpass rate {pct(summary['surpass_rate'])} of those attempted)",
@@ -328,9 +358,10 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML run config for a Hugging Face model (prompt, reward settings)")
     p.add_argument("--benchmarks", default=None,
                    help="comma-separated bare names, paths or hub datasets ORG/NAME[@REVISION][:PART] (default: the "
-                        f"config's eval.benchmarks, else {DEFAULT_BENCHMARKS}). A bare name is looked for as "
-                        "NAME.jsonl or NAME.parquet in --data-dir (else $LSPO_JAX_DATA_DIR), then among the package's "
-                        "math500, aime24, aime25, then on the hub (aime26: MathArena/aime_2026)")  # fmt: skip
+                        "config's eval.benchmarks, else a run's own held-out sets, else "
+                        f"{DEFAULT_BENCHMARKS}). A bare name is looked for as NAME.jsonl or NAME.parquet in "
+                        "--data-dir (else $LSPO_JAX_DATA_DIR), then among the package's math500, aime24, aime25, "
+                        "then on the hub (aime26: MathArena/aime_2026)")  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where bare benchmark names are looked for first (default: "
                    "eval.data_dir, else $LSPO_JAX_DATA_DIR)")  # fmt: skip
     p.add_argument("--protocol", default=None, metavar="NAME", help=_protocol_help())
@@ -388,8 +419,9 @@ def _eval_settings(run, args):
         ks = EvalConfig.default_ks(sampling["eval.n"])
     else:
         ks = list(run.eval.ks)
+    benchmarks = _benchmarks(args.benchmarks, run.eval.benchmarks, _own_benchmarks(run, args.model))
     flags = {
-        **sampling, "eval.benchmarks": _benchmarks(args.benchmarks, run.eval.benchmarks), "eval.ks": ks,
+        **sampling, "eval.benchmarks": benchmarks, "eval.ks": ks,
         "eval.limit": args.limit, "eval.data_dir": args.data_dir, "rollout.prompts_per_step": args.prompts_per_batch,
         "reward.workers": args.workers, "seed": args.seed,
     }  # fmt: skip
@@ -397,16 +429,31 @@ def _eval_settings(run, args):
     return from_dict(type(run), apply_overrides(to_dict(run), overrides))
 
 
-def _benchmarks(flag: str | None, configured: tuple[str, ...]) -> list[str] | None:
-    """``--benchmarks`` when given; else None (keep the config's own), or the packaged three where it names none."""
+def _benchmarks(flag: str | None, configured: tuple[str, ...], own: tuple[str, ...] = ()) -> list[str] | None:
+    """``--benchmarks`` when given; else None (keep the config's own), the run's ``own`` held-out sets where it
+    names none (a run on the generated task validates on its classes: math500 would hold no prompt that fits), or
+    the packaged three. A name a run prints for a generated held-out set (``toy_heldout_2digit``) is that set."""
+    from lspo_jax.tasks import toy
     from lspo_jax.train_config import ConfigError
 
     if flag is None and configured:
         return None
+    if flag is None and own:
+        return list(own)
     names = [b.strip() for b in (DEFAULT_BENCHMARKS if flag is None else flag).split(",") if b.strip()]
     if not names:
         raise ConfigError(f"--benchmarks {flag!r}: names no benchmark; leave it out for the config's own")
-    return names
+    generated = {spec.replace(":", "_"): spec for spec in ("toy:heldout", "toy:target", *toy.HELDOUT_SPECS)}
+    return [generated.get(name, name) for name in names]
+
+
+def _own_benchmarks(run, model: str) -> tuple[str, ...]:
+    """What a training run at ``model`` validated on when its config names no benchmark (``build.validation_specs``);
+    nothing for a model that is not a run's."""
+    from lspo_jax.job import export
+    from lspo_jax.job.build import validation_specs
+
+    return tuple(validation_specs(run)) if export.is_run_dir(model) else ()
 
 
 def _ints(flag: str, text: str) -> list[int]:
@@ -428,10 +475,14 @@ def _eval_model(args):
     from lspo_jax.job.config import load_config
     from lspo_jax.train_config import ConfigError
 
+    a_run = os.path.isfile(os.path.join(args.model, "config.yaml"))
+    if a_run and args.config is not None:
+        raise ConfigError(f"--config {args.config}: {args.model} is a training run, evaluated with its own "
+                          "config.yaml; give changes as KEY=VALUE overrides")  # fmt: skip
+    if a_run and not has_checkpoint(args.model):
+        raise FileNotFoundError(f"--model {args.model}: a training run with no checkpoint yet; evaluate it once it has "
+                                "written one (checkpoint.every), or its model at model.path")  # fmt: skip
     if export.is_run_dir(args.model):
-        if args.config is not None:
-            raise ConfigError(f"--config {args.config}: {args.model} is a training run, evaluated with its own "
-                              "config.yaml; give changes as KEY=VALUE overrides")  # fmt: skip
         # The cache is set before the checkpoint is read: JAX decides at its first compile whether it uses one.
         use_cache(load_config(os.path.join(args.model, "config.yaml"), args.overrides).compile_cache)
         run, policy, params, step = export.restore_run(args.model, args.step, args.overrides)
@@ -496,22 +547,45 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 
 def _eval(args) -> int:
+    """SIGTERM and Ctrl-C set a flag (``StopFlag``), read between the parts of loading and between the sampler's
+    decode segments. A ``KeyboardInterrupt`` raised wherever Python happened to be could leave the process while XLA
+    still ran the last call dispatched to it (JAX dispatches asynchronously), the interpreter finalising under
+    XLA's threads, which sometimes crashed (exit 139 for the 130 of an interrupt); the flag ends the command between
+    two calls, each waited for."""
+    from lspo_jax.signals import StartupStopped, StopFlag
+
+    with StopFlag("lspo-eval") as stop:
+        stop.expect("at the next point of loading; nothing is evaluated")
+        try:
+            return _eval_until_stopped(args, stop)
+        except StartupStopped:
+            print("lspo-eval: interrupted; nothing was evaluated", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+
+def _eval_until_stopped(args, stop) -> int:
     from lspo_jax.job import evaluation
     from lspo_jax.job.build import check_positions, load_benchmarks, make_verifier
     from lspo_jax.rollout.generator import Generator
+    from lspo_jax.tasks.data import DataReport
 
     try:
         samples, seeds = _eval_arguments(args)
+        stop.startup_point()
         run, policy, params, step = _eval_model(args)
+        stop.startup_point()
         check_positions(run, policy.config, train=False, how=" (--max-new-tokens; data.max_prompt_tokens=N)")
         benchmarks = load_benchmarks(run, policy, run.eval.benchmarks)
         for name, (examples, report) in benchmarks.items():
             _warn_about_rows(name, report)
             if not examples:
-                raise ValueError(f"{name}: no problem is left to evaluate (rows read: {report['rows']})")
+                lost = DataReport(**report).losses()
+                raise ValueError(f"{name}: no problem is left to evaluate (rows read: {report['rows']}"
+                                 + (f"; {lost}" if lost else "") + ")")  # fmt: skip
     except ValueError as err:  # the loaders' plain ValueErrors are about the files given too; the rest: the funnel
         print(f"lspo-eval: {describe(err)}", file=sys.stderr)
         return EXIT_CONFIG
+    stop.startup_point()
     _warn_about_protocol(run)
     pool, generator, seeds = make_verifier(run), Generator(policy, mesh=eval_mesh()), seeds or [run.seed]
     sampled_on = {"engine": "jax" if generator.vllm is None else "vllm", "devices": generator.mesh.devices.size}
@@ -523,14 +597,17 @@ def _eval(args) -> int:
         _write_results(args.out, _eval_output(args.model, step, run, seeds, sampled_on, results), finished)
 
     save(False)
+    kept = f"the benchmarks scored so far are kept in {args.out} (finished: false)" if args.out else "nothing is kept"
+    stop.expect(f"after the sampler's current decode segment; {kept}")
     try:
         with _json_lines(samples) as write:
             for name, (examples, report) in benchmarks.items():
-                scored = _eval_benchmark(run, generator, params, name, examples, pool, seeds, write)
+                scored = _eval_benchmark(run, generator, params, name, examples, pool, seeds, write, stop)
                 results[name] = {**scored, "data": report}
                 save(False)
-    except KeyboardInterrupt:
-        kept = f"; the {len(results)} benchmarks scored are in {args.out} (finished: false)" if args.out else ""
+    except evaluation.ValidationStopped:
+        scored = f"the {len(results)} benchmark{'' if len(results) == 1 else 's'} scored" if results else "none scored"
+        kept = f"; {scored} in {args.out} (finished: false)" if args.out else ""
         print(f"lspo-eval: interrupted{kept}", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
@@ -554,10 +631,11 @@ def _write_results(path: str | None, output: dict, finished: bool) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _eval_benchmark(run, generator, params, name, examples, pool, seeds, write) -> dict:
+def _eval_benchmark(run, generator, params, name, examples, pool, seeds, write, stop=None) -> dict:
     """One benchmark's record (``evaluation.benchmark_result``): a repeat with each seed, its samples written
     through ``write`` as each repeat is graded. A seed's key depends on the benchmark's name alone besides it
-    (``evaluation.benchmark_key``), so one seed gives a benchmark the same samples in any company."""
+    (``evaluation.benchmark_key``), so one seed gives a benchmark the same samples in any company. ``stop``: a
+    ``StopFlag``; once it is set the sampling ends at its next decode segment (``evaluation.ValidationStopped``)."""
     import time
 
     import jax
@@ -568,7 +646,8 @@ def _eval_benchmark(run, generator, params, name, examples, pool, seeds, write) 
     for seed in seeds:
         print(f"lspo-eval: {name}: sampling {len(examples)} problems x {run.eval.n} (seed {seed})", file=sys.stderr)
         key = evaluation.benchmark_key(jax.random.key(seed), name)
-        repeats.append(evaluation.grade(run, generator, params, examples, pool, key, seed))
+        check = None if stop is None else (lambda: stop.requested)
+        repeats.append(evaluation.grade(run, generator, params, examples, pool, key, seed, check))
         write(evaluation.sample_records(name, examples, repeats[-1], generator.tokenizer))
     seconds = round(time.perf_counter() - start, 1)
     return {**evaluation.benchmark_result(examples, repeats, run.eval.ks), "seconds": seconds}
@@ -658,15 +737,40 @@ def export_main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="a training run's --out directory")
     p.add_argument("out", help="directory to write (config.json, model.safetensors, tokenizer files)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA RL run's policy adapter as a PEFT directory (default: the merged model)")  # fmt: skip
     args = p.parse_args(argv)
     return _run_command("lspo-export", _export, args, "interrupted; nothing was written")
 
 
 def _export(args) -> int:
-    from lspo_jax.job.export import export_checkpoint
+    from lspo_jax.job.export import check_run_dir, export_checkpoint
+    from lspo_jax.rl.checkpoint import Checkpointer
 
-    path = export_checkpoint(args.run_dir, args.out, step=args.step)
+    check_run_dir(args.run_dir)
+    step = args.step
+    if step is None:  # the step the export restores: the latest
+        checkpointer = Checkpointer(os.path.join(args.run_dir, "checkpoints"))
+        try:
+            step = checkpointer.latest_step()
+        finally:
+            checkpointer.close()
+    path = export_checkpoint(args.run_dir, args.out, step=args.step, adapter=args.adapter)
     if threading.current_thread() is threading.main_thread():  # the export is in place: a SIGTERM changes nothing
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the command returns and its handler is put back
+    follow_umask(path)
+    print(f"lspo-export: step {step} of {args.run_dir} exported to {path}", file=sys.stderr)
     print(json.dumps({"exported": os.path.abspath(path)}))  # absolute: the line is read by scripts run elsewhere
     return 0
+
+
+def follow_umask(directory: str) -> None:
+    """Give the files of a fresh export the mode any new file gets (``0o666`` less the umask): safetensors writes its
+    file through a temporary one, readable by its owner alone (0600), which a model shared on a cluster must not be."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)

@@ -91,14 +91,16 @@ def sampling_settings(run) -> dict[str, Any]:
             "top_k": run.rollout.top_k}  # fmt: skip
 
 
-def sample_responses(run, generator, params, prompts: Sequence[Sequence[int]], key) -> list[str]:
+def sample_responses(run, generator, params, prompts: Sequence[Sequence[int]], key, cancel=None) -> list[str]:
     """``eval.n`` responses per prompt (n consecutive texts per prompt) from the base policy, decoded for the
     verifier (special tokens dropped), drawn with ``sampling_settings``. ``generator``: a ``generator.Generator`` (a
     run's vLLM engine samples when its context holds the longest prompt plus ``eval.max_new_tokens``; else the JAX
-    sampler)."""
+    sampler). ``cancel``: asked between the JAX sampler's decode segments; True cuts every row short there, for a
+    caller that drops them."""
     s = sampling_settings(run)
     decoding = generator.decoding(s["max_new_tokens"], s["temperature"], s["top_p"], s["top_k"])
-    sample = generator.generate(params, prompts, decoding, key=key, n=s["n"], lora_scale=0.0)
+    options = {} if cancel is None else {"cancel": cancel}
+    sample = generator.generate(params, prompts, decoding, key=key, n=s["n"], lora_scale=0.0, **options)
     return [decode(generator.tokenizer, tokens[:length])
             for tokens, length in zip(sample.tokens, sample.lengths.tolist(), strict=True)]  # fmt: skip
 
@@ -115,6 +117,13 @@ class ValidationStopped(Exception):
 def _check(stop: Callable[[], bool] | None) -> None:
     if stop is not None and stop():
         raise ValidationStopped("stopped during validation")
+
+
+def _cancel(stop: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    """``stop`` as the sampler's ``cancel``, asked between decode segments, so a stop waits for one segment, not a
+    whole batch of long samples. One process only: with several, ``stop`` is a collective, and the segment at which
+    each process's sampler asks is not held equal."""
+    return stop if stop is not None and jax.process_count() == 1 else None
 
 
 def correct_table(run, generator, params, examples: Sequence[Any], pool, key, stop=None) -> np.ndarray:
@@ -142,7 +151,10 @@ def _graded(run, generator, params, examples, pool, key, stop, chunk_size: int) 
         _check(stop)
         chunk = examples[start : start + chunk_size]
         prompts = [ex.prompt_ids for ex in chunk]
-        texts = sample_responses(run, generator, params, prompts, jax.random.fold_in(key, start))
+        cancel = _cancel(stop)
+        chunk_key = jax.random.fold_in(key, start)
+        texts = sample_responses(run, generator, params, prompts, chunk_key, **({"cancel": cancel} if cancel else {}))
+        _check(stop)  # a call cut short by the stop holds rows cut short: dropped, not graded
         accuracy = np.asarray(pool.score(texts, [ex.answer for ex in chunk for _ in range(n)]))
         rows.append(accuracy.reshape(len(chunk), n) > 0)
         spread.extend(answer_entropy(texts[i : i + n]) for i in range(0, len(texts), n))
@@ -336,10 +348,10 @@ class Graded:
     terminated: np.ndarray | None = None
 
 
-def grade(run, generator, params, examples: Sequence[Any], pool, key, seed: int) -> Graded:
-    """``graded_samples`` with each sample's tokens and ending kept (``Recorder``)."""
+def grade(run, generator, params, examples: Sequence[Any], pool, key, seed: int, stop=None) -> Graded:
+    """``graded_samples`` with each sample's tokens and ending kept (``Recorder``); ``stop``: see ``correct_table``."""
     recorder = Recorder(generator)
-    correct, spread = graded_samples(run, recorder, params, examples, pool, key)
+    correct, spread = graded_samples(run, recorder, params, examples, pool, key, stop)
     batches = recorder.batches
     tokens = [batch.tokens[row, :length] for batch in batches for row, length in enumerate(batch.lengths.tolist())]
     if not tokens or len(tokens) != correct.size:

@@ -2,8 +2,11 @@
 
 ``lspo-export RUN_DIR OUT`` reads ``RUN_DIR/config.yaml``, rebuilds the policy the run trained, restores the
 base params of the latest (or a chosen) checkpoint and writes ``config.json``, ``model.safetensors`` and the
-tokenizer files. There is no adapter to export: LSPO discards it every step and never checkpoints it. Weights that
-hold a NaN or an infinity are refused, naming the tensor and the step.
+tokenizer files. There is no scaffold adapter to export: LSPO discards it every step and never checkpoints it. A LoRA
+RL run (``optim.train: lora``) checkpoints its policy adapter alone: the export is the merged policy
+(``W + (alpha / r) A B`` folded into the base it was trained on, read from ``model.path`` and checked against the
+checkpoint's ``base_sha256``), or with ``adapter=True`` (``--adapter``) the adapter as a PEFT directory
+(``models.peft``). Weights that hold a NaN or an infinity are refused, naming the tensor and the step.
 ``lspo-eval`` restores a run's checkpoint the same way (``restore_run``).
 
 OUT is written beside itself (``OUT.partial-<pid>``) and renamed into place once complete, so a stop or a failure
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator, Sequence
@@ -24,11 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lspo_jax import hub
 from lspo_jax.config import ModelConfig
 from lspo_jax.job.build import abstract_checkpoint_state, load_policy, model_dir
 from lspo_jax.job.config import load_config
-from lspo_jax.models import hf
+from lspo_jax.models import hf, model, peft
 from lspo_jax.models.model import Params
+from lspo_jax.rl import checkpoint
 from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError
 from lspo_jax.rollout.generator import Policy
 from lspo_jax.signals import StopFlag
@@ -44,9 +50,10 @@ def restore_run(
     run_dir: str, step: int | None = None, overrides: Sequence[str] = ()
 ) -> tuple[TrainConfig, Policy, Params, int]:
     """The run's config (with ``overrides``), its policy and the base params ``{"base": ...}`` of checkpoint
-    ``step`` (default: the latest), and that step."""
+    ``step`` (default: the latest), and that step. A LoRA RL run's params are ``{"base", "policy"}``: the base read
+    from ``model.path``, the policy adapter from the checkpoint."""
     run = load_config(os.path.join(run_dir, "config.yaml"), list(overrides))
-    policy, _ = load_policy(run, os.path.join(run_dir, "cache"))
+    policy, base = load_policy(run, os.path.join(run_dir, "cache"))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # Restored onto one device: export gathers the whole model on the host anyway.
     target = jax.tree.map(
@@ -65,7 +72,19 @@ def restore_run(
         raise CheckpointError(f"{err}; {hint}") from None
     finally:
         checkpointer.close()
-    return run, policy, {"base": restored["base"]}, int(meta["step"])
+    return run, policy, _policy_params(base, restored, meta), int(meta["step"])
+
+
+def _policy_params(base: Params, restored: dict, meta: dict) -> Params:
+    """The restored policy: the checkpoint's base, or (LoRA RL) ``base`` with the checkpoint's policy adapter, once
+    ``base`` is found to be the one the adapter was trained on (``checkpoint.BASE_DIGEST``)."""
+    if "policy" not in restored:
+        return {"base": restored["base"]}
+    saved = meta.get(checkpoint.BASE_DIGEST)
+    if saved is not None and checkpoint.base_digest(base["base"]) != saved:
+        raise CheckpointError(f"checkpoint step {meta['step']}: its policy adapter was trained on another base than "
+                              "the one at model.path (their sha256 differ)")  # fmt: skip
+    return {"base": base["base"], "policy": restored["policy"]}
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -74,8 +93,9 @@ def check_run_dir(run_dir: str) -> None:
         raise FileNotFoundError(f"{run_dir} is not a training run (no config.yaml and checkpoints/ in it)")
 
 
-def export_checkpoint(run_dir: str, out: str, step: int | None = None) -> str:
+def export_checkpoint(run_dir: str, out: str, step: int | None = None, *, adapter: bool = False) -> str:
     """Write the base params of checkpoint ``step`` (default: the latest) of ``run_dir`` to ``out``; return ``out``.
+    A LoRA RL run's are the merged policy, or with ``adapter`` its policy adapter as a PEFT directory.
 
     ``out`` ends up either the whole export or as it was: the files are written beside it and renamed into place
     (``_staged``). Once the rename is done, a SIGTERM or Ctrl-C that came during it is dropped: the export is
@@ -83,11 +103,21 @@ def export_checkpoint(run_dir: str, out: str, step: int | None = None) -> str:
     check_run_dir(run_dir)
     check_out(run_dir, out)
     run, policy, params, step = restore_run(run_dir, step)
-    check_finite(policy.config, params, step)
     tokenizer_from = model_dir(run, os.path.join(run_dir, "cache"))
+    if adapter:
+        base_model = run.model.path if hub.is_hub_name(run.model.path) else os.path.abspath(tokenizer_from)
+        with _staged(os.path.realpath(out)) as staging:
+            peft.save_adapter(staging, policy.config, params, base_model=base_model)
+        return out
+    if "policy" in params:  # LoRA RL: the adapter folded into the base, one rounding to the base's dtype
+        params = {"base": model.merge_lora(policy.config, params, 0.0)}
+    check_finite(policy.config, params, step)
     with _staged(os.path.realpath(out)) as staging:
         hf.save_pretrained(staging, policy.config, params, tokenizer_from=tokenizer_from)
     return out
+
+
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")  # a sharded checkpoint's files
 
 
 def check_out(run_dir: str, out: str) -> None:
@@ -107,12 +137,22 @@ def check_out(run_dir: str, out: str) -> None:
             raise CheckpointError(f"{out} is inside {os.path.join(run_dir, records)}: export outside the checkpoints")
     entries = sorted(os.listdir(target)) if os.path.isdir(target) else []
     foreign = [name for name in entries if not os.path.isfile(os.path.join(target, name))]
-    if entries and (foreign or "config.json" not in entries):
+    if entries and (foreign or not {"config.json", "adapter_config.json"} & set(entries)):
         held = f"{foreign[0]}, not a file" if foreign else "no config.json"
         raise FileExistsError(
             f"{out} holds {held}: lspo-export replaces OUT whole, so only an empty directory or a Hugging Face "
             "model's (a config.json and files); choose a new OUT"
         )
+    # A Hugging Face model's files (an earlier export's, a sharded writer's, its card) are replaced; any other file
+    # (the user's notes, results) would be deleted with them, so it is refused by name.
+    model_files = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                   "adapter_config.json", "adapter_model.safetensors", "tokenizer.model", "README.md",
+                   *hf._TOKENIZER_FILES}  # fmt: skip
+    others = [name for name in entries if name not in model_files and not _SHARD.fullmatch(name)]
+    if others:
+        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise FileExistsError(f"{out} holds files an export does not write ({listed}): lspo-export replaces OUT whole "
+                              "and would delete them; move them out or choose a new OUT")  # fmt: skip
 
 
 @contextlib.contextmanager

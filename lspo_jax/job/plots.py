@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,9 +31,10 @@ TRAIN_PANELS = (
 PANEL_COLUMNS = 4
 
 
-def plot_run(run_dir: str) -> list[str]:
-    """Write ``train_curves.png`` (and ``eval_curves.png`` when there are validation records); their paths."""
-    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+def plot_run(run_dir: str, say: Callable[[str], None] | None = None) -> list[str]:
+    """Write ``train_curves.png`` (and ``eval_curves.png`` when there are validation records); their paths. ``say``
+    hears of a last record cut off mid-write, which is not drawn (``read_metrics``)."""
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"), say)
     written = []
     for fig, name in ((train_figure(records), "train_curves.png"), (eval_figure(records), "eval_curves.png")):
         if fig is not None:

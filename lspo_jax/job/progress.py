@@ -28,6 +28,14 @@ def _compiled(metrics: dict[str, Any]) -> str:
     return f"{metrics['time_compile']:.1f} s of it compiling {fresh} program{'' if fresh == 1 else 's'}{read}"
 
 
+def arm_name(scaffold: Any) -> str:
+    """What a run's progress lines call it: ``lspo`` (the adapter scaffold), ``dapo`` (the scaffold off, the
+    baseline), else the supervision of the base it trains with (``base``, ``mixed``, ``sft_warmup``)."""
+    if not scaffold.enabled:
+        return "dapo"
+    return "lspo" if scaffold.supervise == "adapter" else scaffold.supervise
+
+
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
@@ -37,12 +45,13 @@ def _duration(seconds: float) -> str:
 class Progress:
     """Steps ``initial + 1 .. total`` of a run, shown on ``stream`` (default stderr) when ``enabled``.
 
-    ``every`` (default: about 20 lines a run) spaces the plain lines; a terminal gets the bar.
+    ``every`` (default: about 20 lines a run) spaces the plain lines; a terminal gets the bar. ``name`` starts each
+    line (``arm_name``: what the run trains, so a DAPO baseline's lines do not read as LSPO's).
     """
 
     def __init__(self, total: int, initial: int = 0, *, enabled: bool = True, stream: TextIO | None = None,
-                 every: int | None = None):  # fmt: skip
-        self.total, self.initial, self.enabled = total, initial, enabled
+                 every: int | None = None, name: str = "lspo"):  # fmt: skip
+        self.total, self.initial, self.enabled, self.name = total, initial, enabled, name
         self.stream = stream or sys.stderr
         self.every = every or max(1, (total - initial) // 20)
         self.terminal = enabled and self.stream.isatty()
@@ -51,7 +60,8 @@ class Progress:
         self.started = time.perf_counter()
 
     def _bar(self, initial: int) -> tqdm:
-        return tqdm(total=self.total, initial=initial, desc="lspo", unit="step", dynamic_ncols=True, file=self.stream)
+        return tqdm(total=self.total, initial=initial, desc=self.name, unit="step", dynamic_ncols=True,
+                    file=self.stream)  # fmt: skip
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
         """Step ``step`` has ended with ``metrics``."""
@@ -60,7 +70,7 @@ class Progress:
         now = time.perf_counter()
         if self.first_done is None:
             self.first_done = now
-            self.write(f"lspo: step {step} took {now - self.started:.1f} s, {_compiled(metrics)}; the time left "
+            self.write(f"{self.name}: step {step} took {now - self.started:.1f} s, {_compiled(metrics)}; the time left "
                        "counts from the next step")  # fmt: skip
             if self.terminal:
                 self.bar = self._bar(step)
@@ -71,7 +81,7 @@ class Progress:
             self.write(self._line(step, metrics, now))
 
     def _line(self, step: int, metrics: dict[str, Any], now: float) -> str:
-        line = f"lspo: step {step}/{self.total}, {_postfix(metrics)}"
+        line = f"{self.name}: step {step}/{self.total}, {_postfix(metrics)}"
         done = step - self.initial - 1  # steps timed since the first one
         if done > 0:
             per_step = (now - self.first_done) / done

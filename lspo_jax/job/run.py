@@ -37,13 +37,14 @@ from lspo_jax.job.build import (
 )
 from lspo_jax.job.compiles import CompileCount
 from lspo_jax.job.metrics_log import MetricsLog, NullLog, records_until, rewrite, wandb_options
-from lspo_jax.job.progress import Progress
+from lspo_jax.job.progress import Progress, arm_name
 from lspo_jax.job.run_dir import check_resumable, model_shapes, new_run_refused, record_config, run_records
 from lspo_jax.job.run_lock import take_run_lock
+from lspo_jax.options import RolloutError
 from lspo_jax.rl import staleness, warmup
-from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError, TrainState
+from lspo_jax.rl.checkpoint import DIGEST, Checkpointer, CheckpointError, TrainState
 from lspo_jax.rl.learner import Learner
-from lspo_jax.rl.train import Phases, StepAbandoned, step_rates, train_step
+from lspo_jax.rl.train import GAP_KEY, Phases, StepAbandoned, step_rates, train_step
 from lspo_jax.signals import StartupStopped, StopFlag
 from lspo_jax.tasks import data, example_store
 from lspo_jax.train_config import ConfigError, TrainConfig
@@ -51,6 +52,13 @@ from lspo_jax.train_config import ConfigError, TrainConfig
 
 class RunStopped(RuntimeError):
     """The run stopped early (non-finite updates in a row); a checkpoint was written first."""
+
+
+class SamplerGapError(RolloutError):
+    """The sampler's log-probs of its own tokens were further from the trainer's than ``rollout.max_logprob_gap`` for
+    ``rollout.max_logprob_gap_steps`` steps in a row: it samples another policy than the one trained. A checkpoint
+    was written first (the updates took the trainer's own log-probs as old_logp: the state is sound, the rows were
+    off-policy)."""
 
 
 class AgreedVerifier:
@@ -98,6 +106,10 @@ class Run:
     ):  # fmt: skip
         self.run, self.out_dir, self.stop, self.callbacks = run, out_dir, stop, tuple(callbacks)
         self._stop_in_force: StopFlag | None = stop  # the flag the loop reads, once training has begun
+        self.seconds_before = 0.0  # the wall time of the sessions before a resume, from their summary
+        self.gap_bound = run.rollout.logprob_gap_bound(run.model.compute_dtype)
+        self.gaps_in_row = 0  # steps in a row whose rollout/logprob_gap was above gap_bound
+        ENGINES.resolve(run.rollout.engine).check_installed()  # before the directory and its lock are made
         os.makedirs(out_dir, exist_ok=True)
         # Several hosts share out_dir: process 0 writes the files, all of them write checkpoint shards.
         self.writer = jax.process_index() == 0
@@ -183,12 +195,22 @@ class Run:
             # The learner built (the engine started, a checkpoint restored), the longest part; the last point before
             # anything is written, so every process agrees here. A stop after it is the loop's (a checkpoint, 75).
             self._startup_point(agree=True)
-            if self.writer:  # once the model and the data have loaded: a run that cannot start leaves no config
-                record_config(run, out_dir, self.state.step if resume else None)
-            self.log = self._open_log() if self.writer else NullLog()
+            # A new run that warms up first writes its config and log once the warm-up is done: one stopped or killed
+            # during it leaves no records, so the same command starts it again (it had nothing to resume from).
+            self.log, self._records_deferred = NullLog(), not resume and warmup.wanted(run)
+            if not self._records_deferred:
+                self._begin_records(resume)
         except BaseException:
             _close_after_failure(self.learner, "learner")
             raise
+
+    def _begin_records(self, resume: bool) -> None:
+        """The run's config.yaml and metrics log, once the model and the data have loaded: a run that cannot start
+        leaves no config."""
+        self._records_deferred = False
+        if self.writer:
+            record_config(self.run, self.out_dir, self.state.step if resume else None)
+            self.log = self._open_log()
 
     def _startup_point(self, agree: bool = False) -> None:
         """End start-up here if a stop was asked for (``StopFlag.startup_point``). A job of several processes stops
@@ -249,6 +271,10 @@ class Run:
                               f"{self.run.model.path} ({self.unchecked_model}): {cause}; resume with the run's own "
                               "model") from None  # fmt: skip
         step = state.step
+        if self.writer and _holds_digest(self.checkpointer.directory, step) is False:
+            print(f"lspo-train: checkpoint step {step} carries no digest of its arrays ({DIGEST}: written by an older "
+                  "version, or removed): it was restored unchecked, and damaged bytes in it would go unnoticed",
+                  file=sys.stderr)  # fmt: skip
         if step > self.run.steps:
             raise ConfigError(
                 f"steps: {self.run.steps} is below the run's step {step} (its checkpoint); pass steps={step} or more"
@@ -273,6 +299,7 @@ class Run:
                   f"the steps from {step + 1} on", file=sys.stderr)  # fmt: skip
         say = (lambda line: print(f"lspo-train: {line}", file=sys.stderr)) if self.writer else None
         self.history = records_until(records, step, say)
+        self.seconds_before = _seconds_so_far(self.out_dir)
         self.warmed = meta.get(warmup.RECORD_KIND)
         if self.warmed is not None and not any(r["kind"] == warmup.RECORD_KIND for r in self.history):
             # Killed between the warm-up's checkpoint and its record: the record is the checkpoint's copy.
@@ -327,6 +354,8 @@ class Run:
             return None
         if self.ahead is not None:  # the generator samples for one caller at a time
             self.ahead.wait()
+        self._expect(f"after validation's current batch at step {self.state.step}: its records are not written "
+                     "(a resume validates again); then a checkpoint")  # fmt: skip
         if self.writer:
             problems = sum(len(examples) for examples in self.held_out.values())
             print(f"lspo-train: validating at step {self.state.step}: {problems} problems x {self.run.eval.n} "
@@ -359,22 +388,32 @@ class Run:
         if self.stop is not None:  # entered by the caller before start-up: a stop asked for then is seen here
             return self._train(self.stop, start)
         # The handlers stay until the end: a signal during the last save or validation is a stop, not a kill.
-        with StopFlag() as stop:
+        with StopFlag("lspo-train") as stop:
             return self._train(stop, start)
+
+    def _expect(self, plan: str) -> None:
+        """What a stop asked for from now on does, as the stop's announcement says it (``StopFlag.expect``)."""
+        if self._stop_in_force is not None:
+            self._stop_in_force.expect(plan)
 
     def _train(self, stop: StopFlag, start: float) -> dict[str, Any]:
         run, progress = self.run, None
         self._stop_in_force = stop
         try:
             self._warm_up_once(stop)
+        except warmup.WarmupStopped as err:
+            return self._warm_up_stopped(err, start)
+        try:
             if self.state.step < run.steps and self._due(self.state.step):  # before the first step, or one a
                 self._validate_once(stop)  # stop or a kill cut short
-            progress = Progress(run.steps, self.state.step, enabled=self.writer)  # the first step's time its own
+            # The first step's time is its own; the lines name the arm (``dapo:`` for the baseline).
+            progress = Progress(run.steps, self.state.step, enabled=self.writer, name=arm_name(run.scaffold))
             stopped = self._steps(stop, progress)
         except evaluation.ValidationStopped:  # its records are not written, so a resume validates again
             stopped = True
         if progress is not None:
             progress.close()
+        self._expect("after the run's last checkpoint")
         if self.checkpointer.latest_step() != self.state.step:
             self.save()
         if not stopped:
@@ -385,19 +424,37 @@ class Run:
         return self._summary(time.perf_counter() - start, stopped)
 
     def _warm_up_once(self, stop: StopFlag) -> None:
-        """The SFT warm-up before the first step (``scaffold.supervise: sft_warmup``), unless it is done. It runs
-        whole (a stop asked for during it is taken once it ends), then a checkpoint at step 0 holds the warmed base
-        and, in its meta, the warm-up's record, which is written (``kind: warmup``, step 0) after it: a run killed
-        during the warm-up does it again from the start, and a resumed one finds it done, its record kept. A stop
-        asked for before it leaves it to the resumed run."""
-        if not warmup.wanted(self.run) or self.warmed is not None or self.state.step or stop.agreed():
+        """The SFT warm-up before the first step (``scaffold.supervise: sft_warmup``), unless it is done; then a
+        checkpoint at step 0 holds the warmed base and, in its meta, the warm-up's record, which is written (``kind:
+        warmup``, step 0) after it. Nothing of a warm-up cut short is kept: a stop asked for during it ends it before
+        its next update (``warmup.WarmupStopped``, with no checkpoint written), and a run killed during it does it
+        again from the start; a resumed one finds it done, its record kept. A stop asked for before it leaves it to
+        the resumed run (or, for a new run, to the same command again)."""
+        if not warmup.wanted(self.run) or self.warmed is not None or self.state.step:
             return
+        if stop.agreed():
+            raise warmup.WarmupStopped("before the SFT warm-up began")
         if self.writer:
             print(f"lspo-train: SFT warm-up of the base on {self.run.scaffold.warmup_tokens} solution tokens",
                   file=sys.stderr, flush=True)  # fmt: skip
-        self.warmed = warmup.sft_warmup(self.learner, self.examples)
+        self._expect("after the SFT warm-up's current update: the warm-up is not saved (the run does it again whole)")
+        self.warmed = warmup.sft_warmup(self.learner, self.examples, stop=stop.agreed)
+        if self._records_deferred:
+            self._begin_records(resume=False)
         self.save()
         self._write({"kind": warmup.RECORD_KIND, "step": 0, **self.warmed})
+
+    def _warm_up_stopped(self, err: warmup.WarmupStopped, start: float) -> dict[str, Any]:
+        """A stop during the SFT warm-up: its updates are dropped, nothing is saved. A new run has written nothing
+        yet (``_records_deferred``), so it ends as a stop during start-up does (``StartupStopped``: the same command
+        starts it again); a resumed one stops with its checkpoint at step 0, from which ``--resume`` warms up again."""
+        if self._records_deferred:
+            raise StartupStopped(f"stopped during the SFT warm-up ({err}); nothing was trained or saved: the same "
+                                 "command starts the run again")  # fmt: skip
+        if self.writer:
+            print(f"lspo-train: stopped during the SFT warm-up ({err}); the warm-up is not saved: --resume does it "
+                  "again from the checkpoint at step 0", file=sys.stderr)  # fmt: skip
+        return self._summary(time.perf_counter() - start, True)
 
     def _due(self, step: int) -> bool:
         """Whether validation is scheduled at ``step`` (before training, every ``eval.every``, at the end)."""
@@ -408,14 +465,18 @@ class Run:
         """Steps until ``run.steps``, checkpointing and validating on schedule; returns whether a stop ended them."""
         run = self.run
         while self.state.step < run.steps:
+            self._expect(f"at step {self.state.step + 1}'s next phase (a step whose update has begun is finished "
+                         "first); then a checkpoint")  # fmt: skip
             if stop.agreed():
                 return True
             try:
                 metrics = self.one_step(stop)
             except StepAbandoned as err:
-                progress.write(f"lspo: {err}: step {self.state.step + 1} abandoned, its prompts not consumed")
+                step = self.state.step + 1
+                progress.write(f"{progress.name}: {err}: step {step} abandoned, its prompts not consumed")
                 return True
             progress.step(self.state.step, metrics)
+            self._check_gap(metrics)
             if self.state.nonfinite_in_row >= run.max_nonfinite_in_row:
                 self.save()
                 raise RunStopped(f"{self.state.nonfinite_in_row} non-finite updates in a row at step "
@@ -428,6 +489,25 @@ class Run:
             if self._due(self.state.step) and self.state.step < run.steps:  # the last one follows the loop
                 self.validate(stop)
         return False
+
+    def _check_gap(self, metrics: dict[str, Any]) -> None:
+        """Stop (``SamplerGapError``, after a checkpoint) once the step's ``rollout/logprob_gap`` has been above the
+        bound for ``rollout.max_logprob_gap_steps`` steps in a row. Every process reads the same record, so all of
+        them take the same branch and save together."""
+        gap = metrics.get(GAP_KEY)
+        if self.gap_bound is None or gap is None:
+            return
+        self.gaps_in_row = self.gaps_in_row + 1 if gap > self.gap_bound else 0
+        if self.gaps_in_row < self.run.rollout.max_logprob_gap_steps:
+            return
+        self.save()
+        engine, dtype = self.run.rollout.engine, self.run.model.compute_dtype
+        raise SamplerGapError(
+            f"the {engine} sampler's log-probs of its own tokens are {gap:.3g} nats a token from the trainer's at step "
+            f"{self.state.step}, above rollout.max_logprob_gap {self.gap_bound:g} ({engine}, {dtype}) for "
+            f"{self.gaps_in_row} steps in a row: it does not sample the policy being trained (weights not synced?); "
+            f"checkpoint written at step {self.state.step}"
+        )
 
     def one_step(self, stop: StopFlag | None = None) -> dict[str, Any]:
         """One training step, logged: the prompt source's draw, the step, the source's observation of it. A step
@@ -503,7 +583,8 @@ class Run:
         summary = {
             "steps": self.state.step,
             "stopped_early": stopped,
-            "seconds": round(seconds, 1),
+            "seconds": round(self.seconds_before + seconds, 1),  # every session's, a resume's before it included
+            "seconds_session": round(seconds, 1),
             **totals,
             # The paper's definition: surpassed over the cliff groups the scaffold attempted (those with a
             # worked solution); cliff groups without one are counted in scaffold_no_solution.
@@ -559,6 +640,26 @@ def _close_after_failure(part: Any, what: str) -> None:
         part.close()
     except Exception as err:
         print(f"lspo-train: closing the {what} after a failed start also failed: {err}", file=sys.stderr)
+
+
+def _holds_digest(directory: str, step: int) -> bool | None:
+    """Whether checkpoint ``step``'s meta (orbax's ``STEP/meta/metadata``) holds the digest its restore checks the
+    arrays against; None when the file cannot be read."""
+    try:
+        with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
+            return DIGEST in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _seconds_so_far(out_dir: str) -> float:
+    """The wall time the run's earlier sessions spent, from the summary the last of them wrote (0 without one: a run
+    killed before its summary leaves its time uncounted)."""
+    try:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            return float(json.load(f).get("seconds") or 0.0)
+    except (OSError, ValueError, AttributeError):
+        return 0.0
 
 
 def surpass_distribution(train: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -1,8 +1,9 @@
-"""Hugging Face Qwen2 checkpoints <-> our params, through one declarative key table.
+"""Hugging Face checkpoints of Qwen2, Qwen3 and Llama 3.x <-> our params, through one declarative key table.
 
 A Hugging Face ``nn.Linear`` stores ``weight`` as ``[out, in]`` with heads flattened into one dim; our
 weights are ``[in..., out...]`` with heads split out (see ``model.py``), stacked over layers. Each row of
-``KEY_TABLE`` says which HF tensor fills which of our arrays and how it is laid out. Loading is strict:
+``KEY_TABLE`` says which HF tensor fills which of our arrays and how it is laid out, and which feature of the
+family (``config.FAMILIES``) a row needs, if any: the families share every other row. Loading is strict:
 an HF key that no row maps, a weight the checkpoint lacks, two HF tensors filling the same array, or a
 wrong shape raise an error naming the key. Adapter weights are never written: exports are base-only.
 """
@@ -32,12 +33,15 @@ _COPY, _LINEAR, _FLAT = "copy", "linear", "flat"
 
 @dataclasses.dataclass(frozen=True)
 class KeyRule:
-    """One row of the table: HF name (``{i}`` = layer index) <-> our path under ``params["base"]``."""
+    """One row of the table: HF name (``{i}`` = layer index) <-> our path under ``params["base"]``; ``needs``
+    names the feature without which the model has no such weight (``rules``): the ``ModelConfig`` properties
+    ``qkv_bias`` and ``qk_norm``, or ``untied_head``."""
 
     hf: str
     path: tuple[str, ...]
     layout: str = _COPY
     n_in: int = 1
+    needs: str | None = None
 
     @property
     def layered(self) -> bool:
@@ -65,18 +69,20 @@ KEY_TABLE: tuple[KeyRule, ...] = (
     KeyRule("model.embed_tokens.weight", ("embed",)),
     KeyRule(_P + "input_layernorm.weight", ("layers", "attn_norm")),
     KeyRule(_P + "self_attn.q_proj.weight", ("layers", "q"), _LINEAR),
-    KeyRule(_P + "self_attn.q_proj.bias", ("layers", "q_bias"), _FLAT),
+    KeyRule(_P + "self_attn.q_proj.bias", ("layers", "q_bias"), _FLAT, needs="qkv_bias"),
     KeyRule(_P + "self_attn.k_proj.weight", ("layers", "k"), _LINEAR),
-    KeyRule(_P + "self_attn.k_proj.bias", ("layers", "k_bias"), _FLAT),
+    KeyRule(_P + "self_attn.k_proj.bias", ("layers", "k_bias"), _FLAT, needs="qkv_bias"),
     KeyRule(_P + "self_attn.v_proj.weight", ("layers", "v"), _LINEAR),
-    KeyRule(_P + "self_attn.v_proj.bias", ("layers", "v_bias"), _FLAT),
+    KeyRule(_P + "self_attn.v_proj.bias", ("layers", "v_bias"), _FLAT, needs="qkv_bias"),
+    KeyRule(_P + "self_attn.q_norm.weight", ("layers", "q_norm"), needs="qk_norm"),
+    KeyRule(_P + "self_attn.k_norm.weight", ("layers", "k_norm"), needs="qk_norm"),
     KeyRule(_P + "self_attn.o_proj.weight", ("layers", "o"), _LINEAR, n_in=2),
     KeyRule(_P + "post_attention_layernorm.weight", ("layers", "mlp_norm")),
     KeyRule(_P + "mlp.gate_proj.weight", ("layers", "gate"), _LINEAR),
     KeyRule(_P + "mlp.up_proj.weight", ("layers", "up"), _LINEAR),
     KeyRule(_P + "mlp.down_proj.weight", ("layers", "down"), _LINEAR),
     KeyRule("model.norm.weight", ("final_norm",)),
-    KeyRule("lm_head.weight", ("lm_head",), _LINEAR),
+    KeyRule("lm_head.weight", ("lm_head",), _LINEAR, needs="untied_head"),
 )
 # Buffers some older exports contain; they are recomputed from the config, so they are read and dropped.
 _DERIVED = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
@@ -99,8 +105,11 @@ def _pattern(rule: KeyRule) -> re.Pattern[str]:
     return re.compile(re.escape(rule.hf).replace(re.escape("{i}"), r"(0|[1-9][0-9]*)"))
 
 
-def _rules(config: ModelConfig) -> list[KeyRule]:
-    return [r for r in KEY_TABLE if not (config.tie_word_embeddings and r.path == ("lm_head",))]
+def rules(config: ModelConfig) -> list[KeyRule]:
+    """The rows of ``KEY_TABLE`` that ``config``'s model has (its family's features, its head): the names and
+    layouts of every weight it loads, saves and syncs to an engine."""
+    features = {"qkv_bias": config.qkv_bias, "qk_norm": config.qk_norm, "untied_head": not config.tie_word_embeddings}
+    return [r for r in KEY_TABLE if r.needs is None or features[r.needs]]
 
 
 def _get(tree: Params, path: tuple[str, ...]) -> Any:
@@ -152,8 +161,8 @@ def _check_shape(key: str, rule: KeyRule, array: np.ndarray, shape: tuple[int, .
 def _collect(config: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]], dtype: Any) -> dict[Any, np.ndarray]:
     """Place every HF tensor at (our path, layer) in our layout; strict about unmapped and duplicate keys."""
     specs = param_specs(config)["base"]
-    rules = _rules(config)
-    patterns = [_pattern(r) for r in rules]
+    own = rules(config)
+    patterns = [_pattern(r) for r in own]
     slots: dict[Any, np.ndarray] = {}
     sources: dict[Any, str] = {}
     tied_head = None
@@ -163,7 +172,7 @@ def _collect(config: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]], dty
         if config.tie_word_embeddings and key == _TIED_HEAD:
             tied_head = array
             continue
-        found = _match(rules, patterns, key)
+        found = _match(own, patterns, key)
         if found is None or (found[1] is not None and found[1] >= config.num_layers):
             raise ValueError(f"unmapped key {key!r}: no entry of the conversion table matches it")
         rule, layer = found
@@ -190,7 +199,7 @@ def _check_tied_head(slots: dict[Any, np.ndarray], head: np.ndarray | None) -> N
 def _assemble(config: ModelConfig, slots: dict[Any, np.ndarray]) -> Params:
     """Stack per-layer arrays on the L axis and nest them as ``params["base"]``; error on a missing weight."""
     base: Params = {}
-    for rule in _rules(config):
+    for rule in rules(config):
         layers = range(config.num_layers) if rule.layered else [None]
         missing = [rule.hf.format(i=i) for i in layers if (rule.path, i) not in slots]
         if missing:
@@ -218,7 +227,8 @@ def load_tokenizer(path: str) -> Any:
 
 
 def load_pretrained(path: str, dtype: Any = jnp.float32) -> tuple[ModelConfig, Params]:
-    """Read a local Hugging Face Qwen2 directory -> ``(ModelConfig, {"base": params})``, weights in ``dtype``.
+    """Read a local Hugging Face directory of one of ``config.FAMILIES`` -> ``(ModelConfig, {"base": params})``,
+    weights in ``dtype``.
 
     No adapter is created; add one with ``model.init_lora``.
     """
@@ -246,13 +256,13 @@ def to_hf_state_dict(config: ModelConfig, params: Params) -> Iterator[tuple[str,
     stream them without holding a second copy of the model.
     """
     base = _base_of(params)
-    rules = _rules(config)
-    for rule in (r for r in rules if not r.layered and r.path == ("embed",)):
+    own = rules(config)
+    for rule in (r for r in own if not r.layered and r.path == ("embed",)):
         yield rule.hf, rule.to_hf(np.asarray(_get(base, rule.path)))
     for i in range(config.num_layers):
-        for rule in (r for r in rules if r.layered):
+        for rule in (r for r in own if r.layered):
             yield rule.hf.format(i=i), rule.to_hf(np.asarray(_get(base, rule.path)[i]))
-    for rule in (r for r in rules if not r.layered and r.path != ("embed",)):
+    for rule in (r for r in own if not r.layered and r.path != ("embed",)):
         yield rule.hf, rule.to_hf(np.asarray(_get(base, rule.path)))
 
 

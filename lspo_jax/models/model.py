@@ -1,4 +1,8 @@
-"""Qwen2 decoder as pure functions of a params pytree, with LoRA as a separate subtree.
+"""The decoder of Qwen2, Qwen3 and Llama 3.x as pure functions of a params pytree, with LoRA as a separate subtree.
+
+The families (``config.FAMILIES``) share one pre-norm layer and differ in a few features, chosen at trace time from
+the static config: Qwen2's q/k/v biases, Qwen3's per-head RMSNorm of q and k before RoPE, Llama 3's remapped rotary
+frequencies (``rope_frequencies``).
 
 Shape legend (einsum letters; array names carry them as suffixes, e.g. ``x_BTD``):
     B batch            T query positions        S key positions (T, or the KV-cache length)
@@ -21,6 +25,10 @@ vendor kernel over segment ids (``kernels``: ``pallas`` on GPUs, ``splash`` on T
 
 LoRA on a projection ``y = x W`` adds ``c * (x A) B`` with ``c = (alpha / rank) * lora_scale``; A has
 the input dims of W followed by R, B has R followed by the output dims of W, so ``A B`` has W's shape.
+Two adapters may stack on one projection, ``y = x W + c_p (x A_p) B_p + c (x A) B``: the policy adapter
+``params["policy"]`` (LoRA RL, ``config.policy_lora``), always on at ``c_p = alpha_p / rank_p``, and the scaffold's
+``params["lora"]`` switched by ``lora_scale``. Adapters are float32 whatever ``param_dtype`` (a frozen bf16 base
+keeps trained float32 adapters beside it: AdamW's steps of 1e-5 vanish in bf16's 8-bit mantissa).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from lspo_jax import options
-from lspo_jax.config import ModelConfig
+from lspo_jax.config import LoraConfig, ModelConfig
 from lspo_jax.models.axes import constrain, logical_spec
 from lspo_jax.models.flash import blocked_attention
 from lspo_jax.models.kernels import decode_attention, segment_attention
@@ -94,8 +102,11 @@ def _base_specs(config: ModelConfig) -> Params:
     for name in ("q", "k", "v", "o", "gate", "up", "down"):
         ins, outs = _PROJ_DIMS[name]
         layers[name] = s(*ins, *outs)
-        if name in ("q", "k", "v"):  # Qwen2 has biases on q/k/v only
+        if name in ("q", "k", "v") and config.qkv_bias:  # Qwen2 has biases on q/k/v only
             layers[f"{name}_bias"] = s(*outs, init="zeros")
+    if config.qk_norm:  # Qwen3: one RMSNorm weight per head dim, shared by all heads
+        layers["q_norm"] = s("head_dim", init="ones")
+        layers["k_norm"] = s("head_dim", init="ones")
     base = {
         "embed": _spec(config, ("vocab", "embed")),
         "layers": layers,
@@ -106,24 +117,31 @@ def _base_specs(config: ModelConfig) -> Params:
     return base
 
 
-def _lora_specs(config: ModelConfig) -> Params:
-    sizes = _axis_sizes(config)
+def _lora_specs(config: ModelConfig, adapter: LoraConfig | None = None) -> Params:
+    """An adapter's specs (``adapter``: its shape, default the scaffold's ``config.lora``), float32 always."""
+    adapter = config.lora if adapter is None else adapter
+    sizes = {**_axis_sizes(config), "lora_rank": adapter.rank}
     lora = {}
-    for name in config.lora.targets:
+    for name in adapter.targets:
         ins, outs = _PROJ_DIMS[name]
+        a_axes, b_axes = ("layers", *ins, "lora_rank"), ("layers", "lora_rank", *outs)
         # peft's default for A: kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
         bound = 1.0 / math.sqrt(math.prod(sizes[a] for a in ins))
         lora[name] = {
-            "a": _spec(config, ("layers", *ins, "lora_rank"), "uniform", bound),
+            "a": ParamSpec(tuple(sizes[a] for a in a_axes), jnp.dtype("float32"), a_axes, "uniform", bound),
             # B = 0 so that base + fresh adapter equals the base exactly.
-            "b": _spec(config, ("layers", "lora_rank", *outs), "zeros"),
+            "b": ParamSpec(tuple(sizes[a] for a in b_axes), jnp.dtype("float32"), b_axes, "zeros"),
         }
     return lora
 
 
 def param_specs(config: ModelConfig) -> Params:
-    """The single description of all parameters: ``{"base": {...}, "lora": {...}}`` of ``ParamSpec``."""
-    return {"base": _base_specs(config), "lora": _lora_specs(config)}
+    """The single description of all parameters: ``{"base": {...}, "lora": {...}}`` of ``ParamSpec``, and
+    ``"policy"`` (the persistent policy adapter) where ``config.policy_lora`` is set."""
+    specs = {"base": _base_specs(config), "lora": _lora_specs(config)}
+    if config.policy_lora is not None:
+        specs["policy"] = _lora_specs(config, config.policy_lora)
+    return specs
 
 
 def _is_spec(x: Any) -> bool:
@@ -149,12 +167,16 @@ def _init_tree(specs: Params, key: jax.Array) -> Params:
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
     """Random ``{"base", "lora"}`` params: base ~ N(0, 0.02^2), norms 1, biases 0; LoRA A uniform, B = 0."""
     base_key, lora_key = jax.random.split(key)
-    return {"base": _init_tree(_base_specs(config), base_key), "lora": init_lora(config, lora_key)}
+    params = {"base": _init_tree(_base_specs(config), base_key), "lora": init_lora(config, lora_key)}
+    if config.policy_lora is not None:
+        params["policy"] = init_lora(config, jax.random.fold_in(key, 1), config.policy_lora)
+    return params
 
 
-def init_lora(config: ModelConfig, key: jax.Array) -> Params:
-    """A fresh adapter subtree: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), B = 0 (so it starts as a no-op)."""
-    return _init_tree(_lora_specs(config), key)
+def init_lora(config: ModelConfig, key: jax.Array, adapter: LoraConfig | None = None) -> Params:
+    """A fresh adapter subtree: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), B = 0 (so it starts as a no-op); of shape
+    ``adapter`` (default the scaffold's ``config.lora``; ``config.policy_lora`` for the policy adapter)."""
+    return _init_tree(_lora_specs(config, adapter), key)
 
 
 def abstract_params(config: ModelConfig) -> Params:
@@ -201,12 +223,34 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rotary(x_BTHE: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(config: ModelConfig) -> jax.Array:
+    """float32 ``[E/2]`` rotary frequencies ``theta^(-2i/E)``, remapped as Llama 3 does when ``config.rope_scaling``
+    is set: the operations of transformers' ``_compute_llama3_parameters`` in its order and dtype, so both models
+    rotate by the same float32 angles."""
+    e = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(e // 2, dtype=jnp.float32) * 2.0 / e))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (beyond the original context) stretched by the factor, short ones kept, the band between
+    # interpolated smoothly.
+    llama = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * llama / scaling.factor + smooth * llama
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return jnp.where(medium, smoothed, llama)
+
+
+def rotary(x_BTHE: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding of q or k (H or K heads), HF ``rotate_half`` layout: dims (i, i + E/2) form the pair rotated by
-    ``pos * theta^(-2i/E)``; ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
+    ``pos * inv_freq[i]`` (``rope_frequencies``); ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2,
+    x1]``.
     """
     half = x_BTHE.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x_BTHE.shape[-1]))
     angle_BTE = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
     angle_BTE = jnp.concatenate([angle_BTE, angle_BTE], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angle_BTE).astype(x_BTHE.dtype), jnp.sin(angle_BTE).astype(x_BTHE.dtype)
@@ -214,15 +258,22 @@ def rotary(x_BTHE: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Arra
     return x_BTHE * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def _linear(x: jax.Array, w: jax.Array, lora: Params | None, lora_c: jax.Array | float, n_in: int = 1) -> jax.Array:
-    """``x W + c * (x A) B``, contracting the last ``n_in`` dims of x with the leading (input) dims of W."""
+# The adapters on a pass, in order: (this layer's adapter tree, its multiplier c), the policy's then the scaffold's.
+Adapters = tuple[tuple[Params, Any], ...]
+
+
+def _linear(x: jax.Array, w: jax.Array, adapters: Adapters, name: str, n_in: int = 1) -> jax.Array:
+    """``x W + sum_i c_i (x A_i) B_i`` over the ``adapters`` that target projection ``name``, contracting the last
+    ``n_in`` dims of x with the leading (input) dims of W."""
     y = jnp.tensordot(x, w.astype(x.dtype), axes=n_in)
-    if lora is None:
-        return y
-    # Scale the rank-R intermediate, not the output: cheaper, and c = 0 gives exact zeros (0 * finite),
-    # so lora_scale = 0 adds exact zeros to the base's output and gives the adapter exactly zero gradient.
-    xa = jnp.tensordot(x, lora["a"].astype(x.dtype), axes=n_in) * jnp.asarray(lora_c, x.dtype)
-    return y + jnp.tensordot(xa, lora["b"].astype(x.dtype), axes=1)
+    for lora, lora_c in adapters:
+        if name not in lora:
+            continue
+        # Scale the rank-R intermediate, not the output: cheaper, and c = 0 gives exact zeros (0 * finite),
+        # so lora_scale = 0 adds exact zeros to the base's output and gives the adapter exactly zero gradient.
+        xa = jnp.tensordot(x, lora[name]["a"].astype(x.dtype), axes=n_in) * jnp.asarray(lora_c, x.dtype)
+        y = y + jnp.tensordot(xa, lora[name]["b"].astype(x.dtype), axes=1)
+    return y
 
 
 def attention_positions(attention_mask_BT: jax.Array) -> jax.Array:
@@ -327,6 +378,26 @@ def _write_cache(cache: Params, k_BTKE: jax.Array, v_BTKE: jax.Array, index: jax
     return {"kT": jax.lax.dynamic_update_slice(cache["kT"], new_BKET, (0, 0, 0, index)), "v": put(cache["v"], v_BTKE)}
 
 
+def _qkv(
+    config: ModelConfig, layer: Params, x_BTD: jax.Array, adapters: Adapters
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries, keys and values of a layer before RoPE: the projections of the normed input, with the family's
+    biases (Qwen2) or per-head RMSNorm of q and k (Qwen3, after any adapter: peft wraps the projections)."""
+    dt = x_BTD.dtype
+    h_BTD = rms_norm(x_BTD, layer["attn_norm"], config.rms_norm_eps)
+    q_BTHE, k_BTKE, v_BTKE = (_linear(h_BTD, layer[n], adapters, n) for n in ("q", "k", "v"))
+    if config.qkv_bias:
+        q_BTHE, k_BTKE, v_BTKE = (q_BTHE + layer["q_bias"].astype(dt), k_BTKE + layer["k_bias"].astype(dt),
+                                  v_BTKE + layer["v_bias"].astype(dt))  # fmt: skip
+    q_BTHE = constrain(q_BTHE, ("batch", None, "heads", None))
+    k_BTKE = constrain(k_BTKE, ("batch", None, "kv_heads", None))
+    v_BTKE = constrain(v_BTKE, ("batch", None, "kv_heads", None))
+    if config.qk_norm:
+        q_BTHE = rms_norm(q_BTHE, layer["q_norm"], config.rms_norm_eps)
+        k_BTKE = rms_norm(k_BTKE, layer["k_norm"], config.rms_norm_eps)
+    return q_BTHE, k_BTKE, v_BTKE
+
+
 # ------------------------------------------------------------------------------ attention registries
 @dataclasses.dataclass(frozen=True)
 class CacheFreeAttention:
@@ -383,16 +454,17 @@ def block(
     positions_BT: jax.Array,
     mask_BTS: jax.Array,
     *,
-    lora: Params | None = None,
-    lora_c: jax.Array | float = 0.0,
+    adapters: Adapters = (),
     kv_cache: Params | None = None,
     cache_index: jax.Array | int = 0,
     seq_lengths_B: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, Params | None]:
-    """One pre-norm decoder layer: ``x += attn(norm(x)); x += mlp(norm(x))``, mlp = ``down(silu(gate) * up)``.
+    """One pre-norm decoder layer: ``x += attn(norm(x)); x += mlp(norm(x))``, mlp = ``down(silu(gate) * up)``;
+    the family's q/k/v biases and q/k norms (``config.qkv_bias``, ``config.qk_norm``) where it has them.
 
-    ``layer``/``lora`` are this layer's slices (no L axis); ``lora_c = (alpha / rank) * lora_scale``.
+    ``layer`` and each of ``adapters``' trees are this layer's slices (no L axis), each adapter with its multiplier
+    (``lora_c = (alpha / rank) * lora_scale`` for the scaffold's).
     Without a cache, S = T. With this layer's ``kv_cache = {"k": [B, K, S, E], "v": ...}`` (keys as ``"kT":
     [B, K, E, S]`` where ``cache_key_name`` says so) the new keys and
     values are written at slot ``cache_index`` and the queries attend over all S slots; ``mask_BTS`` must
@@ -401,18 +473,12 @@ def block(
     ``flash.blocked_attention`` (or ``config.attention``'s vendor kernel) over those segments, ``mask_BTS``
     unused. Returns ``(x, updated kv_cache or None)``.
     """
-    lora = lora or {}
     dt = x_BTD.dtype
     with jax.named_scope("attention"):
-        h_BTD = rms_norm(x_BTD, layer["attn_norm"], config.rms_norm_eps)
-        q_BTHE = _linear(h_BTD, layer["q"], lora.get("q"), lora_c) + layer["q_bias"].astype(dt)
-        k_BTKE = _linear(h_BTD, layer["k"], lora.get("k"), lora_c) + layer["k_bias"].astype(dt)
-        v_BTKE = _linear(h_BTD, layer["v"], lora.get("v"), lora_c) + layer["v_bias"].astype(dt)
-        q_BTHE = constrain(q_BTHE, ("batch", None, "heads", None))
-        k_BTKE = constrain(k_BTKE, ("batch", None, "kv_heads", None))
-        v_BTKE = constrain(v_BTKE, ("batch", None, "kv_heads", None))
-        q_BTHE = rotary(q_BTHE, positions_BT, config.rope_theta)
-        k_BTKE = rotary(k_BTKE, positions_BT, config.rope_theta)
+        q_BTHE, k_BTKE, v_BTKE = _qkv(config, layer, x_BTD, adapters)
+        inv_freq = rope_frequencies(config)
+        q_BTHE = rotary(q_BTHE, positions_BT, inv_freq)
+        k_BTKE = rotary(k_BTKE, positions_BT, inv_freq)
         attention = ATTENTIONS.resolve(config.attention)
         if seq_lengths_B is not None:
             out_BTHE = fused_attend(q_BTHE, k_BTKE, v_BTKE, seq_lengths_B, attention.fused)
@@ -428,14 +494,14 @@ def block(
                 out_BTHE = decode_attend(config.decode_attention, q_BTHE, keys, values, mask_BTS)
             else:  # the prompt pass, once a call
                 out_BTHE = attend(q_BTHE, keys if "k" in kv_cache else jnp.swapaxes(keys, 2, 3), values, mask_BTS)
-        x_BTD = x_BTD + _linear(out_BTHE, layer["o"], lora.get("o"), lora_c, n_in=2)
+        x_BTD = x_BTD + _linear(out_BTHE, layer["o"], adapters, "o", n_in=2)
     with jax.named_scope("mlp"):
         h_BTD = rms_norm(x_BTD, layer["mlp_norm"], config.rms_norm_eps)
-        gate_BTF = _linear(h_BTD, layer["gate"], lora.get("gate"), lora_c)
-        up_BTF = _linear(h_BTD, layer["up"], lora.get("up"), lora_c)
+        gate_BTF = _linear(h_BTD, layer["gate"], adapters, "gate")
+        up_BTF = _linear(h_BTD, layer["up"], adapters, "up")
         gate_BTF = constrain(gate_BTF, ("batch", None, "mlp"))
         up_BTF = constrain(up_BTF, ("batch", None, "mlp"))
-        x_BTD = x_BTD + _linear(jax.nn.silu(gate_BTF) * up_BTF, layer["down"], lora.get("down"), lora_c)
+        x_BTD = x_BTD + _linear(jax.nn.silu(gate_BTF) * up_BTF, layer["down"], adapters, "down")
     return x_BTD, kv_cache
 
 
@@ -462,12 +528,19 @@ def _remat_policy(config: ModelConfig) -> Callable[..., bool] | None:
     return functools.partial(_save_dots, config.lora.rank)
 
 
-def _effective_lora(config: ModelConfig, params: Params, lora_scale: jax.Array | float) -> tuple[Params | None, Any]:
+def _effective_lora(config: ModelConfig, params: Params, lora_scale: jax.Array | float) -> tuple[tuple, tuple]:
+    """The adapters a pass applies, as (stacked trees, multipliers): the policy adapter always, at its alpha / rank;
+    the scaffold's at ``config.lora.scale * lora_scale`` unless ``lora_scale`` is a Python 0."""
+    trees, scales = [], []
+    if params.get("policy"):
+        trees.append(params["policy"])
+        scales.append(config.policy_lora.scale)
     lora = params.get("lora")
     # A Python 0 is known at trace time: skip the adapter matmuls altogether (the RL forward pass).
-    if not lora or (isinstance(lora_scale, int | float) and lora_scale == 0):
-        return None, 0.0
-    return lora, config.lora.scale * lora_scale
+    if lora and not (isinstance(lora_scale, int | float) and lora_scale == 0):
+        trees.append(lora)
+        scales.append(config.lora.scale * lora_scale)
+    return tuple(trees), tuple(scales)
 
 
 def embed(config: ModelConfig, params: Params, tokens_BT: jax.Array) -> jax.Array:
@@ -506,7 +579,8 @@ def decoder(
         # The residual stream is split by rows only (embed whole), so each layer gathers its FSDP-split
         # weights instead of the partitioner gathering activations: the weights are the smaller of the two.
         x_BTD = constrain(x_BTD, _RESIDUAL_AXES)
-        kw = dict(lora=layer_lora, lora_c=lora_c, seq_lengths_B=seq_lengths_B, segment_ids_BT=segment_ids_BT)
+        adapters = tuple(zip(layer_lora, lora_c, strict=True))
+        kw = dict(adapters=adapters, seq_lengths_B=seq_lengths_B, segment_ids_BT=segment_ids_BT)
         return block(config, layer, x_BTD, positions_BT, mask_BTS, **kw)[0]
 
     if config.remat != "none" and kv_cache is None:
@@ -533,11 +607,13 @@ def _cached_layers(config, layers, lora, lora_c, x_BTD, positions_BT, mask_BTS, 
     stacked tree is sliced at static indices) and each layer's cache is its own buffer.
     """
     if not isinstance(layers, list | tuple):
-        layers, lora = unstack_layers(config, layers, lora)
+        # Stacked weights (a call outside the sampler, which unstacks once per call): split here, adapters alike.
+        layers, lora = unstack_layers(config, layers)[0], tuple(unstack_layers(config, t)[0] for t in lora)
     new_cache = []
     for i, layer in enumerate(layers):
         x_BTD = constrain(x_BTD, _RESIDUAL_AXES)
-        kw = dict(lora=lora[i] if lora else None, lora_c=lora_c, kv_cache=kv_cache[i], cache_index=cache_index)
+        adapters = tuple((tree[i], c) for tree, c in zip(lora, lora_c, strict=True))
+        kw = dict(adapters=adapters, kv_cache=kv_cache[i], cache_index=cache_index)
         x_BTD, layer_cache = block(config, layer, x_BTD, positions_BT, mask_BTS, **kw)
         new_cache.append({name: constrain(c, CACHE_LEAF_AXES[name]) for name, c in layer_cache.items()})
     return x_BTD, tuple(new_cache)
@@ -701,18 +777,22 @@ def forward(
 
 
 def merge_lora(config: ModelConfig, params: Params, lora_scale: float = 1.0) -> Params:
-    """Base params with the adapter folded in: ``W <- W + (alpha / rank) * lora_scale * A B`` per target.
+    """Base params with the adapters folded in: ``W <- W + c_p A_p B_p + (alpha / rank) * lora_scale * A B`` per
+    target, the policy adapter's term (``params["policy"]``, at ``c_p = alpha_p / rank_p``) wherever it is present,
+    the scaffold's (``params["lora"]``) unless ``lora_scale`` is 0.
 
-    Returns the base subtree only (the ``params["base"]`` layout), for engines that take plain weights.
+    Returns the base subtree only (the ``params["base"]`` layout), for engines that take plain weights. The deltas
+    are summed in float32 and added to W once, so a bf16 base is rounded once.
     """
     base = params["base"]
-    lora = params.get("lora") or {}
-    c = config.lora.scale * lora_scale
+    trees, scales = _effective_lora(config, params, lora_scale)
     # Per layer, contract A's rank axis with B's: [*in, R] x [R, *out] -> [*in, *out] = W's shape.
     # HIGHEST precision: on GPU a float32 matmul may otherwise run in TF32 and lose ~3 digits.
     product = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1, precision=jax.lax.Precision.HIGHEST))
     layers = dict(base["layers"])
-    for name, ab in lora.items():
-        delta = product(ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32))
-        layers[name] = (layers[name].astype(jnp.float32) + c * delta).astype(layers[name].dtype)
+    for name in _PROJ_DIMS:
+        terms = [c * product(t[name]["a"].astype(jnp.float32), t[name]["b"].astype(jnp.float32))
+                 for t, c in zip(trees, scales, strict=True) if name in t]  # fmt: skip
+        if terms:
+            layers[name] = (layers[name].astype(jnp.float32) + sum(terms)).astype(layers[name].dtype)
     return {**base, "layers": layers}

@@ -1,7 +1,10 @@
 """Orbax checkpoints of a run: base params, the RL optimizer state, the step's counters and the data order.
 
 The train state (``TrainState``) is saved and restored whole, in one call each. LSPO's adapter is never written: it
-lives for one step and is discarded (the deliverable is base-only); a persistent one is.
+lives for one step and is discarded (the deliverable is base-only); a persistent one is. A LoRA RL run
+(``optim.train: lora``) writes its policy adapter and that adapter's optimizer state in place of the base, which it
+never changes: the base is named by the run's model (``model.path``, its shapes in the meta's ``model``) and by the
+sha256 of its bytes (``base_digest``, the meta's ``base_sha256``), and a resume onto another base is refused.
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-write
 leaves the previous checkpoint intact; ``keep`` bounds how many are kept. Sharded arrays are written by
 the devices (and hosts) that hold them; every process of a multi-host run calls ``save`` and ``restore``.
@@ -56,26 +59,46 @@ class TrainState:
     updates: int = 0
     # The step at which a persistent adapter (``scaffold.adapter: persistent``) was last reset; None: never.
     adapter_reset_step: int | None = None
+    # LoRA RL: the sha256 of the frozen base's bytes (``base_digest``), its identity in a checkpoint that holds only
+    # the policy adapter; None for a full run (its checkpoint holds the base itself) or where it cannot be read whole.
+    base_digest: str | None = None
 
 
 # The train state's counters, stored in a checkpoint's JSON meta beside the arrays.
 COUNTERS = ("step", "nonfinite_total", "nonfinite_in_row", "adapter_reset_step", "updates")
 # The meta's key for ``array_digest``: written by ``Checkpointer.save``, checked and removed by ``restore``.
 DIGEST = "array_sha256"
+# The meta's key for a LoRA RL run's ``TrainState.base_digest``.
+BASE_DIGEST = "base_sha256"
 
 
 def checkpoint_state(params: Any, opt_state: Any, *, adapter: bool = False) -> dict[str, Any]:
-    """What a checkpoint holds: the base params and the RL optimizer state, and with ``adapter`` (an adapter lifetime
-    that is checkpointed, ``scaffold.adapter: persistent``) the adapter and its SFT state under ``"adapter"``.
-    LSPO's own adapter, fresh every step, is never stored.
+    """What a checkpoint holds: the params the RL update trains, the base (``"base"``) or LoRA RL's policy adapter
+    (``"policy"``, where ``params`` hold one: the frozen base is not stored), and their RL optimizer state; with
+    ``adapter`` (an adapter lifetime that is checkpointed, ``scaffold.adapter: persistent``) the scaffold's adapter
+    and its SFT state under ``"adapter"``. LSPO's own adapter, fresh every step, is never stored.
 
     Optimizer states are stored as their lists of leaves: each tree mirrors ``{"base", "lora"}`` with empty
     placeholders on the other side, so storing the tree would tie a checkpoint to the adapter's targets.
     """
-    state = {"base": params["base"], "rl_opt": jax.tree.leaves(opt_state.inner_states["base"])}
+    trained = trained_key(params)
+    state = {trained: params[trained], "rl_opt": jax.tree.leaves(opt_state.inner_states[trained])}
     if adapter:
         state["adapter"] = {"lora": params["lora"], "sft_opt": jax.tree.leaves(opt_state.inner_states["lora"])}
     return state
+
+
+def trained_key(params: Any) -> str:
+    """The subtree the RL update trains: ``"policy"`` where ``params`` hold LoRA RL's policy adapter, else
+    ``"base"``."""
+    return "policy" if "policy" in params else "base"
+
+
+def base_digest(base: Any) -> str | None:
+    """The sha256 of a base's arrays (each leaf's name, dtype and bytes, ``array_digest``), a frozen base's identity;
+    None where they are not all on this host (a multi-host run)."""
+    digest = array_digest(base)
+    return None if digest is None else hashlib.sha256(repr(sorted(digest.items())).encode()).hexdigest()
 
 
 def with_rl_state(opt_state: Any, leaves: list[Any], name: str = "base") -> Any:
@@ -87,8 +110,9 @@ def with_rl_state(opt_state: Any, leaves: list[Any], name: str = "base") -> Any:
 
 def _restored_state(template: TrainState, restored: dict[str, Any], meta: dict[str, Any]) -> TrainState:
     """``template`` with the checkpoint's arrays and counters (those of older checkpoints defaulted)."""
-    params = {**template.params, "base": restored["base"]}
-    opt_state = with_rl_state(template.opt_state, restored["rl_opt"])
+    trained = trained_key(template.params)
+    params = {**template.params, trained: restored[trained]}
+    opt_state = with_rl_state(template.opt_state, restored["rl_opt"], trained)
     if "adapter" in restored:
         params["lora"] = restored["adapter"]["lora"]
         opt_state = with_rl_state(opt_state, restored["adapter"]["sft_opt"], "lora")
@@ -98,7 +122,7 @@ def _restored_state(template: TrainState, restored: dict[str, Any], meta: dict[s
         nonfinite_in_row=int(meta.get("nonfinite_in_row", 0)),
         adapter_reset_step=meta.get("adapter_reset_step") if "adapter" in restored else None,
         # A checkpoint from before optim.mini_batches took one update a step.
-        updates=int(meta.get("updates", step - nonfinite_total)),
+        updates=int(meta.get("updates", step - nonfinite_total)), base_digest=template.base_digest,
     )  # fmt: skip
 
 
@@ -138,6 +162,8 @@ class Checkpointer:
         """The whole train state at its step in one checkpoint: arrays (``checkpoint_state``), counters, and the
         run's own ``meta`` (the prompt source's state, the seed) beside them."""
         counters = {name: getattr(state, name) for name in COUNTERS}
+        if state.base_digest is not None:
+            counters[BASE_DIGEST] = state.base_digest
         self.save(state.step, checkpoint_state(state.params, state.opt_state, adapter=adapter), {**counters, **meta})
 
     def restore_state(
@@ -147,6 +173,12 @@ class Checkpointer:
         ``save_state``), its meta, and one line per newer step that did not restore (``restore_readable``)."""
         target = checkpoint_state(template.params, template.opt_state, adapter=adapter)
         restored, meta, failures = self.restore_readable(target)
+        saved = meta.get(BASE_DIGEST)
+        if None not in (saved, template.base_digest) and saved != template.base_digest:
+            raise CheckpointError(
+                f"checkpoint step {meta['step']} in {self.directory} holds a policy adapter trained on another base "
+                f"(its sha256 {saved[:12]}..., this one's {template.base_digest[:12]}...)"
+            )
         return _restored_state(template, restored, meta), meta, failures
 
     def restore(self, step: int | None, target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -82,12 +82,42 @@ def jit_step(
     laid out by ``batch_sh`` (a sharding or a pytree prefix of them; None: its rows split as every pass's)."""
     params_sh, state_sh, rows_sh = step_shardings(config, mesh, tx)
     batch_sh = rows_sh if batch_sh is None else batch_sh
+    if optim.POLICY in params_sh:
+        return _frozen_base_step(mesh, step, params_sh, state_sh, batch_sh)
     return jax.jit(
         in_mesh(mesh, step),
         in_shardings=(params_sh, state_sh, batch_sh),
         out_shardings=(params_sh, state_sh, sharding.replicated(mesh)),
         donate_argnums=(0, 1),
     )
+
+
+def _frozen_base_step(mesh: Mesh, step: Callable, params_sh: Params, state_sh: Any, batch_sh: Any) -> Callable:
+    """``jit_step`` of LoRA RL, whose base is frozen: the base is an argument of the program, neither donated nor
+    returned, and the step hands back the very arrays it was given. A program that donated and returned it would
+    give new array objects of the same bytes every step, and whatever keys on the arrays' identity (the vLLM sync,
+    which pushes only what changed) would take the base for changed."""
+
+    def split_step(base: Params, rest: Params, opt_state: Any, batch: Any):
+        params, opt_state, metrics = step({optim.BASE: base, **rest}, opt_state, batch)
+        return {k: v for k, v in params.items() if k != optim.BASE}, opt_state, metrics
+
+    rest_sh = {k: v for k, v in params_sh.items() if k != optim.BASE}
+    jitted = jax.jit(
+        in_mesh(mesh, split_step),
+        in_shardings=(params_sh[optim.BASE], rest_sh, state_sh, batch_sh),
+        out_shardings=(rest_sh, state_sh, sharding.replicated(mesh)),
+        donate_argnums=(1, 2),
+    )
+    split = lambda params: (params[optim.BASE], {k: params[k] for k in rest_sh})
+
+    def run(params: Params, opt_state: Any, batch: Any):
+        rest, opt_state, metrics = jitted(*split(params), opt_state, batch)
+        return {optim.BASE: params[optim.BASE], **rest}, opt_state, metrics
+
+    run.trace = lambda params, opt_state, batch: jitted.trace(*split(params), opt_state, batch)
+    run.lower = lambda params, opt_state, batch: jitted.lower(*split(params), opt_state, batch)
+    return run
 
 
 @functools.cache
@@ -109,7 +139,7 @@ def sharded_rl_step(
     """
     step = functools.partial(optim.rl_step, config, rl=rl, spec=spec, num_micro_batches=num_micro_batches)
     if skip_nonfinite:
-        step = optim.keep_if_finite(step)
+        step = optim.keep_if_finite(step, subtree=optim.rl_subtree(rl))
     return jit_step(config, mesh, optim.make_optimizer(rl, sft), step)
 
 
@@ -145,13 +175,17 @@ def sharded_rl_grad_norm(
     """The norm of ``optim.rl_gradients`` on ``mesh``: ``(params, batch) -> ||grad||``, nothing updated (a
     diagnostic: the part of the update's gradient that some rows carry)."""
     params_sh, batch_sh = sharding.param_shardings(config, mesh), sharding.batch_sharding(mesh)
+    keys = optim.policy_keys(params_sh)  # the base, and LoRA RL's policy adapter (then the one differentiated)
 
-    def norm(base: Params, batch: dict[str, jax.Array]) -> jax.Array:
-        grads = optim.rl_gradients(config, base, batch, spec=spec, num_micro_batches=num_micro_batches)[1]
+    def norm(policy: Params, batch: dict[str, jax.Array]) -> jax.Array:
+        frozen = {optim.BASE: policy[optim.BASE]} if optim.POLICY in policy else None
+        grads = optim.rl_gradients(
+            config, policy[keys[-1]], batch, spec=spec, num_micro_batches=num_micro_batches, frozen=frozen
+        )[1]
         return optax.tree.norm(grads)
 
-    jitted = jax.jit(in_mesh(mesh, norm), in_shardings=(params_sh["base"], batch_sh))
-    return lambda params, batch: jitted(params["base"], batch)
+    jitted = jax.jit(in_mesh(mesh, norm), in_shardings=({k: params_sh[k] for k in keys}, batch_sh))
+    return lambda params, batch: jitted({k: params[k] for k in keys}, batch)
 
 
 @functools.cache
@@ -209,7 +243,8 @@ def sharded_logprobs(
     ``rows``: ``tokens`` and a layout (``logprobs.layout``: ``attention_mask``, or packed rows' ``segment_ids``
     and ``positions``), each ``[B, T]``. ``num_micro_batches`` runs the rows in that many groups, one after
     another (as the RL step does), so a whole rollout batch of long rows does not hold every row's activations at
-    once. A Python ``lora_scale`` of 0 runs the base alone (the adapter subtree is not even passed in).
+    once. A Python ``lora_scale`` of 0 runs the policy alone (the scaffold's adapter subtree is not even passed in;
+    LoRA RL's policy adapter is part of the policy, always on).
 
     ``reference`` (with ``lora_scale`` 0): ``params`` also holds ``ref``, a frozen reference laid out as the base (in
     its dtype or bfloat16), and the program returns ``(logp, ref_logp)``: the reference's log-probs of the same rows
@@ -218,8 +253,10 @@ def sharded_logprobs(
     """
     if reference and lora_scale != 0:
         raise ValueError(f"a reference pass runs beside the base's, adapter off; got lora_scale={lora_scale}")
-    keys = ("base",) if lora_scale == 0 else ("base", "lora")
     params_sh = sharding.param_shardings(config, mesh)
+    # The policy (the base, and LoRA RL's policy adapter, always on), and the scaffold's adapter when switched on.
+    policy = optim.policy_keys(params_sh)
+    keys = policy if lora_scale == 0 else (*policy, "lora")
     params_sh = {**params_sh, "ref": params_sh["base"]}
     keys = (*keys, "ref") if reference else keys
     batch_sh = sharding.batch_sharding(mesh)
@@ -232,7 +269,7 @@ def sharded_logprobs(
     def logprob_pass(params: Params, rows: dict[str, jax.Array]) -> jax.Array | tuple[jax.Array, jax.Array]:
         if not reference:
             return one_pass(params, rows)
-        return one_pass({"base": params["base"]}, rows), one_pass({"base": params["ref"]}, rows)
+        return one_pass({k: params[k] for k in policy}, rows), one_pass({"base": params["ref"]}, rows)
 
     jitted = jax.jit(
         in_mesh(mesh, logprob_pass), in_shardings=({k: params_sh[k] for k in keys}, batch_sh), out_shardings=batch_sh

@@ -9,7 +9,8 @@ config; and the verifier, the token-advantages strategy and the vLLM engine, whi
     score        the correctness signal (0/1) and the shaped reward of packed rows (``reward.functions``)
     logprobs     teacher-forced log-probs of rows at the sampling temperature (the old-log-prob passes)
     reset_adapter / sft_step   a fresh adapter and its optimizer state / one adapter-only SFT update
-    rl_step      one update of the base, skipped whole when non-finite (``mixed_rl_step``: with an SFT term)
+    rl_step      one update of the policy (the base, or LoRA RL's policy adapter), skipped whole when non-finite
+                 (``mixed_rl_step``: with an SFT term)
     base_sft_steps / base_sft_updates   SFT updates of the base itself (the direct control; the SFT warm-up)
 
 With ``rollout.engine: vllm`` every rollout is sampled by the engine, which syncs the params it is given
@@ -33,7 +34,7 @@ from safetensors import SafetensorError
 from lspo_jax import options
 from lspo_jax.models import hf, model, sharding
 from lspo_jax.models.model import Params
-from lspo_jax.rl import corrections, distributed, losses, optim, packing, scaffold
+from lspo_jax.rl import checkpoint, corrections, distributed, losses, optim, packing, scaffold
 from lspo_jax.rl.checkpoint import TrainState
 from lspo_jax.rl.packing import Arrays, Rows
 from lspo_jax.rollout.generator import Generator, Policy
@@ -104,9 +105,10 @@ class Learner:
         )
         # The KL penalty's frozen reference (``loss.kl_coef``), copied before the state's base can be donated.
         self.reference = reference_params(run, config, base["base"], self._layouts[0]["base"])
-        # The adapter's init key is the run's seed: the first step resets it anyway, but its shapes set the state's.
-        params = {"base": base["base"], "lora": model.init_lora(config, jax.random.key(run.seed))}
+        params = initial_params(run, config, base["base"])
         self.state = TrainState(step=0, params=params, opt_state=self._tx.init(params))
+        if "policy" in params:  # a frozen base: its identity, for the checkpoints of the policy adapter alone
+            self.state.base_digest = checkpoint.base_digest(base["base"])
         self.state.params, self.state.opt_state = self.place(self.state.params, self.state.opt_state)
         if resume is not None:
             self.state = resume(self.state, self.adapter_lifetime.checkpointed)
@@ -128,8 +130,9 @@ class Learner:
         return sharding.shard_params(params, params_sh), jax.device_put(opt_state, state_sh)
 
     def base_params(self) -> Params:
-        """The current base alone (``{"base": ...}``), as a sampler of the base takes it."""
-        return {"base": self.state.params["base"]}
+        """The current policy without the scaffold's adapter (``{"base": ...}``, and LoRA RL's ``"policy"`` adapter),
+        as a sampler of the policy takes it."""
+        return {k: self.state.params[k] for k in optim.policy_keys(self.state.params)}
 
     def reset_adapter(self, key: jax.Array) -> None:
         """A fresh adapter (A random, B zero) and a fresh SFT optimizer state; base and RL state untouched."""
@@ -396,6 +399,19 @@ class Learner:
         finally:
             if self.verifier is not None:
                 self.verifier.close()
+
+
+def initial_params(run: TrainConfig, config: Any, base: Params) -> Params:
+    """The train state's params: ``base``, the scaffold's adapter and, for LoRA RL (``optim.train: lora``, which
+    ``config.policy_lora`` must match), the policy adapter, a no-op at first (B = 0). The scaffold adapter's init key
+    is the run's seed: the first step resets it anyway, but its shapes set the state's."""
+    key = jax.random.key(run.seed)
+    params = {"base": base, "lora": model.init_lora(config, key)}
+    if (config.policy_lora is not None) != (optim.rl_subtree(run.optim) == optim.POLICY):
+        raise ValueError("optim.train: lora needs a model config with policy_lora, and only it has one")
+    if config.policy_lora is not None:
+        params["policy"] = model.init_lora(config, jax.random.fold_in(key, 1), config.policy_lora)
+    return params
 
 
 # ---------------------------------------------------------------------------------------------- reference

@@ -13,6 +13,18 @@ subtree and its optimizer state stay bit-identical.
 
 The controls that supervise the base itself break the routing on purpose: ``base_sft_step`` (the SFT loss, adapter
 off, base only) and ``mixed_rl_step`` (the RL loss plus mu times the SFT loss, one update of the base).
+
+LoRA RL (``optim.train: lora``) adds a third subtree, the persistent policy adapter ``params["policy"]`` (shape
+``model.policy_lora``), and the policy becomes base + policy adapter, the base frozen:
+
+    multi_transform({"base": set_to_zero, "policy": AdamW(rl), "lora": AdamW(sft)})
+    rl_step:  loss = policy_loss(logp_{base+policy}), scaffold adapter off     grad w.r.t. params["policy"] only
+    sft_step: loss = sft_loss(logp_{base+policy+lora})                          grad w.r.t. params["lora"] only
+
+The base has no optimizer state (``set_to_zero`` keeps none) and is never written. The scaffold's adapter stacks on
+the policy's: its SFT fit and its re-rolls see base + policy adapter + scaffold adapter (``model.decoder`` applies
+both, each at its own multiplier), so a spliced row's ``old_logp`` is the stacked policy's log-prob while the
+update's numerator is the policy's. ``rl_subtree`` names the subtree the RL update trains.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from lspo_jax.options import AdamWConfig, RLOptimConfig, SFTOptimConfig  # noqa:
 from lspo_jax.rl import logprobs, losses
 
 Params = dict[str, Any]
-BASE, LORA = "base", "lora"
+BASE, LORA, POLICY = "base", "lora", "policy"
 _LOSS = losses.LossSpec()  # the paper's clip, temperature 1, the LM head unchunked
 
 
@@ -103,10 +115,11 @@ def _warmup_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
 
 
 def param_labels(params: Params) -> Params:
-    """Label every leaf with its top-level key, ``"base"`` or ``"lora"`` (the ``multi_transform`` labels)."""
-    unknown = set(params) - {BASE, LORA}
+    """Label every leaf with its top-level key, ``"base"``, ``"lora"`` or ``"policy"`` (the ``multi_transform``
+    labels)."""
+    unknown = set(params) - {BASE, LORA, POLICY}
     if unknown:
-        raise ValueError(f"params may only hold 'base' and 'lora' subtrees, got extra {sorted(unknown)}")
+        raise ValueError(f"params may only hold 'base', 'lora' and 'policy' subtrees, got extra {sorted(unknown)}")
     return {label: _fill(subtree, label) for label, subtree in params.items()}
 
 
@@ -117,12 +130,26 @@ def _fill(tree: Any, value: str) -> Any:
 def make_optimizer(
     rl: RLOptimConfig = RLOptimConfig(), sft: SFTOptimConfig = SFTOptimConfig()
 ) -> optax.GradientTransformation:
-    """``multi_transform({"base": AdamW(rl), "lora": AdamW(sft)}, param_labels)``.
+    """``multi_transform({"base": AdamW(rl), "lora": AdamW(sft)}, param_labels)``; with ``rl.train: lora``,
+    ``{"base": set_to_zero, "policy": AdamW(rl), "lora": AdamW(sft)}`` (a frozen base, no state for it).
 
-    Initialise it on the full ``{"base", "lora"}`` params; step it with ``rl_step``/``sft_step`` (or
-    ``update_subtree``), never with its own ``update`` (see the module docstring).
+    Initialise it on the full ``{"base", "lora"}`` params (``"policy"`` too for LoRA RL); step it with
+    ``rl_step``/``sft_step`` (or ``update_subtree``), never with its own ``update`` (see the module docstring).
     """
+    if rl_subtree(rl) == POLICY:
+        transforms = {BASE: optax.set_to_zero(), POLICY: adamw_transform(rl), LORA: adamw_transform(sft)}
+        return optax.multi_transform(transforms, param_labels)
     return optax.multi_transform({BASE: adamw_transform(rl), LORA: adamw_transform(sft)}, param_labels)
+
+
+def rl_subtree(rl: RLOptimConfig) -> str:
+    """The subtree the RL update trains: ``"base"`` (``optim.train: full``) or ``"policy"`` (``lora``)."""
+    return POLICY if rl.train == "lora" else BASE
+
+
+def policy_keys(params: Params) -> tuple[str, ...]:
+    """The subtrees of ``params`` that make the policy: the base, and the policy adapter where there is one."""
+    return tuple(k for k in (BASE, POLICY) if k in params)
 
 
 def direct_optimizer(rl: RLOptimConfig, sft: SFTOptimConfig) -> optax.GradientTransformation:
@@ -170,8 +197,9 @@ def rl_step(
     spec: losses.LossSpec = _LOSS,
     num_micro_batches: int = 1,
 ) -> tuple[Params, optax.MultiTransformState, losses.Metrics]:
-    """One RL update of the base: ``policy_loss`` token-mean over the whole batch (plus ``spec``'s
-    ``losses.policy_regularizers``: KL to the reference, entropy bonus), adapter off.
+    """One RL update of the policy (``rl_subtree``: the base, or the policy adapter of LoRA RL): ``policy_loss``
+    token-mean over the whole batch (plus ``spec``'s ``losses.policy_regularizers``: KL to the reference, entropy
+    bonus), the scaffold's adapter off.
 
     ``spec``: the clip, temperature, LM-head chunk and regularizers (``losses.LossSpec``); ``num_micro_batches``
     accumulates the gradient over that many groups of rows (``losses.accumulate_gradients``).
@@ -184,10 +212,14 @@ def rl_step(
     ``spec.chunk_size`` runs the LM head in sequence chunks (see ``logprobs.sequence_logprobs``).
     Jittable with ``config`` and the keyword arguments static.
     """
+    trained = rl_subtree(rl)
+    frozen = {BASE: params[BASE]} if trained == POLICY else None
     with jax.named_scope("rl_grad"):
-        loss, grads, metrics = rl_gradients(config, params[BASE], batch, spec=spec, num_micro_batches=num_micro_batches)
+        loss, grads, metrics = rl_gradients(
+            config, params[trained], batch, spec=spec, num_micro_batches=num_micro_batches, frozen=frozen
+        )
     with jax.named_scope("rl_update"):
-        params, opt_state = update_subtree(adamw_transform(rl), BASE, grads, params, opt_state)
+        params, opt_state = update_subtree(adamw_transform(rl), trained, grads, params, opt_state)
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
 
 
@@ -198,13 +230,17 @@ def rl_gradients(
     *,
     spec: losses.LossSpec = _LOSS,
     num_micro_batches: int = 1,
+    frozen: Params | None = None,
 ) -> tuple[jax.Array, Params, losses.Metrics]:
-    """``rl_step``'s ``(loss, gradient w.r.t. the base, metrics)`` before the optimizer: ``batch`` as there."""
+    """``rl_step``'s ``(loss, gradient w.r.t. the base, metrics)`` before the optimizer: ``batch`` as there.
+    ``frozen`` (LoRA RL: ``{"base": ...}``): ``base`` is then the policy adapter, differentiated, and the frozen
+    subtrees enter the forward as constants."""
 
-    def loss_fn(base: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
+    def loss_fn(trained: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
+        policy = {BASE: trained} if frozen is None else {**frozen, POLICY: trained}
         # The entropy is differentiated only for a bonus that reads it: the default program stays the metric's.
         logp, entropy = logprobs.logprobs_and_entropy(
-            config, {BASE: base}, micro["tokens"], **logprobs.layout(micro), **spec.reading,
+            config, policy, micro["tokens"], **logprobs.layout(micro), **spec.reading,
             entropy_grad=bool(spec.entropy_coef),
         )  # fmt: skip
         loss, metrics = losses.policy_loss(
@@ -238,10 +274,13 @@ def keep_if_finite(step: Callable, loss: str = "loss", norm: str = "grad_norm", 
         new_params, new_state, metrics = step(params, opt_state, batch)
         updated = (new_params[subtree], new_state.inner_states[subtree])
         finite = jnp.isfinite(metrics[loss]) & jnp.isfinite(metrics[norm]) & _all_finite(updated)
-        keep = lambda new, old: jnp.where(finite, new, old)
-        params = jax.tree.map(keep, new_params, params)
-        opt_state = jax.tree.map(keep, new_state, opt_state)
-        return params, opt_state, {**metrics, "finite": finite}
+        # Only the updated subtree is selected: the others come back as they went in (a frozen bf16 base of LoRA RL
+        # is not read and written once more per step).
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        params = {**new_params, subtree: keep(new_params[subtree], params[subtree])}
+        states = new_state.inner_states
+        inner = {**states, subtree: keep(states[subtree], opt_state.inner_states[subtree])}
+        return params, new_state._replace(inner_states=inner), {**metrics, "finite": finite}
 
     return guarded
 
@@ -298,8 +337,11 @@ def sft_gradients(
     ``subtree=BASE``: the gradient w.r.t. the base with the adapter off (the direct-supervision control's).
     ``token_weight``: per-token weights of the loss (``losses.weighted_sft_loss``); None: ``losses.sft_loss``."""
 
+    # The scaffold's adapter stacks on the policy: base + policy adapter (LoRA RL) + the adapter being fitted.
+    policy = {k: params[k] for k in policy_keys(params)}
+
     def loss_fn(trained: Params, micro: Mapping[str, jax.Array], num_tokens: jax.Array):
-        full, scale = ({BASE: trained}, 0.0) if subtree == BASE else ({BASE: params[BASE], LORA: trained}, 1.0)
+        full, scale = ({BASE: trained}, 0.0) if subtree == BASE else ({**policy, LORA: trained}, 1.0)
         logp, _ = logprobs.sequence_logprobs(
             config, full, micro["tokens"], **logprobs.layout(micro), lora_scale=scale, chunk_size=chunk_size
         )

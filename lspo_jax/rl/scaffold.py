@@ -278,7 +278,7 @@ ADAPTER_SEPARATION = 4.0
 ADAPTER_NOISE_FLOOR = 1e-3
 
 
-class AdapterNotOnError(options.ConfigError):
+class AdapterNotOnError(options.RolloutError):
     """An external engine sampled the scaffold's re-rolls from the base where the merged adapter was meant: the
     spliced rows would carry none of the adapter's behaviour, and the scaffold would learn nothing from its cliffs."""
 

@@ -19,7 +19,8 @@ timer, named as in its record (``time_<stage>``, ``Phases.NAMES``), in the order
     judge    with a token-advantages strategy only (``Learner.token_advantages``, e.g. a teacher judging the
              failed rows): ``[rows, length]`` advantages from GRPO's advantages of the spliced batch (taken
              untimed just before; without a strategy, those are the update's)
-    update   the clipped surrogate on the base only (lora_scale = 0);
+    update   the clipped surrogate on the policy only, the scaffold's adapter off (lora_scale = 0): the base, or
+             with ``optim.train: lora`` the policy adapter on a frozen base (``optim.py``);
              ``optim.mini_batches`` x ``optim.epochs`` updates (rl_updates), inside the draw's hook if it has one
              (``prompts.UpdateHook``: what a prompt source learns from the update)
 
@@ -126,7 +127,7 @@ def train_step(
     changes the base (the run starts the next step's sampling there, ``rollout.max_staleness``).
     """
     phases = phases or Phases()
-    sync_before = _sync_seconds(learner)
+    sync_before = _sync_totals(learner)
     sample_key, scaffold_key = step_keys(draw)
     rows, valid = sample_and_score(learner, draw, sample_key, phases, sampled)  # sample, reward
     record = {**rollout_metrics(learner.run, rows, valid), **reward_record(rows, valid)}
@@ -138,6 +139,8 @@ def train_step(
     behaviour_logp = np.where(spliced_mask[:, None], rows.get("adapter_logp", base_logp), base_logp)
     record.update(spliced_diagnostics(base_logp, behaviour_logp, rows["mask"], spliced_mask))
     record.update(adapter_reliance(base_logp, behaviour_logp, rows["mask"], spliced_mask))
+    on_policy = sampled is None or sampled.sampled_at == learner.state.step  # rows sampled ahead may be stale
+    record.update(sampler_gap(rows, base_logp, spliced_mask, on_policy=on_policy))
     if learner.vllm is not None:
         record.update(_engine_metrics(learner, sync_before, base_logp, rows, spliced_mask))
     record.update(engine_adapter_check(learner, rows, base_logp, behaviour_logp, spliced_mask, record, phases))
@@ -491,19 +494,46 @@ def reward_record(rows: Rows, valid: np.ndarray | None = None) -> dict[str, floa
     return {name: float(np.asarray(rows[name])[valid].mean()) for name in rows if name.startswith("reward/")}
 
 
-def _sync_seconds(learner: Learner) -> float:
-    return learner.vllm.stats["sync_s_total"] if learner.vllm is not None else 0.0
+def _sync_totals(learner: Learner) -> tuple[float, int]:
+    """The vLLM engine's weight pushes so far: seconds, and bytes that went through the host (0, 0 without one)."""
+    if learner.vllm is None:
+        return 0.0, 0
+    return learner.vllm.stats["sync_s_total"], int(learner.vllm.stats.get("sync_host_bytes_total", 0))
 
 
-def _engine_metrics(learner: Learner, sync_before: float, base_logp: np.ndarray, rows: Rows, spliced_rows: np.ndarray):
-    """``vllm_sync_seconds`` (weight pushes in this step), how far the engine's log-probs of its sampled tokens are
+GAP_KEY = "rollout/logprob_gap"  # the record's mean |sampler - trainer| log-prob of the base's sampled tokens
+
+
+def sampler_gap(rows: Rows, base_logp: np.ndarray, spliced_rows: np.ndarray, *, on_policy: bool) -> dict[str, Any]:
+    """``rollout/logprob_gap``: the mean over the tokens the base sampled this step (spliced rows left out: the
+    adapter sampled those) of ``|sampler log-prob - trainer log-prob|``, the engine's own log-prob of each token
+    against the trainer's teacher-forced forward of the same weights, both at the rollout's temperature. It is the
+    evidence that the engine samples the policy being trained: rounding alone keeps it near 0 (the bound a run holds
+    it to: ``rollout.max_logprob_gap``), and an engine left with other weights moves it as far as those weights
+    differ. None for rows an earlier base sampled (``rollout.max_staleness``), which differ by design."""
+    if not on_policy or "sampler_logp" not in rows:
+        return {GAP_KEY: None}
+    mask = (rows["mask"] > 0) & ~spliced_rows[:, None]
+    if not mask.any():
+        return {GAP_KEY: 0.0}
+    gap = np.abs(np.asarray(rows["sampler_logp"], np.float64) - np.asarray(base_logp, np.float64))
+    return {GAP_KEY: float(gap[mask].mean())}
+
+
+def _engine_metrics(
+    learner: Learner, sync_before: tuple[float, int], base_logp: np.ndarray, rows: Rows, spliced_rows: np.ndarray
+):  # fmt: skip
+    """``rollout/sync_s`` and ``rollout/sync_host_bytes`` (the weight pushes of this step: seconds, and bytes copied
+    through the host rather than handed over on the device), how far the engine's log-probs of its sampled tokens are
     from the trainer's teacher-forced base log-probs on the rows the base policy sampled, and the engines that
     sampled (``rollout/engines``, ``rollout/engine_prompts``: the busiest engine's prompts this step)."""
     from lspo_jax.rollout.vllm_sampler import logprob_mismatch
 
     mask = (rows["mask"] > 0) & ~spliced_rows[:, None]
+    seconds, host_bytes = _sync_totals(learner)
     return {
-        "vllm_sync_seconds": _sync_seconds(learner) - sync_before,
+        "rollout/sync_s": seconds - sync_before[0],
+        "rollout/sync_host_bytes": host_bytes - sync_before[1],
         **logprob_mismatch(base_logp, rows["sampler_logp"], mask),
         **learner.engine_record(),
     }

@@ -17,7 +17,7 @@ again in a new order. Solutions are tokenised as they are reached, not all at on
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,11 @@ from lspo_jax.rl.train import sft_batch
 from lspo_jax.train_config import ConfigError, TrainConfig
 
 RECORD_KIND = "warmup"  # the ``kind`` of the warm-up's one record in metrics.jsonl, at step 0
+
+
+class WarmupStopped(Exception):
+    """A stop was asked for during the warm-up: it ended before its next update, and nothing of it is kept (the base
+    it changed is dropped; a run does the warm-up again whole). The message says how far it had come."""
 
 
 def wanted(run: TrainConfig) -> bool:
@@ -60,15 +65,25 @@ def warmup_batches(run: TrainConfig, examples: Sequence[Any]) -> Iterator[list[A
                               "has one (data.solution_field)")  # fmt: skip
 
 
-def sft_warmup(learner: Learner, examples: Sequence[Any]) -> dict[str, Any]:
+def sft_warmup(learner: Learner, examples: Sequence[Any], stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """The warm-up of ``learner``'s base on ``examples``' solutions (``Learner.base_sft_updates``). Returns its
     record: ``scaffold/warmup_tokens`` (the solution tokens read), ``scaffold/warmup_examples``,
     ``scaffold/warmup_updates``, ``updates_skipped`` (non-finite ones, skipped whole), the first and the last update's
-    loss (``sft_loss_first``, ``sft_loss``) and ``time_warmup`` (seconds)."""
-    start, read = time.perf_counter(), {"tokens": 0, "examples": 0}
+    loss (``sft_loss_first``, ``sft_loss``) and ``time_warmup`` (seconds).
+
+    ``stop`` is asked before each update (on every process alike: it may be a collective); when it answers true the
+    warm-up ends there with ``WarmupStopped``, the learner's base left part-way, for the caller to drop. Each update is
+    one program of ``rollout.prompts_per_step`` solutions, so a stop waits for one at most."""
+    start, read = time.perf_counter(), {"tokens": 0, "examples": 0, "updates": 0}
+    budget = learner.run.scaffold.warmup_tokens
 
     def batches() -> Iterator[dict[str, np.ndarray]]:
         for chosen in warmup_batches(learner.run, examples):
+            if stop is not None and stop():
+                done = read["updates"]
+                raise WarmupStopped(f"after {done} update{'' if done == 1 else 's'}, {read['tokens']} of its {budget} "
+                                    "solution tokens")  # fmt: skip
+            read["updates"] += 1
             batch = sft_batch(learner, chosen)
             read["tokens"] += int(np.sum(batch["mask"]))
             read["examples"] += len(chosen)

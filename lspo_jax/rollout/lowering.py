@@ -76,13 +76,13 @@ def _abstract_weights(config: ModelConfig, mesh: jax.sharding.Mesh, adapter: boo
     """The weights the programs read (``_decode_weights``) as abstract arrays: the compute dtype, split per layer,
     laid out over ``tp`` only; the adapter's too when ``adapter``."""
     dtype = jnp.dtype(config.compute_dtype)
-    keys = ("base", "lora") if adapter else ("base",)
+    keys = ("base", *(("policy",) if config.policy_lora else ()), *(("lora",) if adapter else ()))
     cast = {k: jax.tree.map(lambda a: a.update(dtype=dtype), abstract_params(config)[k]) for k in keys}
     tree = jax.eval_shape(functools.partial(_unstack, config), cast)
     stacked = sharding.param_shardings(config, mesh, gather_fsdp=True)
     shardings = {"base": {**stacked["base"], "layers": _layer_shardings(stacked["base"]["layers"], config.num_layers)}}
-    if adapter:
-        shardings["lora"] = _layer_shardings(stacked["lora"], config.num_layers)
+    for key in keys[1:]:  # the policy adapter (LoRA RL) and the scaffold's, split per layer as the weights
+        shardings[key] = _layer_shardings(stacked[key], config.num_layers)
     return _place(tree, shardings)
 
 

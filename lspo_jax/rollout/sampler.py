@@ -394,6 +394,8 @@ def _unstack(config: ModelConfig, tree: Params) -> Params:
     tree = _cast_floats(tree, jnp.dtype(config.compute_dtype))
     layers, lora = unstack_layers(config, tree["base"]["layers"], tree.get("lora"))
     out = {"base": {**tree["base"], "layers": layers}}
+    if "policy" in tree:  # LoRA RL's policy adapter, applied unmerged at every step (``model.decoder``)
+        out["policy"] = unstack_layers(config, tree["policy"])[0]
     return out if lora is None else {**out, "lora": lora}
 
 
@@ -418,6 +420,7 @@ def window_ends(max_new_tokens: int, cache_window: int) -> list[int]:
 def _sampling_params(config: ModelConfig, params: Params, lora_scale: Any) -> tuple[Params, jax.Array]:
     """The params subtree the programs see and the traced scale.
 
+    The policy adapter (``params["policy"]``, LoRA RL) is kept: it is part of the policy.
     A Python 0 drops the adapter subtree, so the model skips the adapter matmuls: the base-policy program
     (the bulk of all sampling) is exactly the base model. Any other scale is traced, so every adapter-on
     value shares one second program. ``_decode_weights`` then makes the call's one copy of the weights.
@@ -425,7 +428,7 @@ def _sampling_params(config: ModelConfig, params: Params, lora_scale: Any) -> tu
     adapter_on = not (isinstance(lora_scale, int | float) and lora_scale == 0)
     if adapter_on and not params.get("lora"):
         raise ValueError(f"lora_scale={lora_scale!r} but params have no 'lora' subtree")
-    tree = {"base": params["base"], "lora": params["lora"]} if adapter_on else {"base": params["base"]}
+    tree = {k: params[k] for k in ("base", "policy", *(("lora",) if adapter_on else ())) if k in params}
     return tree, jnp.asarray(lora_scale if adapter_on else 0.0, jnp.float32)
 
 

@@ -22,7 +22,7 @@ How the weights get there:
   after which the layers have to be pushed again anyway. Params are treated as immutable (JAX arrays are);
   a numpy tree written in place is not seen as changed (pass ``force=True`` to ``sync_weights``).
 * A push converts the arrays tensor by tensor, with no disk in between, to the names and layouts of
-  ``hf.to_hf_state_dict`` (through the same ``hf.KEY_TABLE`` rules, restricted to the stale parts) and
+  ``hf.to_hf_state_dict`` (through the same ``hf.rules`` of the model, restricted to the stale parts) and
   hands them, as torch tensors, to vLLM's in-place ``reload_weights`` of the running model (modules given
   nothing keep their weights), then resets the prefix cache so no KV block computed with the old weights
   is reused. ``sync_weights`` returns the seconds it took; ``stats`` keeps the counts and times.
@@ -288,7 +288,7 @@ def hf_tensors(
     devices or processes is first gathered whole onto one device of this process (``_one_device``); a stacked layer
     leaf once, then sliced per layer."""
     want = jnp.dtype(dtype)
-    rules = [r for r in hf.KEY_TABLE if not (config.tie_word_embeddings and r.path == ("lm_head",))]
+    rules = hf.rules(config)  # the model's own rows: its family's weights, its head
 
     def whole(rule: hf.KeyRule) -> Any:
         x = base
@@ -413,7 +413,9 @@ class VLLMSampler:
     def sync_weights(
         self, config: ModelConfig, params: Params, *, lora_scale: float = 0.0, force: bool = False
     ) -> float:
-        """Make the engine hold ``params`` (the base, or base + adapter merged when ``lora_scale != 0``).
+        """Make the engine hold ``params`` (the base, or base + adapter merged when ``lora_scale != 0``; LoRA RL's
+        policy adapter ``params["policy"]`` merged always). A frozen base's outer weights (embeddings, head, final norm)
+        are the same arrays at every step, so only the merged layers are pushed.
 
         Pushes only the parts whose arrays differ from what the engine holds (all of them with ``force``),
         in place, then resets the prefix cache. Returns the seconds it took (0.0 when nothing was stale).
@@ -423,11 +425,14 @@ class VLLMSampler:
         outer_leaves = [v for k, v in sorted(base.items()) if k != "layers"]
         layer_leaves = jax.tree.leaves(base["layers"])
         layer_extra: tuple = ()
+        merged = bool(params.get("policy"))  # LoRA RL: the policy adapter is folded into the layers at every sync
+        if merged:
+            layer_leaves = layer_leaves + jax.tree.leaves(params["policy"])
         if scale != 0.0:
             if not params.get("lora"):
                 raise ValueError(f"lora_scale={lora_scale!r} but params have no 'lora' subtree")
             layer_leaves = layer_leaves + jax.tree.leaves(params["lora"])
-            layer_extra = ("merged", scale)
+            layer_extra, merged = ("merged", scale), True
         stale = {
             part
             for part, leaves, extra in ((_OUTER, outer_leaves, ()), (_LAYERS, layer_leaves, layer_extra))
@@ -436,7 +441,7 @@ class VLLMSampler:
         if not stale:
             return 0.0
         start = time.perf_counter()
-        tree = merge_lora(config, params, scale) if scale != 0.0 else base
+        tree = merge_lora(config, params, scale) if merged else base
         self._held = {part: None if part in stale else held for part, held in self._held.items()}
         handover = Handover(self._torch, self.engine_device)
         count = self._push(self._hf_tensors(config, tree, stale, handover))
