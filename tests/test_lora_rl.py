@@ -3,7 +3,7 @@ adapter stacks on top of it. Checked without a reference of our own making: the 
 B = 0 is the policy's, the unmerged policy is the merged one, each loss moves only its own adapter, a run keeps the
 base's bytes (sha256), its spliced rows' denominators are the stacked policy's log-probs recomputed here from the
 forward pass, a resumed run is the uninterrupted one, and the exports load in ``transformers`` and agree with a
-PEFT adapter merged by hand.
+PEFT adapter merged by hand and with the adapter as ``peft`` itself loads it onto the base.
 """
 
 from __future__ import annotations
@@ -171,6 +171,17 @@ def test_exports_merged_and_peft_adapter(tmp_path, make_config, easy_rule):
         theirs = hf_model(torch.tensor(tokens)).logits.numpy()
     ours = model.forward(config, {k: params[k] for k in ("base", "policy")}, jnp.asarray(tokens))
     np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-4)
+    # peft itself loads the adapter onto the run's base: its forward is the merged export's. Both in torch float32;
+    # x W + s (x A) B against x (W + s B A) differ by rounding only, about 1e-7 of logits of order 1.
+    peft = pytest.importorskip("peft")
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(job.run.model.path, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base_model, adapter_dir).eval()
+    with torch.no_grad():
+        through_peft = with_adapter(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(through_peft, theirs, atol=1e-5)
+    with torch.no_grad(), with_adapter.disable_adapter():  # peft wraps the base in place: its adapter switched off
+        base_logits = with_adapter(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(through_peft - base_logits).max() > 1e-3  # the adapter was on
 
 
 def test_lora_training_refuses_what_writes_the_base(make_config):
