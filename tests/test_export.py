@@ -37,8 +37,7 @@ def interrupt():
 
 
 def terminate():
-    os.kill(os.getpid(), signal.SIGTERM)  # the command's handler raises KeyboardInterrupt at the next bytecode
-    time.sleep(5)
+    os.kill(os.getpid(), signal.SIGTERM)  # the command's flag is set: the export ends at its next check
 
 
 def disk_full():
@@ -48,8 +47,8 @@ def disk_full():
 @pytest.mark.parametrize(
     ("stop", "status", "line"),
     [
-        (interrupt, 130, "lspo-export: interrupted; nothing was written"),
-        (terminate, 130, "lspo-export: interrupted; nothing was written"),
+        (interrupt, 130, "lspo-export: interrupted; nothing was exported"),
+        (terminate, 130, "lspo-export: interrupted; nothing was exported"),
         (disk_full, 2, "lspo-export: cannot write model.safetensors: No space left on device"),
     ],
 )
@@ -70,6 +69,30 @@ def test_a_stop_or_failure_while_writing_leaves_nothing(run_dir, tmp_path, capsy
     assert line in one_line(capsys, "lspo-export")
     assert written and os.listdir(tmp_path) == ["run"]  # no OUT, no OUT.partial-*, no exports/
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stop_after_the_first_tensor_ends_the_export_with_nothing_exported(run_dir, tmp_path, capsys, monkeypatch):
+    """SIGTERM while the first tensor is copied from the device: the flag is read before the next one, the command
+    exits 130 at once with its two lines (the stop, then nothing exported), and OUT and its staging are gone."""
+    real, gathered, sent = hf.to_hf_state_dict, [], []
+
+    def first_then_terminate(*args):
+        for name, tensor in real(*args):
+            if not gathered:
+                sent.append(time.perf_counter())
+                os.kill(os.getpid(), signal.SIGTERM)
+            gathered.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(hf, "to_hf_state_dict", first_then_terminate)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.export_main([run_dir, str(tmp_path / "hf")]) == 130
+    assert time.perf_counter() - sent[0] < 30
+    err = one_line(capsys, "lspo-export")
+    assert "lspo-export: SIGTERM received, stopping after the current tensor or file; nothing is exported" in err
+    assert "lspo-export: interrupted; nothing was exported" in err
+    assert len(gathered) == 1  # no tensor after the stop
+    assert os.listdir(tmp_path) == ["run"] and signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_stop_during_the_rename_is_a_success(run_dir, tmp_path, capsys, monkeypatch):

@@ -191,7 +191,7 @@ def test_l2rr_look_ahead_scores_after_the_update(tmp_path, make_config, train_ro
         base = lambda learner=learner: copy_tree(learner.state.params["base"])
         wrap(learner, "rl_step", before=lambda batch, base=base, calls=calls, **kw: calls.append(("update", base())))
 
-        def scored(params, batch, target_params=None, base=base, calls=calls):
+        def scored(params, batch, target_params=None, check=None, base=base, calls=calls):
             at = lambda p: None if p is None else copy_tree(p["base"])
             calls.append(("score", base(), at(params), at(target_params)))
 

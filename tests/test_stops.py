@@ -1,10 +1,12 @@
 """A stop (SIGTERM or Ctrl-C) during any long phase of a run ends it promptly and says so at once: the warm-up, the
-validation, the coverage pass and a step's phases, each stopped in the middle (the signal sent from inside the phase,
-so the handler runs there); and ``lspo-eval``, interrupted in its own process at several moments, exits 130 every
-time. Never a run trained to the end, never more than 30 s from the signal, never silent."""
+validation, the coverage pass, a step's phases, the first-mistake judge's batches and L2RR's target scores, each
+stopped in the middle (the signal sent from inside the phase, so the handler runs there); and ``lspo-eval``,
+interrupted in its own process at several moments, exits 130 every time. Never a run trained to the end, never
+more than 30 s from the signal, never silent."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -16,7 +18,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from run_fixtures import run_steps, wrap
+from run_fixtures import run_steps, wrap, write_jsonl
 
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run_dir import run_records
@@ -163,3 +165,78 @@ def test_ctrl_c_during_lspo_eval_exits_130_every_time(tmp_path, marker):
     if marker:
         assert "lspo-eval: Ctrl-C received, stopping after the sampler's current decode segment" in output, output
         assert json.loads(out.read_text())["finished"] is False
+
+
+def abandoned_at_step_1(job, out, capsys, sent: float, phase: str) -> None:
+    """The run stopped within ``PROMPT`` of the signal, saying so once, with step 1 abandoned in its ``phase``: no
+    train record, the checkpoint at step 0."""
+    assert time.perf_counter() - sent < PROMPT
+    err = capsys.readouterr().err
+    assert "at step 1's next phase" in stopped_line(err)
+    assert f"stop requested during the step's {phase} phase: step 1 abandoned" in err, err
+    assert job.summary["stopped_early"] and job.summary["steps"] == 0
+    assert job.checkpointer.latest_step() == 0
+    assert not [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"]
+
+
+def test_a_stop_during_the_first_mistake_judge_abandons_the_step_after_its_batch(tmp_path, make_config, monkeypatch,
+                                                                                 capsys):  # fmt: skip
+    """Slot 0 of each group fails: step 1 sends the judge two rollouts, one a batch (``max_batch: 1``). A stop during
+    the first batch ends the judging before the second and abandons the step before its update."""
+    from lspo_jax.job import build, toy_model
+    from lspo_jax.methods.first_mistake import strategy
+    from lspo_jax.methods.first_mistake.teacher import Judge
+    from lspo_jax.tasks import toy
+
+    config = make_config(
+        model__path=toy_model.model_dir(str(tmp_path / "cache")), reward__overlong_factor=0.0, scaffold__enabled=False,
+        rollout__max_new_tokens=32, eval__benchmarks=[],  # the warm-started model ends its rollouts within 32 tokens
+        first_mistake={"enabled": True, "reference": "ground_truth", "sentence_breaks": ";", "max_batch": 1},
+    )  # fmt: skip
+    kill, batches = Kill(), []
+
+    def judge(texts):
+        batches.append(len(texts))
+        kill()
+        return [toy.first_mistake_judge(t) for t in texts]
+
+    scripted = functools.partial(strategy.make_token_advantages, judge=Judge(judge, max_batch=1))
+    monkeypatch.setitem(build.ADVANTAGE_METHODS, "first_mistake", scripted)
+    out = str(tmp_path / "run")
+    job = run_steps(config, out, lambda response, gold, slot: slot == 1)
+    assert batches == [1], batches  # the second batch never asked
+    abandoned_at_step_1(job, out, capsys, kill.sent, "judge")
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["scores before the update", "look-ahead after it"])
+def test_a_stop_during_the_l2rr_target_scores(tmp_path, make_config, capsys, monkeypatch, lookahead):
+    """SIGTERM as the target's gradient is taken (the first piece of the scores). Before the update the step is
+    abandoned at the next piece; with ``lookahead`` the scores come after the update, which cannot be undone: the step
+    is finished and recorded, and the run stops with its checkpoint."""
+    from lspo_jax.methods.l2rr import target as l2rr_target
+    from lspo_jax.tasks import toy
+
+    target = write_jsonl(tmp_path / "target.jsonl", toy.target_rows(4))
+    config = make_config(
+        rollout__group_size=4, scaffold__sft_steps=1, data__limit=2, reward__overlong_factor=0.0, eval__benchmarks=[],
+        l2rr={"enabled": True, "target": target, "g_min": 2, "rho_min": 0.25, "p_e": 0.5, "a": 2.0,
+              "lookahead": lookahead},
+    )  # fmt: skip
+    kill, real = Kill(), l2rr_target.sharded_target_gradient
+
+    def gradient_then_kill(*args, **kwargs):
+        program = real(*args, **kwargs)
+        return lambda *inputs: (program(*inputs), kill())[0]
+
+    monkeypatch.setattr(l2rr_target, "sharded_target_gradient", gradient_then_kill)
+    out = str(tmp_path / "run")
+    job = run_steps(config, out, lambda response, gold, slot: slot == 0)
+    assert kill.sent is not None
+    if not lookahead:
+        abandoned_at_step_1(job, out, capsys, kill.sent, "update")
+        return
+    assert time.perf_counter() - kill.sent < PROMPT
+    assert "a step whose update has begun is finished first" in stopped_line(capsys.readouterr().err)
+    assert job.summary["stopped_early"] and job.summary["steps"] == 1 and job.checkpointer.latest_step() == 1
+    records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1]

@@ -740,10 +740,25 @@ def export_main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapter", action="store_true",
                    help="a LoRA RL run's policy adapter as a PEFT directory (default: the merged model)")  # fmt: skip
     args = p.parse_args(argv)
-    return _run_command("lspo-export", _export, args, "interrupted; nothing was written")
+    return _run_command("lspo-export", _export, args, "interrupted; nothing was exported")
 
 
 def _export(args) -> int:
+    """SIGTERM and Ctrl-C set a flag (``StopFlag``), read after the restore and after each tensor and file written,
+    as ``lspo-eval`` reads it: a ``KeyboardInterrupt`` could land wherever Python happened to be, XLA's callbacks
+    included. The files are written beside OUT (``export._staged``), so a stop leaves OUT as it was."""
+    from lspo_jax.signals import StartupStopped, StopFlag
+
+    with StopFlag("lspo-export") as stop:
+        stop.expect("after the current tensor or file; nothing is exported")
+        try:
+            return _export_until_stopped(args, stop)
+        except StartupStopped:
+            print("lspo-export: interrupted; nothing was exported", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+
+def _export_until_stopped(args, stop) -> int:
     from lspo_jax.job.export import check_run_dir, export_checkpoint
     from lspo_jax.rl.checkpoint import Checkpointer
 
@@ -755,9 +770,8 @@ def _export(args) -> int:
             step = checkpointer.latest_step()
         finally:
             checkpointer.close()
-    path = export_checkpoint(args.run_dir, args.out, step=args.step, adapter=args.adapter)
-    if threading.current_thread() is threading.main_thread():  # the export is in place: a SIGTERM changes nothing
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the command returns and its handler is put back
+    path = export_checkpoint(args.run_dir, args.out, step=args.step, adapter=args.adapter, check=stop.startup_point)
+    stop.expect("after these lines: the export is complete and kept")  # the flag is not read again
     follow_umask(path)
     print(f"lspo-export: step {step} of {args.run_dir} exported to {path}", file=sys.stderr)
     print(json.dumps({"exported": os.path.abspath(path)}))  # absolute: the line is read by scripts run elsewhere

@@ -10,7 +10,7 @@ checkpoint's ``base_sha256``), or with ``adapter=True`` (``--adapter``) the adap
 ``lspo-eval`` restores a run's checkpoint the same way (``restore_run``).
 
 OUT is written beside itself (``OUT.partial-<pid>``) and renamed into place once complete, so a stop or a failure
-leaves it as it was: "nothing was written" stays true, and transformers never finds a directory with a shard
+leaves it as it was: "nothing was exported" stays true, and transformers never finds a directory with a shard
 missing. An OUT that exists is replaced whole, never mixed with the new files; only an empty directory or a Hugging
 Face model's (a ``config.json`` and files) is replaced, and never the run's own directory or its checkpoints.
 """
@@ -21,8 +21,9 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -93,27 +94,35 @@ def check_run_dir(run_dir: str) -> None:
         raise FileNotFoundError(f"{run_dir} is not a training run (no config.yaml and checkpoints/ in it)")
 
 
-def export_checkpoint(run_dir: str, out: str, step: int | None = None, *, adapter: bool = False) -> str:
+def export_checkpoint(
+    run_dir: str, out: str, step: int | None = None, *, adapter: bool = False, check: Callable[[], None] | None = None
+) -> str:
     """Write the base params of checkpoint ``step`` (default: the latest) of ``run_dir`` to ``out``; return ``out``.
     A LoRA RL run's are the merged policy, or with ``adapter`` its policy adapter as a PEFT directory.
 
     ``out`` ends up either the whole export or as it was: the files are written beside it and renamed into place
-    (``_staged``). Once the rename is done, a SIGTERM or Ctrl-C that came during it is dropped: the export is
-    complete, so the call returns as a success."""
+    (``_staged``). ``check`` is called after the restore and after each tensor and file written, and may raise to
+    end the export there (a stop: ``StopFlag.startup_point``), leaving ``out`` as it was. Once the rename is done, a
+    SIGTERM or Ctrl-C that came during it is dropped: the export is complete, so the call returns as a success."""
+    check = check or (lambda: None)
     check_run_dir(run_dir)
     check_out(run_dir, out)
     run, policy, params, step = restore_run(run_dir, step)
+    check()
     tokenizer_from = model_dir(run, os.path.join(run_dir, "cache"))
     if adapter:
         base_model = run.model.path if hub.is_hub_name(run.model.path) else os.path.abspath(tokenizer_from)
         with _staged(os.path.realpath(out)) as staging:
-            peft.save_adapter(staging, policy.config, params, base_model=base_model)
+            peft.save_adapter(staging, policy.config, params, base_model=base_model, check=check)
+            check()  # the last chance to leave OUT as it was: after the rename the export is complete
         return out
     if "policy" in params:  # LoRA RL: the adapter folded into the base, one rounding to the base's dtype
         params = {"base": model.merge_lora(policy.config, params, 0.0)}
     check_finite(policy.config, params, step)
+    check()
     with _staged(os.path.realpath(out)) as staging:
-        hf.save_pretrained(staging, policy.config, params, tokenizer_from=tokenizer_from)
+        hf.save_pretrained(staging, policy.config, params, tokenizer_from=tokenizer_from, check=check)
+        check()  # the last chance to leave OUT as it was: after the rename the export is complete
     return out
 
 
@@ -196,11 +205,21 @@ def _replace(staging: str, target: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _stops_held() -> contextlib.AbstractContextManager:
-    """SIGTERM and Ctrl-C recorded, not raised, while entered; the record is dropped. Around the last rename of an
-    export the stop would otherwise read as "interrupted; nothing was written" of a complete export, and around a
-    cleanup it would cut the cleanup short. Signals reach Python's handlers in the main thread only."""
-    return StopFlag() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
+@contextlib.contextmanager
+def _stops_held() -> Iterator[None]:
+    """SIGTERM and Ctrl-C recorded, not acted on, while entered; the record is dropped. Around the last rename of an
+    export the stop would otherwise read as "interrupted; nothing was exported" of a complete export, and around a
+    cleanup it would cut the cleanup short. Signals reach Python's handlers in the main thread only. The wakeup
+    descriptor is taken from the command's own flag meanwhile: its watcher would announce a stop that never comes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    wakeup = signal.set_wakeup_fd(-1)
+    try:
+        with StopFlag():
+            yield
+    finally:
+        signal.set_wakeup_fd(wakeup)
 
 
 def _make_parents(path: str) -> list[str]:

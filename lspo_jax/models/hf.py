@@ -16,7 +16,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax.numpy as jnp
@@ -266,26 +266,42 @@ def to_hf_state_dict(config: ModelConfig, params: Params) -> Iterator[tuple[str,
         yield rule.hf, rule.to_hf(np.asarray(_get(base, rule.path)))
 
 
-def save_pretrained(path: str, config: ModelConfig, params: Params, *, tokenizer_from: str | None = None) -> None:
+def save_pretrained(
+    path: str, config: ModelConfig, params: Params, *, tokenizer_from: str | None = None,
+    check: Callable[[], None] | None = None,
+) -> None:  # fmt: skip
     """Write ``config.json``, ``model.safetensors`` (the params' dtype) and ``generation_config.json`` so
     that ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads the base model.
 
     ``params["lora"]`` is ignored (merge it first with ``model.merge_lora`` if wanted). Tokenizer files
-    present in ``tokenizer_from`` are copied alongside.
+    present in ``tokenizer_from`` are copied alongside. ``check`` is called after each tensor is gathered and each
+    file written, and may raise to end the writing there (a stop: the caller removes what was written).
     """
     os.makedirs(path, exist_ok=True)
-    tensors = dict(to_hf_state_dict(config, params))
+    tensors = dict(checked(to_hf_state_dict(config, params), check))
     dtype = next(iter(tensors.values())).dtype
     # "format": "pt" is what transformers expects in the safetensors metadata of a PyTorch checkpoint.
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    check = check or (lambda: None)
+    check()
     _remove_sharded_checkpoint(path)
     hf_config = {**config.to_hf_config(), "dtype": np.dtype(dtype).name, "torch_dtype": np.dtype(dtype).name}
     _write_json(os.path.join(path, "config.json"), hf_config)
     if config.bos_token_id is not None or config.eos_token_id is not None:
         generation = {"bos_token_id": config.bos_token_id, "eos_token_id": hf_config["eos_token_id"]}
         _write_json(os.path.join(path, "generation_config.json"), generation)
+    check()
     if tokenizer_from is not None:
-        _copy_tokenizer(tokenizer_from, path)
+        _copy_tokenizer(tokenizer_from, path, check)
+
+
+def checked(items: Iterable, check: Callable[[], None] | None) -> Iterator:
+    """``items``, with ``check()`` called after each: each tensor is a device-to-host copy, the piece a stop waits
+    for."""
+    for item in items:
+        yield item
+        if check is not None:
+            check()
 
 
 def _remove_sharded_checkpoint(path: str) -> None:
@@ -313,9 +329,10 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def _copy_tokenizer(src: str, dst: str) -> None:
+def _copy_tokenizer(src: str, dst: str, check: Callable[[], None] = lambda: None) -> None:
     if os.path.abspath(src) == os.path.abspath(dst):
         return
     for name in _TOKENIZER_FILES:
         if os.path.exists(os.path.join(src, name)):
             shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+            check()

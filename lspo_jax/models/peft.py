@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -62,15 +62,22 @@ def adapter_config(config: ModelConfig, adapter: LoraConfig, base_model: str) ->
     }  # fmt: skip
 
 
-def save_adapter(path: str, config: ModelConfig, params: Params, *, base_model: str) -> None:
+def save_adapter(
+    path: str, config: ModelConfig, params: Params, *, base_model: str, check: Callable[[], None] | None = None
+) -> None:
     """Write ``params["policy"]`` (shape ``config.policy_lora``) as a PEFT adapter directory at ``path``, float32;
-    ``base_model`` is the base it was trained on (peft's ``base_model_name_or_path``)."""
+    ``base_model`` is the base it was trained on (peft's ``base_model_name_or_path``). ``check``: as
+    ``hf.save_pretrained``'s, after each tensor and file."""
     adapter = config.policy_lora
     if adapter is None or "policy" not in params:
         raise ValueError("no policy adapter to write: the run trained the base (optim.train: full)")
     os.makedirs(path, exist_ok=True)
-    tensors = {k: v.astype(np.float32) for k, v in adapter_state_dict(config, adapter, params["policy"])}
+    tensors = {
+        k: v.astype(np.float32) for k, v in hf.checked(adapter_state_dict(config, adapter, params["policy"]), check)
+    }
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    if check is not None:
+        check()
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(adapter_config(config, adapter, base_model), f, indent=2, sort_keys=True)
         f.write("\n")

@@ -26,10 +26,14 @@ from lspo_jax.tasks import data
 
 class UpdateHook(Protocol):
     """What a prompt source puts around a step's update of the base, e.g. scores of the batch's prompts taken at
-    the base before the update (which donates it) or after it. ``batch``: the update's rows and advantages."""
+    the base before the update (which donates it) or after it. ``batch``: the update's rows and advantages.
+
+    ``before`` runs before the step's last stop check, so a stop asked for during it abandons the step. A hook whose
+    ``before`` comes in pieces sets ``checks_stop = True`` and gets ``check=``, a function to call between them that
+    raises ``train.StepAbandoned`` once a stop is asked for; one without the attribute is called as before."""
 
     def before(self, learner: Any, batch: dict[str, np.ndarray]) -> None:
-        """Runs just before the update."""
+        """Runs before the update, at the base that sampled the rows."""
 
     def after(self, learner: Any, batch: dict[str, np.ndarray]) -> tuple[Any, dict[str, Any]]:
         """Runs just after the update; returns the source's observation of the step and the step record's

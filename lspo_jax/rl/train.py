@@ -22,7 +22,8 @@ timer, named as in its record (``time_<stage>``, ``Phases.NAMES``), in the order
     update   the clipped surrogate on the policy only, the scaffold's adapter off (lora_scale = 0): the base, or
              with ``optim.train: lora`` the policy adapter on a frozen base (``optim.py``);
              ``optim.mini_batches`` x ``optim.epochs`` updates (rl_updates), inside the draw's hook if it has one
-             (``prompts.UpdateHook``: what a prompt source learns from the update)
+             (``prompts.UpdateHook``: what a prompt source learns from the update; its ``before`` runs ahead of the
+             step's last stop check)
 
 With ``scaffold.enabled: false`` the same step is the DAPO baseline. The loop (``run``) derives the step's key
 as ``fold_in(seed, step)``, so a resumed run draws exactly what an uninterrupted one would. The step returns
@@ -67,10 +68,16 @@ class Phases:
         self.seconds: dict[str, float] = {f"time_{name}": 0.0 for name in self.NAMES}
         self.stop = stop
 
-    def check(self, name: str) -> None:
-        """``StepAbandoned`` if a stop was asked for (agreed by every process) before the ``name`` phase."""
+    def check(self, name: str, *, during: bool = False) -> None:
+        """``StepAbandoned`` if a stop was asked for (agreed by every process) before the ``name`` phase, or with
+        ``during`` between two of its pieces."""
         if self.stop is not None and self.stop.agreed():
-            raise StepAbandoned(f"stop requested before the step's {name} phase")
+            raise StepAbandoned(f"stop requested {'during' if during else 'before'} the step's {name} phase")
+
+    def within(self, name: str) -> Callable[[], None]:
+        """The check a long piece of work before the update calls between its pieces (``check(name, during=True)``):
+        each call is a collective on several processes, so the work must call it the same number of times on all."""
+        return lambda: self.check(name, during=True)
 
     @contextlib.contextmanager
     def __call__(self, name: str, *, check_stop: bool = True):
@@ -97,7 +104,11 @@ class StepResult:
 class TokenAdvantages(Protocol):
     """A strategy for per-token advantages (``Learner.token_advantages``): from GRPO's per-row advantages of the
     (spliced) batch, ``outcome`` ``[rows]``, the update's ``[rows, length]`` advantages and the strategy's metrics
-    for the step's record. It runs in the step's ``phase`` (one of ``Phases.NAMES``)."""
+    for the step's record. It runs in the step's ``phase`` (one of ``Phases.NAMES``).
+
+    A strategy whose work comes in pieces (a teacher's batches) sets ``checks_stop = True`` and is called with
+    ``check=``, a function to call between them that raises ``StepAbandoned`` once a stop is asked for: the step is
+    abandoned before its update. One without the attribute is called as before and runs whole."""
 
     phase: str
 
@@ -153,6 +164,10 @@ def train_step(
         record.update(kl_record)
     advantages, advantages_record = step_advantages(learner, rows, draw.examples, valid, phases)
     record.update(advantages_record)
+    batch = update_batch(rows, advantages, weights, record)
+    if draw.update_hook is not None:  # its ``before`` reads the base that sampled: it can still be abandoned
+        with phases("update"):
+            hook_before(draw.update_hook, learner, batch, phases)
     phases.check("update")  # the step's last stop check: the base changes only after it
     if start_next is not None:
         start_next()
@@ -160,9 +175,7 @@ def train_step(
         with phases("sft", check_stop=False):
             scaffold_record.update(scaffolded.before_update())
     with phases("update", check_stop=False):
-        update, observation = update_base(
-            learner, rows, advantages, weights, spliced_mask, draw.update_hook, record, scaffolded.sft_term
-        )
+        update, observation = update_base(learner, batch, spliced_mask, draw.update_hook, record, scaffolded.sft_term)
     record["spliced_accuracy_mean"] = float(rows["accuracy"].mean())
     record.update(scaffold_record)
     record.update(update_metrics(learner, update))
@@ -170,29 +183,43 @@ def train_step(
     return StepResult({"step": learner.state.step, **record, **phases.seconds}, observation)
 
 
-def update_base(
-    learner: Learner, rows: Rows, advantages, weights, spliced_rows, hook: UpdateHook | None, record: dict,
-    sft_term: SFTTerm | None = None,
-):  # fmt: skip
-    """The update of the base on the step's rows (``rl_updates``, with the mixed objective's ``sft_term`` if any),
-    the advantages times the detached loss weights; with ``scaffold.grad_share`` the share of its gradient's norm
-    the spliced rows carry (``spliced_grad_share``); and with the draw's ``hook`` its ``before`` and ``after`` around
-    the update (whose record joins the step's). Returns ``(update metrics, the hook's observation or None)``."""
+def update_batch(rows: Rows, advantages, weights, record: dict) -> dict:
+    """The update's batch: the step's rows with the advantages times the detached loss weights."""
     if weights is not None:
         advantages = np.asarray(losses.weighted_advantages(advantages, weights, rows["mask"].shape))
         record["is_weight_mean"] = float(np.mean(weights[rows["mask"] > 0] if weights.ndim == 2 else weights))
     batch = {**{k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp")}, "advantages": advantages}
     if "ref_logp" in rows:  # a KL term in the loss (``kl_to_reference``)
         batch["ref_logp"] = rows["ref_logp"]
+    return batch
+
+
+def hook_before(hook: UpdateHook, learner: Learner, batch: dict, phases: Phases) -> None:
+    """The draw's hook's ``before``, before the step's last stop check (and before ``scaffold.supervise: base``
+    moves the base): at the base that sampled the rows. A hook with ``checks_stop`` (``prompts.UpdateHook``) checks
+    the stop between its pieces, abandoning the step (``StepAbandoned``)."""
+    if getattr(hook, "checks_stop", False):
+        hook.before(learner, batch, check=phases.within("update"))
+    else:
+        hook.before(learner, batch)
+
+
+def update_base(
+    learner: Learner, batch: dict, spliced_rows, hook: UpdateHook | None, record: dict, sft_term: SFTTerm | None = None
+):  # fmt: skip
+    """The update of the base on the step's ``batch`` (``update_batch``; ``rl_updates``, with the mixed objective's
+    ``sft_term`` if any); with ``scaffold.grad_share`` the share of its gradient's norm the spliced rows carry
+    (``spliced_grad_share``); and with the draw's ``hook`` its ``after`` (whose record joins the step's; its
+    ``before`` ran already, ``hook_before``). Returns ``(update metrics, the hook's observation or None)``."""
     if learner.run.scaffold.grad_share and spliced_rows.any():  # one more gradient pass
         record["spliced_grad_norm"] = spliced_grad_norm(learner, batch, spliced_rows)
         if learner.run.optim.mini_batches * learner.run.optim.epochs > 1:  # the update reports mini-batch norms
             record["batch_grad_norm"] = learner.rl_grad_norm(batch)
     observation = None
-    if hook is not None:
-        hook.before(learner, batch)
     update = rl_updates(learner, batch, sft_term)
     if hook is not None:
+        # Past the update, the base has changed: a stop asked for now is taken once the step is recorded (the loop
+        # checkpoints after it), never by abandoning, which would drop an update the base has taken.
         observation, hook_record = hook.after(learner, batch)
         record.update(hook_record)
     total = record.get("batch_grad_norm", update.get("grad_norm"))
@@ -256,8 +283,10 @@ def step_advantages(learner: Learner, rows: Rows, examples, valid, phases: Phase
     strategy = learner.token_advantages
     if strategy is None:
         return advantages, {}
+    # Opted into by the strategy, so a strategy written before ``check`` existed is called as it expects.
+    check = {"check": phases.within(strategy.phase)} if getattr(strategy, "checks_stop", False) else {}
     with phases(strategy.phase):
-        return strategy(learner, rows, examples, advantages, valid)
+        return strategy(learner, rows, examples, advantages, valid, **check)
 
 
 def rl_updates(learner: Learner, batch: dict, sft_term: SFTTerm | None = None) -> dict[str, Any]:

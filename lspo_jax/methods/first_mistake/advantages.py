@@ -7,14 +7,14 @@ tokens from it on an invalid suffix, and the two get different token-level advan
 Per RL step (``first_mistake_advantages``):
 
 1. Groups whose K rollouts all pass or all fail are skipped (``fm_skipped_zero_variance``).
-2. Reference (``reference``): ``"teacher"`` asks the teacher to solve each remaining problem (one batched
-   ``generate`` call, answer in ``\\boxed{}``) and keeps the solutions the verifier accepts; the written
+2. Reference (``reference``): ``"teacher"`` asks the teacher to solve each remaining problem (batched
+   ``generate`` calls, answer in ``\\boxed{}``) and keeps the solutions the verifier accepts; the written
    solution after the last ``</think>`` is the reference. ``"ground_truth"`` uses the dataset's worked
    solution as it is (trusted, not verified). A group without a reference keeps its plain GRPO advantages
    (``fm_fallback_no_reference``).
 3. Judging: each failed rollout of a group with a reference is split into numbered sentences ``[1] .. [n]``
-   (``split_sentences``) and shown to the teacher with the problem and the reference, all in one batched
-   call. The teacher ends with ``\\boxed{correct}`` or ``\\boxed{k}``, k the first sentence with a genuine,
+   (``split_sentences``) and shown to the teacher with the problem and the reference, in batched
+   calls. The teacher ends with ``\\boxed{correct}`` or ``\\boxed{k}``, k the first sentence with a genuine,
    answer-invalidating mistake (``JUDGE_TEMPLATE``; ``parse_verdict`` reads the reply). Sentence k maps to
    the token holding its first character, p (``token_char_ends``); a mistake in sentence 1 gives p = 0.
 4. Token advantages (``token_advantages``), per group g with outcome advantages A_i::
@@ -146,17 +146,19 @@ def first_mistake_advantages(
     tokenizer: Any,
     config: FirstMistakeConfig,
     valid: Any = None,
+    check: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """``([N, L] token advantages, metrics)`` of one RL batch of G groups of K rollouts (module docstring).
 
     ``valid`` (``[N]`` bool, optional) marks the rows of groups smaller than K (the rest is padding with no
-    tokens): a group is mixed, and a row judged, on its valid rows alone.
+    tokens): a group is mixed, and a row judged, on its valid rows alone. ``check`` (optional) is called between the
+    teacher's batches and stages, and may raise to end the step's judging there (a stop: ``train.Phases.within``).
 
     Per group: ``problems``, ``golds`` and ``references`` (the dataset's worked solutions, needed for
     ``reference="ground_truth"``). Per row: the verifier's ``response_texts``, the ``response_ids`` they
     decode from (``response_mask[i]`` has ``len(response_ids[i])`` ones), ``truncated`` (ended without EOS),
     ``accuracy`` (0/1) and ``outcome_adv``. ``score(texts, golds)`` is the verifier, run on the teacher's
-    solutions. One ``generate`` call per stage. Metrics (counts unless named a rate or mean):
+    solutions. ``generate`` calls of at most ``Judge.max_batch`` prompts. Metrics (counts unless named a rate or mean):
     ``fm_groups``, ``fm_skipped_zero_variance``, ``fm_fallback_no_reference`` (groups),
     ``fm_teacher_solve_rate``, ``fm_groups_judged`` (groups with a rollout sent to the judge),
     ``fm_groups_reshaped`` (recentred), ``fm_rollouts_judged``, ``fm_pitfalls``, ``fm_judge_said_correct``,
@@ -171,13 +173,16 @@ def first_mistake_advantages(
     correct_GK, valid_GK = correct_N.reshape(-1, k), valid_N.reshape(-1, k)
     mixed_G = (correct_GK & valid_GK).any(axis=1) & (~correct_GK & valid_GK).any(axis=1)
     metrics: dict[str, Any] = {"fm_groups": len(mixed_G), "fm_skipped_zero_variance": int((~mixed_G).sum())}
-    refs = _references(np.flatnonzero(mixed_G), problems, golds, references, score, judge, config, metrics)
+    refs = _references(np.flatnonzero(mixed_G), problems, golds, references, score, judge, config, metrics, check)
     tally = _Tally()
     rows = [i for i in range(n) if i // k in refs and valid_N[i]]
     asked, spans = _to_judge(rows, response_texts, np.asarray(truncated, bool), correct_N, config, tally)
+    if check is not None and config.reference != "ground_truth":  # between the teacher's two stages
+        check()
     verdicts = judge.locate(
-        [problems[i // k] for i in asked], [refs[i // k] for i in asked], [response_texts[i] for i in asked], spans
-    )
+        [problems[i // k] for i in asked], [refs[i // k] for i in asked], [response_texts[i] for i in asked], spans,
+        check,
+    )  # fmt: skip
     pitfall_N = np.full(n, -1, np.int64)
     for i, split, verdict in zip(asked, spans, verdicts, strict=True):
         pitfall_N[i] = tally.read(verdict, bool(correct_N[i]), response_texts[i], response_ids[i], split, tokenizer)
@@ -202,7 +207,7 @@ def _check_batch(problems, golds, references, texts, ids, mask, n: int, k: int) 
         raise ValueError(f"row {wrong[0]}: {len(ids[wrong[0]])} response ids but {lengths[wrong[0]]} mask tokens")
 
 
-def _references(groups, problems, golds, references, score, judge, config, metrics) -> dict[int, str]:
+def _references(groups, problems, golds, references, score, judge, config, metrics, check=None) -> dict[int, str]:
     """Group -> reference solution, for the groups that have a verified one (stage 1 when ``teacher``)."""
     refs: dict[int, str] = {}
     if config.reference == "ground_truth":
@@ -212,7 +217,7 @@ def _references(groups, problems, golds, references, score, judge, config, metri
                 refs[int(g)] = text
         metrics["fm_teacher_solve_rate"] = None
     else:
-        solutions = judge.solve([problems[g] for g in groups])
+        solutions = judge.solve([problems[g] for g in groups], check)
         passed = list(score(solutions, [golds[g] for g in groups])) if solutions else []
         for g, solution, ok in zip(groups, solutions, passed, strict=True):
             if ok > 0.5:

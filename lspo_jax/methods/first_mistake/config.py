@@ -24,8 +24,9 @@ class FirstMistakeConfig:
     ``teacher_temperature`` (0: greedy; 0.6, the method's own setting) and ``seed``: the teacher's sampling, in
     both stages. ``max_sentences``: sentences numbered per rollout. ``judge_correct``: also judge passing
     rollouts (for the agreement metric only).
-    ``max_batch``: prompts per sampler call inside one batched ``generate``. ``sentence_breaks``: characters
-    that also end a sentence (``split_sentences``), for tasks whose steps are not written as sentences.
+    ``max_batch``: prompts per teacher call (``generate``, one sampler call); a stop waits for the current one.
+    ``sentence_breaks``: characters that also end a sentence (``split_sentences``), for tasks whose steps are not
+    written as sentences.
     """
 
     enabled: bool = False

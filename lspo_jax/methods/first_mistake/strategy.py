@@ -23,11 +23,12 @@ class JudgedAdvantages:
     """
 
     phase = "judge"
+    checks_stop = True  # called with ``check``, between the teacher's batches (``train.TokenAdvantages``)
 
     def __init__(self, judge: teacher.Judge, config: FirstMistakeConfig):
         self.judge, self.config = judge, config
 
-    def __call__(self, learner: Any, rows: Any, examples: list[Any], outcome: np.ndarray, valid=None):
+    def __call__(self, learner: Any, rows: Any, examples: list[Any], outcome: np.ndarray, valid=None, check=None):
         run = learner.run
         slots = run.data.max_prompt_tokens
         response_ids = [
@@ -40,7 +41,7 @@ class JudgedAdvantages:
             response_ids=response_ids, response_mask=rows["mask"], truncated=truncated,
             accuracy=rows["accuracy"], outcome_adv=outcome, group_size=run.rollout.group_size,
             score=learner.verifier.score, judge=self.judge, tokenizer=learner.policy.tokenizer, config=self.config,
-            valid=valid,
+            valid=valid, check=check,
         )  # fmt: skip
 
 
@@ -48,7 +49,8 @@ def make_judge(run: TrainConfig, policy: Any, params: Any, mesh: Any = None) -> 
     """The first-mistake judge of ``run``: ``judge_path: toy:judge`` is the demo task's scripted teacher
     (``toy.first_mistake_judge``), anything else goes to ``teacher.make_judge``."""
     if run.first_mistake.judge_path == "toy:judge":
-        return teacher.Judge(lambda prompts: [toy.first_mistake_judge(p) for p in prompts])
+        script = lambda prompts: [toy.first_mistake_judge(p) for p in prompts]
+        return teacher.Judge(script, max_batch=run.first_mistake.max_batch)
     return teacher.make_judge(run.first_mistake, policy=policy, params=params, mesh=mesh)
 
 

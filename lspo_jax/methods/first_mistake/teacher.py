@@ -1,8 +1,8 @@
 """The first-mistake teacher: its two prompts, the reading of its replies, and the ``generate`` it calls.
 
-``Judge`` makes the teacher's two stages (solve a problem; name the first wrong sentence of a rollout) one batched
-call each through any ``generate(prompt_texts) -> replies``: ``SamplerGenerate`` over a model in memory, or a
-script. ``parse_verdict`` reads a reply's ``\\boxed{correct}`` or ``\\boxed{k}``.
+``Judge`` makes the teacher's two stages (solve a problem; name the first wrong sentence of a rollout) batched calls
+(``max_batch`` prompts each) through any ``generate(prompt_texts) -> replies``: ``SamplerGenerate`` over a model in
+memory, or a script. ``parse_verdict`` reads a reply's ``\\boxed{correct}`` or ``\\boxed{k}``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from lspo_jax.text import matching_braces
 
 CORRECT, MISTAKE, UNPARSEABLE, OUT_OF_RANGE = "correct", "mistake", "unparseable", "out_of_range"
 Generate = Callable[[list[str]], list[str]]
+Check = Callable[[], None]  # called between two of the teacher's batches; raises to end the stage there
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -113,11 +114,18 @@ def written_solution(reply: str) -> str:
 class Judge:
     """The teacher's two stages through one engine-agnostic ``generate(prompt_texts) -> replies`` callable.
 
-    Each method makes at most one ``generate`` call for its whole batch. ``generate`` gets the user turns as
-    text; rendering them (chat template, tokens) is its business.
+    Each method calls ``generate`` once per ``max_batch`` prompts (None: once for its whole batch), and between two
+    calls its ``check``, which may raise to end the stage there (a stop asked for: ``train.Phases.within``): a
+    teacher's batch is the piece a stop waits for, not the whole stage. ``generate`` gets the user turns as text;
+    rendering them (chat template, tokens) is its business.
     """
 
-    def __init__(self, generate: Generate, *, solve_template: str = SOLVE_TEMPLATE, judge_template=JUDGE_TEMPLATE):
+    def __init__(
+        self, generate: Generate, *, solve_template: str = SOLVE_TEMPLATE, judge_template=JUDGE_TEMPLATE,
+        max_batch: int | None = None,
+    ):  # fmt: skip
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch: {max_batch}, not a positive number of prompts")
         for name, template, fields in (
             ("solve_template", solve_template, {"problem": ""}),
             ("judge_template", judge_template, {"problem": "", "reference": "", "solution": "", "n": 1}),
@@ -126,31 +134,37 @@ class Judge:
                 template.format(**fields)
             except (KeyError, IndexError, ValueError) as err:
                 raise ValueError(f"{name}: not a template over {sorted(fields)}: {err!r}") from err
-        self.generate = generate
+        self.generate, self.max_batch = generate, max_batch
         self.solve_template, self.judge_template = solve_template, judge_template
 
-    def solve(self, problems: Sequence[str]) -> list[str]:
+    def solve(self, problems: Sequence[str], check: Check | None = None) -> list[str]:
         """Stage 1: the teacher's own solution of each problem."""
-        return self._call([self.solve_template.format(problem=p) for p in problems])
+        return self._call([self.solve_template.format(problem=p) for p in problems], check)
 
     def locate(
-        self, problems: Sequence[str], references: Sequence[str], texts: Sequence[str], spans: Sequence[list[Span]]
-    ) -> list[Verdict]:
+        self, problems: Sequence[str], references: Sequence[str], texts: Sequence[str], spans: Sequence[list[Span]],
+        check: Check | None = None,
+    ) -> list[Verdict]:  # fmt: skip
         """Stage 2: the verdict on each rollout ``texts[i]`` (sentences ``spans[i]``) of ``problems[i]``."""
         prompts = [
             self.judge_template.format(problem=p, reference=r, solution=numbered(t, s), n=len(s))
             for p, r, t, s in zip(problems, references, texts, spans, strict=True)
         ]
-        replies = self._call(prompts)
+        replies = self._call(prompts, check)
         return [parse_verdict(reply, len(s)) for reply, s in zip(replies, spans, strict=True)]
 
-    def _call(self, prompts: list[str]) -> list[str]:
-        if not prompts:
-            return []
-        replies = list(self.generate(prompts))
-        if len(replies) != len(prompts):
-            raise ValueError(f"generate returned {len(replies)} replies for {len(prompts)} prompts")
-        return [reply if isinstance(reply, str) else "" for reply in replies]
+    def _call(self, prompts: list[str], check: Check | None = None) -> list[str]:
+        replies: list[str] = []
+        size = self.max_batch or max(len(prompts), 1)
+        for first in range(0, len(prompts), size):
+            if check is not None and first:
+                check()
+            batch = prompts[first : first + size]
+            got = list(self.generate(batch))
+            if len(got) != len(batch):
+                raise ValueError(f"generate returned {len(got)} replies for {len(batch)} prompts")
+            replies.extend(reply if isinstance(reply, str) else "" for reply in got)
+        return replies
 
 
 class SamplerGenerate:
@@ -247,7 +261,8 @@ def make_judge(
         max_batch=config.max_batch, engine=engine,
     )  # fmt: skip
     if config.judge_path is not None:
-        return Judge(load_generate(config.judge_path, **options))
+        return Judge(load_generate(config.judge_path, **options), max_batch=config.max_batch)
     if policy is None or params is None:
         raise ValueError("judge_path is null, so the policy judges itself: pass policy and params")
-    return Judge(SamplerGenerate(policy.config, params, policy.tokenizer, policy.eos_ids, mesh=mesh, **options))
+    generate = SamplerGenerate(policy.config, params, policy.tokenizer, policy.eos_ids, mesh=mesh, **options)
+    return Judge(generate, max_batch=config.max_batch)

@@ -46,7 +46,13 @@ class TargetScores:
     """The hook an L2RR draw puts around the step's update (``prompts.UpdateHook``): the batch's target scores
     ``<g_tgt, g_i>``, before the update, which donates the base it scores, or with ``lookahead`` after it, from a
     copy of the base that sampled (the prompts' gradients are taken there, the target's at the updated base,
-    t + 1). Its record is ``time_target``, the seconds the scores took."""
+    t + 1). Its record is ``time_target``, the seconds the scores took.
+
+    ``before`` runs ahead of the step's last stop check, and checks the stop between the target's gradient and the
+    jvp (``checks_stop``): a stop there abandons the step. With ``lookahead`` the scores come after the update, which
+    cannot be abandoned: a stop during them is taken once the step is recorded, with a checkpoint."""
+
+    checks_stop = True
 
     def __init__(self, scorer: TargetScorer, lookahead: bool):
         self.scorer, self.lookahead = scorer, lookahead
@@ -54,12 +60,12 @@ class TargetScores:
         self._sampled_base: Any = None
         self._seconds = 0.0
 
-    def before(self, learner: Any, batch: dict[str, np.ndarray]) -> None:
+    def before(self, learner: Any, batch: dict[str, np.ndarray], check=None) -> None:
         start = time.perf_counter()
         if self.lookahead:
             self._sampled_base = {"base": jax.tree.map(jnp.copy, learner.state.params["base"])}
         else:
-            self.scores = self.scorer.scores(learner.state.params, batch)
+            self.scores = self.scorer.scores(learner.state.params, batch, check=check)
         self._seconds = time.perf_counter() - start
 
     def after(self, learner: Any, batch: dict[str, np.ndarray]) -> tuple[np.ndarray | None, dict[str, float]]:

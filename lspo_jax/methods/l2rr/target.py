@@ -212,15 +212,17 @@ class TargetSide:
         return cls(config, rows, **options)
 
     def directional_derivatives(
-        self, params: Params, per_prompt_losses_fn: Callable[[Params], jax.Array], target_params: Params | None = None
-    ) -> np.ndarray:
+        self, params: Params, per_prompt_losses_fn: Callable[[Params], jax.Array], target_params: Params | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> np.ndarray:  # fmt: skip
         """``<g_tgt, g_i>`` ``[B]`` at ``params`` (``{"base", ...}``; the adapter is ignored), with ``g_tgt`` taken at
         ``target_params`` when given (the look-ahead: the base after the step's update, ``l2rr.lookahead``).
 
         ``per_prompt_losses_fn`` maps the base params to ``[B]`` losses, e.g. ``PolicyLosses(...).bind(batch)``;
         a ``jax.tree_util.Partial`` of a hashable function compiles once for all steps, any other callable
         once per callable. Both programs run on the mesh the params are laid out on (``distributed.mesh_of``), the
-        target rows split over its data axes.
+        target rows split over its data axes. ``check`` is called between the two (it may raise to end the scoring
+        there: a stop, ``train.Phases.within``).
         """
         base = params[optim.BASE]
         at = base if target_params is None else target_params[optim.BASE]
@@ -229,6 +231,10 @@ class TargetSide:
             self._placed[mesh] = sharding.global_batch(mesh, self._rows)
         rows = self._placed[mesh]
         tangent = sharded_target_gradient(self._config, mesh, **self._options)(at, rows)
+        if check is not None:
+            # Waited for first: dispatch returns at once, and the flag read then would come before the work it ends.
+            jax.block_until_ready(tangent)
+            check()
         fn = per_prompt_losses_fn
         if not isinstance(fn, jax.tree_util.Partial):
             fn = jax.tree_util.Partial(fn)
@@ -258,9 +264,9 @@ class TargetScorer:
             num_micro_batches=l2rr_config.score_micro_batches(run),
         )  # fmt: skip
 
-    def scores(self, params: Any, batch: dict, target_params: Any = None) -> np.ndarray:
+    def scores(self, params: Any, batch: dict, target_params: Any = None, check=None) -> np.ndarray:
         rows = sharding.global_batch(distributed.mesh_of(params["base"]), batch)  # split over the data axes
-        return self.target.directional_derivatives(params, self.losses.bind(rows), target_params)
+        return self.target.directional_derivatives(params, self.losses.bind(rows), target_params, check)
 
 
 def load_target(run: TrainConfig, config: Any, load_examples) -> TargetScorer:
