@@ -16,6 +16,8 @@ import pytest
 
 from benchmarks import trace_summary, vllm_layout
 
+pytestmark = pytest.mark.slow  # the GPU script's smoke run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_HF = all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
 PHASES = {f"time_{name}" for name in ("sample", "reward", "sft", "reroll", "logprob", "update")}

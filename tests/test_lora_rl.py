@@ -26,6 +26,8 @@ from lspo_jax.rl.checkpoint import Checkpointer, checkpoint_state
 from lspo_jax.rl.logprobs import token_logprobs
 from lspo_jax.train_config import ConfigError
 
+pytestmark = pytest.mark.slow  # whole training runs
+
 LORA = {"optim__train": "lora", "model__policy_lora": {"rank": 4, "alpha": 8.0}, "optim__lr": 1e-2}
 CONFIG = ModelConfig(
     vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,

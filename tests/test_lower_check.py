@@ -19,6 +19,8 @@ from lspo_jax.models import kernels
 from lspo_jax.train_config import ConfigError
 from tools import lower_check
 
+pytestmark = pytest.mark.slow  # the chips' compilers
+
 ROOT = Path(__file__).resolve().parents[1]
 # fsdp 4 x tp 2 splits rows, params and heads as both 8-device meshes do, and a program that lowers sharded also
 # lowers on one device (its shardings are trivial there): the suite lowers the grid on that mesh alone (47 cells,

@@ -14,6 +14,7 @@ import signal
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from run_fixtures import (
     FakeVerifier,
     K,
@@ -30,6 +31,8 @@ from lspo_jax.job.run import Run
 from lspo_jax.rl import losses
 from lspo_jax.rl.checkpoint import Checkpointer, checkpoint_state
 from lspo_jax.tasks import toy
+
+pytestmark = pytest.mark.slow  # whole training runs
 
 
 def run_capturing_advantages(job):

@@ -19,6 +19,8 @@ import pytest
 
 from lspo_jax.job.metrics_log import read_metrics
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # a job of two processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3  # stopped after step 1 or 2, so the resume has at least one step to run
 TIMEOUT_S = 400

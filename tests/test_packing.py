@@ -17,6 +17,8 @@ from lspo_jax.job.run import Run
 from lspo_jax.models import model
 from lspo_jax.rl import logprobs, losses, optim, packing
 
+pytestmark = pytest.mark.slow  # packed against padded gradients, many shapes
+
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 CONFIG = ModelConfig.preset("tiny")
 PROMPT, RESPONSE = 6, 18

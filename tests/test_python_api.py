@@ -19,6 +19,8 @@ from lspo_jax.job.api import function_path
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.train_config import ConfigError, to_dict
 
+pytestmark = pytest.mark.slow  # whole training runs
+
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "python.md"
 

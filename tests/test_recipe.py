@@ -23,6 +23,8 @@ import pytest
 from lspo_jax.job.metrics_log import read_metrics
 from tools import recipe_toy  # the tool builds the same model and rows
 
+pytestmark = pytest.mark.slow  # the paper's recipe end to end
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_CONFIG = recipe_toy.PAPER_CONFIG
 

@@ -45,6 +45,8 @@ from lspo_jax.rl.checkpoint import Checkpointer, checkpoint_state
 from lspo_jax.tasks import toy
 from lspo_jax.train_config import ConfigError
 
+pytestmark = pytest.mark.slow  # whole training runs
+
 
 # ----------------------------------------------------------------------- resume, checkpoints, export
 def test_resume_is_exact(tmp_path, make_config, train_file, easy_rule, trained_run):

@@ -18,6 +18,8 @@ from lspo_jax.config import ModelConfig
 from lspo_jax.models import axes as mesh_axes
 from lspo_jax.models import model, sharding
 
+pytestmark = pytest.mark.slow  # 8-device checks in subprocesses
+
 # A sharded program sums in another order (and XLA's CPU kernels differ between x86 builds): float32 rounding only.
 # Logits (up to 1.5), log-probs (near -ln 96 = -4.6), the loss (0.19) and metrics differ by <= 1e-6 measured, a
 # few ulps of their scale: 1e-4 leaves 100x, while a sharding bug (a missing all-reduce, a wrong split) moves

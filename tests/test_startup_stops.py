@@ -17,6 +17,8 @@ import pytest
 
 from lspo_jax.job.run_dir import run_records
 
+pytestmark = pytest.mark.slow  # a stop at each moment of start-up
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LSPO_TRAIN = os.path.join(os.path.dirname(sys.executable), "lspo-train")
 # Seconds after launch: imports (about 3 s here), the model and data (to about 6 s), the first steps' compiles (on).

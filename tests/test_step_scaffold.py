@@ -34,6 +34,8 @@ from lspo_jax.rl import logprobs, optim, packing
 from lspo_jax.rl.checkpoint import checkpoint_state
 from lspo_jax.rl.learner import Learner, TrainState
 
+pytestmark = pytest.mark.slow  # whole training runs
+
 
 # ------------------------------------------------------------------------------------ loop mechanics
 def test_scaffold_mechanics(tmp_path, make_config, easy_rule, easy_answers):

@@ -25,6 +25,8 @@ from lspo_jax.job.run_dir import run_records
 from lspo_jax.rl import warmup
 from lspo_jax.signals import StartupStopped, StopFlag
 
+pytestmark = pytest.mark.slow  # stops at each phase of whole runs
+
 PROMPT = 30.0  # seconds from a stop to the end of the run
 
 

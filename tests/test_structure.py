@@ -246,3 +246,16 @@ def test_the_log_prob_pass_lives_in_its_own_module():
     per_token = {"token_logprobs", "token_entropy", "chunked_token_logprobs", "split_rows", "merge_rows"}
     assert per_token <= in_logprobs and not per_token & {f.name for f in functions("rl/losses")}
     assert "rl.losses" not in import_graph(PACKAGE)["rl.logprobs"]
+
+
+def test_the_slowest_files_are_in_the_slow_lane():
+    """conftest's ``SLOW_FILES_FIRST`` (the order the suite runs them in) and the ``slow`` marker name the same files:
+    the inner loop (``-m "not slow"``) leaves out every file the suite puts first, and the vLLM and multi-process
+    files carry their own lane too."""
+    from conftest import SLOW_FILES_FIRST
+
+    tests = PACKAGE.parent / "tests"
+    marks = {path.name: path.read_text() for path in tests.glob("test_*.py")}
+    assert [name for name in SLOW_FILES_FIRST if "pytest.mark.slow" not in marks[name]] == []
+    for lane in ("vllm", "multiprocess"):
+        assert [name for name, text in marks.items() if lane in name and f"pytest.mark.{lane}" not in text] == []

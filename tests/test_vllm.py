@@ -23,6 +23,8 @@ import pytest
 from lspo_jax.rollout.sampler import PAD_ID
 from lspo_jax.rollout.vllm_sampler import _pack, logprob_mismatch
 
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]  # vLLM's CPU engines
+
 TOL = 1e-3  # float32 on both sides; measured differences are about 3e-5
 LAYERS = 2  # of the checks' model
 LAYER_TENSORS = 12 * LAYERS  # two norms, q/k/v with biases, o, gate, up, down per layer

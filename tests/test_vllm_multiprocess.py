@@ -25,6 +25,8 @@ from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.models import hf
 from lspo_jax.rollout.vllm_sampler import Handover, hf_tensors, prompt_share
 
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]  # vLLM engines in two processes
+
 torch = pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
