@@ -123,6 +123,15 @@ SLOW_FILES_FIRST = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _memory_share_kept_to_its_test(monkeypatch):
+    """``XLA_PYTHON_CLIENT_MEM_FRACTION`` unset for each test and as it was after it. ``build.claim_device_memory``
+    writes it for the whole process (JAX's allocator reads it once), and a later run with ``mesh.memory_fraction``
+    null takes a share found there into its config: a command run in-process with ``rollout.engine=vllm`` (0.6) made
+    the next test's resumed run record a changed ``mesh.memory_fraction``, in whichever test came next on its worker."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+
+
 def pytest_collection_modifyitems(items) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file is kept
