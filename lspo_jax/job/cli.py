@@ -552,14 +552,20 @@ def _eval(args) -> int:
     still ran the last call dispatched to it (JAX dispatches asynchronously), the interpreter finalising under
     XLA's threads, which sometimes crashed (exit 139 for the 130 of an interrupt); the flag ends the command between
     two calls, each waited for."""
+    return _until_stopped("lspo-eval", "at the next point of loading", "evaluated", _eval_until_stopped, args)
+
+
+def _until_stopped(prog: str, where: str, what: str, body, args) -> int:
+    """``body(args, stop)`` under a ``StopFlag`` that says it stops ``where``; a stop it takes (``StartupStopped``,
+    raised at its points) ends the command with one line, nothing ``what``, and ``EXIT_INTERRUPTED``."""
     from lspo_jax.signals import StartupStopped, StopFlag
 
-    with StopFlag("lspo-eval") as stop:
-        stop.expect("at the next point of loading; nothing is evaluated")
+    with StopFlag(prog) as stop:
+        stop.expect(f"{where}; nothing is {what}")
         try:
-            return _eval_until_stopped(args, stop)
+            return body(args, stop)
         except StartupStopped:
-            print("lspo-eval: interrupted; nothing was evaluated", file=sys.stderr)
+            print(f"{prog}: interrupted; nothing was {what}", file=sys.stderr)
             return EXIT_INTERRUPTED
 
 
@@ -747,15 +753,7 @@ def _export(args) -> int:
     """SIGTERM and Ctrl-C set a flag (``StopFlag``), read after the restore and after each tensor and file written,
     as ``lspo-eval`` reads it: a ``KeyboardInterrupt`` could land wherever Python happened to be, XLA's callbacks
     included. The files are written beside OUT (``export._staged``), so a stop leaves OUT as it was."""
-    from lspo_jax.signals import StartupStopped, StopFlag
-
-    with StopFlag("lspo-export") as stop:
-        stop.expect("after the current tensor or file; nothing is exported")
-        try:
-            return _export_until_stopped(args, stop)
-        except StartupStopped:
-            print("lspo-export: interrupted; nothing was exported", file=sys.stderr)
-            return EXIT_INTERRUPTED
+    return _until_stopped("lspo-export", "after the current tensor or file", "exported", _export_until_stopped, args)
 
 
 def _export_until_stopped(args, stop) -> int:
