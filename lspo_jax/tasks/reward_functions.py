@@ -118,29 +118,29 @@ class Rewards:
             raise ValueError(f"{len(texts)} texts but {len(examples)} examples")
         scores, failed = {}, {}
         verified = None
+        fields = [row_fields(ex) for ex in examples]  # once a batch, whatever the number of functions
         for function in self.functions:
             if function.fn == BUILTIN:
-                verified = scores[function.name] = self._verify(texts, examples)
+                verified = scores[function.name] = self._verify(texts, fields)
                 failed[function.name] = self._failures()
             else:
-                scores[function.name], failed[function.name] = self._call(function, texts, examples)
+                scores[function.name], failed[function.name] = self._call(function, texts, fields)
         if self.judge is not None:
             correct = (scores[self.judge.name] >= 0.5).astype(np.float32)
         else:
-            correct = verified if verified is not None else self._verify(texts, examples)
+            correct = verified if verified is not None else self._verify(texts, fields)
         reward = sum((np.float32(f.weight) * scores[f.name] for f in self.functions), np.zeros(len(texts), np.float32))
         return Scored(correct.astype(np.float32), reward.astype(np.float32), scores, failed)
 
-    def _verify(self, texts: Sequence[str], examples: Sequence[Any]) -> np.ndarray:
-        golds = [row_fields(ex)["answer"] for ex in examples]
-        return np.asarray(self.verifier.score(list(texts), [str(g) for g in golds]), np.float32)
+    def _verify(self, texts: Sequence[str], fields: Sequence[dict]) -> np.ndarray:
+        golds = [str(row["answer"]) for row in fields]
+        return np.asarray(self.verifier.score(list(texts), golds), np.float32)
 
     def _failures(self) -> int:
         stats = getattr(self.verifier, "last_stats", None)
         return 0 if stats is None else int(stats.timeouts + stats.errors)
 
-    def _call(self, function: RewardFunction, texts, examples) -> tuple[np.ndarray, int]:
-        fields = [row_fields(ex) for ex in examples]
+    def _call(self, function: RewardFunction, texts, fields: Sequence[dict]) -> tuple[np.ndarray, int]:
         if hasattr(self.verifier, "score_function"):
             values, stats = self.verifier.score_function(function.fn, list(texts), fields)
             failures, kinds = stats.timeouts + stats.errors, stats.error_types
