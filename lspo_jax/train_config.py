@@ -450,6 +450,10 @@ class LossConfig:
         return self.kl_coef if self.kl_in == "reward" else 0.0
 
 
+# The supervisions that read ``scaffold.warmup_tokens``: SFT then DAPO, and SFT then LSPO.
+WARMED = ("sft_warmup", "adapter")
+
+
 @dataclasses.dataclass(frozen=True)
 class ScaffoldConfig:
     """LSPO's scaffold; ``enabled: false`` gives the DAPO baseline arm. The defaults are the paper's method.
@@ -480,8 +484,10 @@ class ScaffoldConfig:
     ``mix_mu`` decayed by ``mix_schedule`` (``cosine``: ``mix_mu * (1 + cos(pi t / steps)) / 2`` at the step that
     follows t done, over the ``steps`` of the config in force; ``constant``); a step without cliffs adds nothing.
     ``supervise: sft_warmup`` is SFT then RL: before its first step the base is fine-tuned on the training set's
-    solutions for ``warmup_tokens`` solution tokens (``rl.warmup``; required by this arm, refused by the others), then
-    every step is DAPO's; it needs the scaffold on (``enabled: false`` with it is refused, not run as plain DAPO).
+    solutions for ``warmup_tokens`` solution tokens (``rl.warmup``; required by this arm), then every step is DAPO's;
+    it needs the scaffold on (``enabled: false`` with it is refused, not run as plain DAPO). ``warmup_tokens`` with
+    ``supervise: adapter`` is SFT then LSPO: the same warm-up, then every step scaffolded (refused by ``base`` and
+    ``mixed``, which supervise the base through the run already).
     To match the direct control's budget, set ``warmup_tokens`` to the sum of its records' ``scaffold/sft_tokens``
     over a run (or their mean per step times ``steps``).
     """
@@ -523,9 +529,9 @@ class ScaffoldConfig:
                  "scaffold.warmup_tokens", "sft_warmup needs its SFT budget in solution tokens: set it, e.g. to the "
                  "direct arm's (supervise: base) scaffold/sft_tokens summed over a run")  # fmt: skip
         # Accepted and ignored, either would run another arm than the one named, without a word.
-        require(self.warmup_tokens is None or self.supervise == "sft_warmup", "scaffold.warmup_tokens",
-                f"is read by scaffold.supervise: sft_warmup only (it is {self.supervise}); remove it or set the "
-                "supervision", self.warmup_tokens)  # fmt: skip
+        require(self.warmup_tokens is None or self.supervise in WARMED, "scaffold.warmup_tokens",
+                f"is read by scaffold.supervise: {' or '.join(WARMED)} only (it is {self.supervise}); remove it or set "
+                "the supervision", self.warmup_tokens)  # fmt: skip
         require(self.enabled or self.supervise != "sft_warmup", "scaffold.supervise",
                 "sft_warmup runs with the scaffold on, and scaffold.enabled is false (a plain DAPO run, no "
                 "warm-up); set scaffold.enabled: true")  # fmt: skip

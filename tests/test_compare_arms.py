@@ -67,13 +67,24 @@ def test_the_built_in_arms_of_the_field_by_name(tool, base):
     assert "scaffold.warmup_tokens=5000" not in arms["dapo"]  # the other arms do not read it: not given to them
     warm = tool.cell_config(base, arms["sft_warmup"], 42).scaffold
     assert (warm.supervise, warm.warmup_tokens, warm.uses_cliffs) == ("sft_warmup", 5000, False)
+    # SFT then LSPO: the same warm-up budget, then the adapter's scaffold on every step.
+    arms = tool.parse_arms(["sft_lspo", "lspo"], base, ["scaffold.warmup_tokens=5000"])
+    warm, plain = (tool.cell_config(base, arms[name], 42).scaffold for name in ("sft_lspo", "lspo"))
+    assert (warm.enabled, warm.supervise, warm.warmup_tokens, warm.uses_cliffs) == (True, "adapter", 5000, True)
+    assert plain.warmup_tokens is None  # plain LSPO does not warm up
+    # Without a budget and without a direct arm before it, the arm has nothing to warm up on: LSPO under its name.
+    with pytest.raises(ConfigError, match=r"^--arm sft_lspo: .*warm-up budget"):
+        tool.parse_arms(["sft_lspo"], base)
     assert list(tool.parse_arms([], base)) == ["lspo", "dapo"]
 
 
 @pytest.mark.parametrize(
     "item, message",
     [
-        ("grpo", "--arm grpo: not a built-in arm (lspo, dapo, guide, shaped, floor, direct, mixed, sft_warmup);"),
+        (
+            "grpo",
+            "--arm grpo: not a built-in arm (lspo, dapo, guide, shaped, floor, direct, mixed, sft_warmup, sft_lspo);",
+        ),
         (
             "lspo:scaffold.sft_steps=2",
             "lspo is built in (scaffold.enabled=true, scaffold.supervise=adapter); give the variant a new name",
@@ -114,22 +125,25 @@ def test_the_warmup_budget_is_what_each_seeds_direct_run_spent(tool, tmp_path, m
 
     monkeypatch.setattr(tool, "train_run", train_run)
     argv = ["--config", DEMO, "--seeds", "42", "43", "--out", str(tmp_path), "--arm", "direct", "--arm", "sft_warmup",
-            "eval.ks=[1]"]  # fmt: skip
+            "--arm", "sft_lspo", "eval.ks=[1]"]  # fmt: skip
     assert tool.main(argv) == 0
-    # 120 + 0 + 80 = 200 for seed 42 (step 41 is past the demo's 40 steps); 50 + 25 = 75 for seed 43.
-    assert calls == [("base", 42, None), ("sft_warmup", 42, 200), ("base", 43, None), ("sft_warmup", 43, 75)]
+    # 120 + 0 + 80 = 200 for seed 42 (step 41 is past the demo's 40 steps); 50 + 25 = 75 for seed 43. SFT then LSPO
+    # (supervise adapter) takes the same budget as SFT then DAPO.
+    assert calls == [("base", 42, None), ("sft_warmup", 42, 200), ("adapter", 42, 200),
+                     ("base", 43, None), ("sft_warmup", 43, 75), ("adapter", 43, 75)]  # fmt: skip
     err = capsys.readouterr().err
     assert "compare_arms: sft_warmup seed 43: scaffold.warmup_tokens=75, what direct spent" in err
+    assert "compare_arms: sft_lspo seed 43: scaffold.warmup_tokens=75, what direct spent" in err
     training = [line.split(" to step")[0] for line in err.splitlines() if line.startswith("compare_arms: training")]
     assert training == [
-        f"compare_arms: training {arm} seed {seed}" for seed in (42, 43) for arm in ("direct", "sft_warmup")
+        f"compare_arms: training {arm} seed {seed}" for seed in (42, 43) for arm in ("direct", "sft_warmup", "sft_lspo")
     ]
-    assert tool.main(argv) == 0 and len(calls) == 4  # reused: the derived budget matches the saved config
+    assert tool.main(argv) == 0 and len(calls) == 6  # reused: the derived budget matches the saved config
     assert "compare_arms: direct seed 42: reusing the run in " in capsys.readouterr().err
     # A warm-up run of another config is refused before anything trains, though its budget is not known yet.
     saved = tmp_path / "sft_warmup_seed43" / "config.yaml"
     saved.write_text(saved.read_text().replace("sft_steps: 8", "sft_steps: 3"))
-    assert tool.main(argv) == 2 and len(calls) == 4
+    assert tool.main(argv) == 2 and len(calls) == 6
     assert "sft_warmup_seed43/config.yaml: a run with scaffold.sft_steps=3" in capsys.readouterr().err
     saved.write_text(saved.read_text().replace("sft_steps: 3", "sft_steps: 8"))
     # A direct run that spent nothing gives no budget: one line, nothing trained.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -33,15 +34,20 @@ def test_the_vllm_engine_without_vllm_installed_is_one_line_naming_the_extra(mon
 @pytest.mark.parametrize(
     "overrides, says",
     [
-        (["scaffold.warmup_tokens=5000"], "scaffold.warmup_tokens: is read by scaffold.supervise: sft_warmup only"),
+        (["scaffold.supervise=base", "scaffold.warmup_tokens=5000"],
+         "scaffold.warmup_tokens: is read by scaffold.supervise: sft_warmup or adapter only (it is base)"),
+        (["scaffold.supervise=mixed", "scaffold.warmup_tokens=5000"], "scaffold.warmup_tokens: is read by"),
         (["scaffold.supervise=sft_warmup", "scaffold.warmup_tokens=5000", "scaffold.enabled=false"],
          "scaffold.supervise: sft_warmup runs with the scaffold on"),
     ],
 )  # fmt: skip
 def test_a_warm_up_budget_no_arm_reads_is_refused(overrides, says):
-    with pytest.raises(ConfigError, match="^" + says.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match="^" + re.escape(says)):
         load_config(None, overrides)
     assert load_config(None, ["scaffold.supervise=sft_warmup", "scaffold.warmup_tokens=5000"]).scaffold.warmup_tokens
+    # With the adapter it is SFT then LSPO: read, and the steps keep their cliffs for the scaffold.
+    lspo = load_config(None, ["scaffold.warmup_tokens=5000"]).scaffold
+    assert (lspo.supervise, lspo.warmup_tokens, lspo.uses_cliffs) == ("adapter", 5000, True)
 
 
 def test_print_config_without_a_config_prints_the_bare_defaults(tmp_path, capsys):

@@ -230,3 +230,18 @@ def test_sft_warmup_spends_its_budget_then_runs_dapo_and_resumes_to_the_same_rec
     resumed = run_steps(config, part, easy_rule, resume=True, prepare=lambda job: wrap(
         job.learner, "base_sft_updates", before=lambda batches: pytest.fail("warmed up twice")))  # fmt: skip
     assert resumed.state.step == 2 and _same(part) == _same(whole)
+
+
+def test_sft_then_lspo_warms_up_then_scaffolds_every_step(tmp_path, make_config, easy_rule):
+    """``warmup_tokens`` with the adapter (the ``sft_lspo`` arm): the same warm-up record as SFT then DAPO, then each
+    step's cliff fitted an adapter and was re-rolled, as in plain LSPO."""
+    config = make_config(scaffold__warmup_tokens=60)
+    fits = []
+    job = run_steps(config, str(tmp_path / "run"), easy_rule,
+                    prepare=lambda job: wrap(job.learner, "reset_adapter", before=lambda *a, **k: fits.append(1)))
+    warm, *train = _same(str(tmp_path / "run"))
+    assert warm["kind"] == "warmup" and warm["scaffold/warmup_tokens"] >= 60 and warm["scaffold/warmup_updates"] == 2
+    assert [r["step"] for r in train] == [1, 2] and len(fits) == 2  # a fresh adapter each step
+    for r in train:
+        assert r["cliff_groups"] == r["scaffold_attempted"] == 1 and r["rerolls"] > 0
+    assert job.summary["warmup"]["scaffold/warmup_tokens"] == warm["scaffold/warmup_tokens"]

@@ -5,10 +5,11 @@ Each seed trains every arm from the same model with the same data order; an arm 
 overrides that make it (``--arm NAME:key=value,key=value``, repeatable). Two run when no ``--arm`` is given: ``dapo``
 (``scaffold.enabled=false``, the baseline) and ``lspo`` (``scaffold.enabled=true``). More are built in by name
 (``ARMS``): the corrections of spliced rows ``guide``, ``shaped`` and ``floor``; the supervisions of the base
-``direct`` (``scaffold.supervise=base``), ``mixed`` (CHORD's mixed objective) and ``sft_warmup`` (SFT then DAPO).
-``sft_warmup``'s budget is ``scaffold.warmup_tokens=N`` when given after the arms (the other arms do not read it);
-without it, each seed's is what that seed's direct run spent, the sum of its records' ``scaffold/sft_tokens`` up to
-``steps`` (``warmup_budget``), so ``direct`` is listed before ``sft_warmup`` and trains first. Per
+``direct`` (``scaffold.supervise=base``), ``mixed`` (CHORD's mixed objective), ``sft_warmup`` (SFT then DAPO) and
+``sft_lspo`` (the same SFT, then LSPO). The warm-up arms' budget is ``scaffold.warmup_tokens=N`` when given after the
+arms (the other arms do not read it); without it, each seed's is what that seed's direct run spent, the sum of its
+records' ``scaffold/sft_tokens`` up to ``steps`` (``warmup_budget``), so ``direct`` is listed before them and trains
+first. Per
 (run, benchmark) the peak of held-out pass@k and of ``gold_logprob`` (the base's log-likelihood per token of the
 gold solutions) over the validation trace is taken, up to ``--horizon`` steps (default: the config's ``steps``, so
 a reused run that trained longer is cut back to the matched horizon), then the mean and range over seeds per arm,
@@ -69,7 +70,10 @@ ARMS = {
     "direct": ("scaffold.enabled=true", "scaffold.supervise=base"),
     "mixed": ("scaffold.enabled=true", "scaffold.supervise=mixed"),
     "sft_warmup": ("scaffold.enabled=true", "scaffold.supervise=sft_warmup"),
+    "sft_lspo": _ADAPTER,  # with the warm-up's budget (WARMED_ARMS)
 }
+# The built-in arms that read the warm-up's budget besides any arm with ``scaffold.supervise=sft_warmup``.
+WARMED_ARMS = ("sft_lspo",)
 DEFAULT_ARMS = ("lspo", "dapo")
 # A derived SFT budget (``budget_source``) is known once the direct run has trained; the arm's config is checked
 # before that with this one in its place.
@@ -115,11 +119,14 @@ def parse_arms(items: list[str], base_config, budget: Sequence[str] = ()) -> dic
     for name, overrides in [parse_arm(item) for item in items] or [(n, list(ARMS[n])) for n in DEFAULT_ARMS]:
         if name in arms:
             raise ConfigError(f"--arm {name}: given twice")
-        if apply_overrides(to_dict(base_config), overrides)["scaffold"].get("supervise") == "sft_warmup":
+        if warms_up(base_config, name, overrides):
             overrides = [*overrides, *budget]
         checked = overrides
-        if budget_source(base_config, arms, overrides) is not None:
+        if budget_source(base_config, arms, name, overrides) is not None:
             checked = [*overrides, BUDGET_PLACEHOLDER]  # checked here, its budget read once direct has run
+        elif name in WARMED_ARMS and not budget:  # without its budget the arm would run plain LSPO under its name
+            raise ConfigError(f"--arm {name}: the SFT warm-up budget is given nowhere; give scaffold.warmup_tokens=N "
+                              "after the arms or list a direct arm before it")  # fmt: skip
         try:
             from_dict(type(base_config), apply_overrides(to_dict(base_config), checked))
         except ConfigError as err:
@@ -128,12 +135,19 @@ def parse_arms(items: list[str], base_config, budget: Sequence[str] = ()) -> dic
     return arms
 
 
-def budget_source(base_config, earlier: dict[str, list[str]], overrides: list[str]) -> str | None:
+def warms_up(base_config, name: str, overrides: list[str]) -> bool:
+    """Whether arm ``name`` starts with the SFT warm-up: SFT then DAPO (``scaffold.supervise=sft_warmup``) or a
+    built-in arm of ``WARMED_ARMS`` (SFT then LSPO)."""
+    made = apply_overrides(to_dict(base_config), overrides)["scaffold"]
+    return made.get("supervise") == "sft_warmup" or name in WARMED_ARMS  # a variant may not take a built-in name
+
+
+def budget_source(base_config, earlier: dict[str, list[str]], name: str, overrides: list[str]) -> str | None:
     """The arm an SFT warm-up arm takes its budget from: the last of the ``earlier`` arms that supervises the base
     directly (``scaffold.supervise=base``), when the warm-up's own budget is given nowhere; None for any other arm
     or a budget that is given."""
     made = apply_overrides(to_dict(base_config), overrides)["scaffold"]
-    if made.get("supervise") != "sft_warmup" or made.get("warmup_tokens") is not None:
+    if not warms_up(base_config, name, overrides) or made.get("warmup_tokens") is not None:
         return None
     direct = [name for name, o in earlier.items() if apply_overrides(to_dict(base_config), o)["scaffold"].get(
         "supervise") == "base"]  # fmt: skip
@@ -146,7 +160,7 @@ def warmup_budget(out_root: str, direct: str, seed: int, steps: int) -> int:
     spends all at once before its first step. A ``ConfigError`` when that run is missing or spent nothing."""
     path = os.path.join(out_root, f"{direct}_seed{seed}", "metrics.jsonl")
     if not os.path.exists(path):
-        raise ConfigError(f"sft_warmup's budget is {direct}'s SFT tokens, and {path} does not exist")
+        raise ConfigError(f"the SFT warm-up's budget is {direct}'s SFT tokens, and {path} does not exist")
     spent = sum(int(r.get("scaffold/sft_tokens") or 0) for r in read_metrics(path)
                 if r.get("kind", "train") == "train" and r["step"] <= steps)  # fmt: skip
     if spent <= 0:
@@ -321,7 +335,8 @@ def _compare(argv: list[str] | None) -> int:
     budget = [o for o in args.overrides if o.partition("=")[0].strip() == "scaffold.warmup_tokens"]
     base = load_config(args.config, [o for o in args.overrides if o not in budget])
     arms = parse_arms(args.arm, base, budget)
-    sources = {name: budget_source(base, dict(list(arms.items())[:i]), o) for i, (name, o) in enumerate(arms.items())}
+    sources = {name: budget_source(base, dict(list(arms.items())[:i]), name, o)
+               for i, (name, o) in enumerate(arms.items())}  # fmt: skip
     for name, overrides in arms.items():
         for seed in args.seeds:  # a derived budget is checked once it is known (``budgeted``), the rest here
             derived = sources[name] is not None

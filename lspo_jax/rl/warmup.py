@@ -1,5 +1,6 @@
-"""SFT then RL (``scaffold.supervise: sft_warmup``): the base is fine-tuned on the training set's worked solutions
-before its first RL step, for ``scaffold.warmup_tokens`` solution tokens, and the steps that follow are DAPO's.
+"""SFT then RL: the base is fine-tuned on the training set's worked solutions before its first RL step, for
+``scaffold.warmup_tokens`` solution tokens, and the steps that follow are DAPO's (``scaffold.supervise: sft_warmup``)
+or LSPO's (``supervise: adapter``: SFT then LSPO).
 
 The budget is meant to match what the direct-supervision control (``scaffold.supervise: base``) spends over a run
 of the same config: the sum of its records' ``scaffold/sft_tokens`` (``sft_steps`` passes over each step's cliff
@@ -36,7 +37,7 @@ class WarmupStopped(Exception):
 
 def wanted(run: TrainConfig) -> bool:
     """Whether the run starts with the SFT warm-up."""
-    return run.scaffold.enabled and run.scaffold.supervise == "sft_warmup"
+    return run.scaffold.enabled and run.scaffold.warmup_tokens is not None
 
 
 def warmup_batches(run: TrainConfig, examples: Sequence[Any]) -> Iterator[list[Any]]:
