@@ -403,7 +403,7 @@ def check_train_loop(params) -> dict:
 def check_eval(_params) -> dict:
     """``lspo-eval`` on every device (rows split over 8) against the same on the first alone: which devices
     sampled, and the responses' tokens, which depend only on the key and the row, so equal."""
-    from lspo_jax.job import cli
+    from lspo_jax.job import cli, eval_command
     from lspo_jax.tasks import toy
 
     with tempfile.TemporaryDirectory() as workdir:
@@ -412,8 +412,8 @@ def check_eval(_params) -> dict:
             f.writelines(json.dumps(row) + "\n" for row in toy.addition_rows(4, (2, 2), seed=1))
         model_dir = toy_model.ensure_model(os.path.join(workdir, "toy"), steps=0)
         out = {}
-        for name, mesh in (("all", cli.eval_mesh), ("first", lambda: None)):
-            cli.eval_mesh, kept = mesh, cli.eval_mesh
+        for name, mesh in (("all", eval_command.eval_mesh), ("first", lambda: None)):
+            eval_command.eval_mesh, kept = mesh, eval_command.eval_mesh
             try:
                 argv = ["--model", model_dir, "--benchmarks", bench, "--n", "2", "--max-new-tokens", "8", "--workers",
                         "0", "--out", os.path.join(workdir, f"{name}.json"), "data.instruction_position=none",
@@ -421,7 +421,7 @@ def check_eval(_params) -> dict:
                 with contextlib.redirect_stdout(sys.stderr):  # this script's stdout is its JSON alone
                     status = cli.eval_main(argv)
             finally:
-                cli.eval_mesh = kept
+                eval_command.eval_mesh = kept
             with open(os.path.join(workdir, f"{name}.json")) as f:
                 result = json.load(f)
             with open(os.path.join(workdir, f"{name}.samples.jsonl")) as f:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from run_fixtures import FakeVerifier, flag_adapter
 
-from lspo_jax.job import cli
+from lspo_jax.job import errors
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import Run
 from lspo_jax.rl import scaffold, train
@@ -92,7 +92,7 @@ def test_lspo_train_ends_on_it_in_one_line_as_a_rollout_error(capsys):
         check(BASE + 0.0, noise=0.01)
 
     # The samples, not the config, are at fault: exit 4 (EXIT_ROLLOUT), said as a rollout error.
-    assert cli._run_command("lspo-train", body, None, "interrupted") == cli.EXIT_ROLLOUT == 4
+    assert errors.run_command("lspo-train", body, None, "interrupted") == errors.EXIT_ROLLOUT == 4
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert err.startswith("lspo-train: rollout error: rollout.engine vllm sampled the re-rolls of step 7 from the base")

@@ -94,14 +94,14 @@ def test_lspo_eval_reads_the_packaged_benchmarks_whole(capsys, monkeypatch):
 
 
 def test_lspo_eval_refuses_an_empty_out_and_a_config_beside_a_run(tmp_path, capsys):
-    from lspo_jax.job import cli
+    from lspo_jax.job import cli, errors
 
-    assert cli.eval_main(["--model", "toy", "--out", ""]) == cli.EXIT_CONFIG
+    assert cli.eval_main(["--model", "toy", "--out", ""]) == errors.EXIT_CONFIG
     assert "--out '': name a file to write" in capsys.readouterr().err
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.yaml").write_text("steps: 1\n")
-    assert cli.eval_main(["--model", str(run_dir), "--config", "configs/demo.yaml"]) == cli.EXIT_CONFIG
+    assert cli.eval_main(["--model", str(run_dir), "--config", "configs/demo.yaml"]) == errors.EXIT_CONFIG
     err = capsys.readouterr().err
     assert "is a training run, evaluated with its own config.yaml" in err and len(err.strip().splitlines()) == 1
 

@@ -130,7 +130,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_naming_the_os_error(tmp
     import orbax.checkpoint as ocp
     import pytest
 
-    from lspo_jax.job import cli
+    from lspo_jax.job import errors
     from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError
 
     checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
@@ -144,7 +144,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_naming_the_os_error(tmp
     monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full)
     with pytest.raises(CheckpointError, match="checkpoint step 3 could not be written in ") as info:
         checkpointer.save(3, {"base": {"w": jnp.ones(3)}, "rl_opt": {}}, {"step": 3})
-    assert cli.describe(info.value) == (
+    assert errors.describe(info.value) == (
         f"cannot write {checkpointer.directory}: No space left on device; free some space; a run continues from "
         "its last checkpoint with --resume"
     )

@@ -79,7 +79,8 @@ importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] == "
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_no_pytorch_advice_from_the_entry_points(quiet):
-    code = NO_TORCH + ("from lspo_jax.job import cli; cli._quiet_imports()\n" if quiet else "") + "import transformers"
+    quieted = "from lspo_jax.job import errors; errors._quiet_imports()\n" if quiet else ""
+    code = NO_TORCH + quieted + "import transformers"
     env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stderr
     assert ("PyTorch was not found" in err) is not quiet  # without the entry point's setting it is printed

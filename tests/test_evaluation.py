@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from lspo_jax.job import cli, evaluation, toy_model
+from lspo_jax.job import cli, errors, eval_command, evaluation, toy_model
 from lspo_jax.job.evaluation import pass_at_k
 from lspo_jax.models import hf
 from lspo_jax.tasks import benchmarks, data
@@ -279,7 +279,7 @@ def test_lspo_eval_by_a_protocol_over_two_seeds(model_dir, tmp_path, monkeypatch
     assert (results["n"], results["ks"], results["temperature"], results["top_p"]) == (2, [1, 2], 0.6, 0.95)
     assert {(d.temperature, d.top_p, d.max_new_tokens) for d in decodings} == {(0.6, 0.95, 8)}
     assert (results["seeds"], results["engine"], results["versions"]["jax"]) == ([1, 2], "jax", jax.__version__)
-    assert results["devices"] == cli.evenly_splitting(jax.local_device_count())
+    assert results["devices"] == eval_command.evenly_splitting(jax.local_device_count())
     bench = results["benchmarks"]["toy_heldout"]
     lines = [json.loads(line) for line in (tmp_path / "r.samples.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 2 * 2 and all(set(line) == SAMPLE_FIELDS for line in lines)  # problems x n x seeds
@@ -306,7 +306,7 @@ def test_lspo_eval_keeps_the_benchmarks_scored_before_a_stop(model_dir, tmp_path
     never left looking current."""
     from lspo_jax.job import build
 
-    real, calls = cli._eval_benchmark, []
+    real, calls = eval_command._eval_benchmark, []
 
     def second_interrupted(*args):
         calls.append(args[3])
@@ -314,25 +314,25 @@ def test_lspo_eval_keeps_the_benchmarks_scored_before_a_stop(model_dir, tmp_path
             os.kill(os.getpid(), signal.SIGINT)
         return real(*args)
 
-    monkeypatch.setattr(cli, "_eval_benchmark", second_interrupted)
+    monkeypatch.setattr(eval_command, "_eval_benchmark", second_interrupted)
     monkeypatch.setattr(build, "make_verifier", lambda run: _EvenLengthPasses())
     out = tmp_path / "r.json"
     out.write_text(json.dumps({"finished": True, "benchmarks": {"old": {}}}))  # an earlier evaluation's file
     argv = ["--model", model_dir, "--benchmarks", "toy:heldout,toy:heldout_3digit", "--limit", "2", "--n", "1",
             "--max-new-tokens", "4", "--workers", "0", "--out", str(out), "data.instruction_position=none",
             "data.max_prompt_tokens=248"]  # fmt: skip
-    assert cli.eval_main(argv) == cli.EXIT_INTERRUPTED
+    assert cli.eval_main(argv) == errors.EXIT_INTERRUPTED
     results = json.loads(out.read_text())
     assert results["finished"] is False and list(results["benchmarks"]) == ["toy_heldout"] and len(calls) == 2
     assert "lspo-eval: interrupted; the 1 benchmark scored in " in capsys.readouterr().err
-    monkeypatch.setattr(cli, "_eval_benchmark", real)
+    monkeypatch.setattr(eval_command, "_eval_benchmark", real)
     assert cli.eval_main(argv) == 0
     results = json.loads(out.read_text())
     assert results["finished"] is True and list(results["benchmarks"]) == ["toy_heldout", "toy_heldout_3digit"]
 
 
 def test_lspo_eval_refuses_a_bad_protocol_seeds_or_samples_file_before_any_work(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_eval_model", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(eval_command, "_eval_model", lambda args: pytest.fail("the model was loaded"))
     base = ["--model", "toy", "--benchmarks", "toy:heldout"]
     refusals = {
         ("--protocol", "r1"): "--protocol: must be one of deepscaler, deepmath, dapo, lspo (or null), got 'r1'",
@@ -344,8 +344,8 @@ def test_lspo_eval_refuses_a_bad_protocol_seeds_or_samples_file_before_any_work(
     for argv, message in refusals.items():
         assert cli.eval_main([*base, *argv]) == 2
         assert message in capsys.readouterr().err
-    assert cli.samples_path(str(tmp_path / "r.json"), None) == str(tmp_path / "r.samples.jsonl")
-    assert cli.samples_path(None, None) is None and cli.samples_path("r.json", "s.jsonl") == "s.jsonl"
+    assert eval_command.samples_path(str(tmp_path / "r.json"), None) == str(tmp_path / "r.samples.jsonl")
+    assert eval_command.samples_path(None, None) is None and eval_command.samples_path("r.json", "s.jsonl") == "s.jsonl"
 
 
 def test_answer_entropy_by_hand():
@@ -488,13 +488,13 @@ def test_coverage_ks_and_schedule_checks():
 
 
 def test_lspo_eval_benchmarks_the_flag_else_the_config_s_else_the_packaged_three():
-    assert cli._benchmarks("a, b,", ("c",)) == ["a", "b"]  # the flag wins over the config's list
-    assert cli._benchmarks(None, ("c",)) is None  # None: the config's own list is kept
-    assert cli._benchmarks(None, ()) == ["math500", "aime24", "aime25"]
+    assert eval_command._benchmarks("a, b,", ("c",)) == ["a", "b"]  # the flag wins over the config's list
+    assert eval_command._benchmarks(None, ("c",)) is None  # None: the config's own list is kept
+    assert eval_command._benchmarks(None, ()) == ["math500", "aime24", "aime25"]
     with pytest.raises(ConfigError, match="--benchmarks ',': names no benchmark"):
-        cli._benchmarks(",", ("c",))
+        eval_command._benchmarks(",", ("c",))
 
 
 def test_lspo_eval_samples_on_a_power_of_two_of_the_devices():
     # A call's rows are its problems rounded up to a power of two times n: they split over 4 of 6 devices.
-    assert [cli.evenly_splitting(n) for n in (1, 2, 3, 6, 7, 8, 12, 16)] == [1, 2, 2, 4, 4, 8, 8, 16]
+    assert [eval_command.evenly_splitting(n) for n in (1, 2, 3, 6, 7, 8, 12, 16)] == [1, 2, 2, 4, 4, 8, 8, 16]

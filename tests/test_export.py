@@ -17,7 +17,7 @@ import pytest
 from run_fixtures import one_line
 from safetensors.numpy import load_file
 
-from lspo_jax.job import cli, export
+from lspo_jax.job import cli, errors, export
 from lspo_jax.models import hf
 
 
@@ -150,3 +150,11 @@ def test_export_refuses_the_run_directory_and_an_out_holding_more_than_a_model(r
         assert len(err.splitlines()) == 1 and f"lspo-export: {message}" in err, err
     assert {path: listing(path) for path in before} == before
     assert sorted(os.listdir(tmp_path)) == ["link", "model", "notes", "run"]
+
+
+def test_an_adapter_asked_of_a_run_that_trained_the_base_is_refused_in_one_line(run_dir, tmp_path, capsys):
+    """``--adapter`` of a run with ``optim.train: full``: its checkpoints hold the base alone, no adapter to write."""
+    assert cli.export_main([run_dir, str(tmp_path / "hf"), "--adapter"]) == errors.EXIT_CONFIG
+    err = one_line(capsys, "lspo-export")
+    assert err == "lspo-export: no policy adapter to write: the run trained the base (optim.train: full)\n", err
+    assert os.listdir(tmp_path) == ["run"]  # nothing staged, nothing left

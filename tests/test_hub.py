@@ -18,7 +18,7 @@ import pytest
 from hub_cache import files_of, write_repo
 
 from lspo_jax import hub
-from lspo_jax.job import build, cli
+from lspo_jax.job import build, cli, errors
 from lspo_jax.job.config import load_config
 from lspo_jax.models import hf
 from lspo_jax.tasks import benchmarks, data
@@ -80,7 +80,7 @@ def test_model_path_by_hub_name_loads_the_cached_snapshot(hub_cache, hf_untied_d
 def test_a_name_missing_from_the_cache_is_one_line_that_says_how_to_fetch_it(hub_cache, capsys):
     code = cli.eval_main(["--model", "nobody/missing-model", "--benchmarks", "math500", "--workers", "0"])
     err = capsys.readouterr().err.strip()
-    assert code == cli.EXIT_CONFIG and len(err.splitlines()) == 1, err
+    assert code == errors.EXIT_CONFIG and len(err.splitlines()) == 1, err
     assert "model.path nobody/missing-model" in err and "hf download nobody/missing-model" in err
     assert str(hub_cache) in err  # where it looked
 

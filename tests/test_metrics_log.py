@@ -111,10 +111,10 @@ def test_a_cut_off_last_line_is_left_out_and_a_bad_line_elsewhere_is_named(tmp_p
 
 
 def test_lspo_eval_refuses_zero_samples_instead_of_taking_the_default():
-    from lspo_jax.job import cli
+    from lspo_jax.job import eval_command
 
-    args = cli._eval_parser().parse_args(["--model", "toy", "--n", "0"])
+    args = eval_command.parser().parse_args(["--model", "toy", "--n", "0"])
     with pytest.raises(ConfigError, match=r"^eval\.(n|ks)"):
-        cli._eval_settings(load_config(None), args)
-    default = cli._eval_settings(load_config(None), cli._eval_parser().parse_args(["--model", "toy"]))
+        eval_command._eval_settings(load_config(None), args)
+    default = eval_command._eval_settings(load_config(None), eval_command.parser().parse_args(["--model", "toy"]))
     assert default.eval.n == load_config(None).eval.n

@@ -66,7 +66,8 @@ def test_a_folder_exports_resolve():
 
 def test_importing_the_package_or_a_command_imports_no_jax():
     """The commands start fast: their module imports JAX only when a command runs."""
-    code = "import sys, lspo_jax.job.cli, lspo_jax.job, lspo_jax.rl, lspo_jax.methods.l2rr; print('jax' in sys.modules)"
+    modules = "lspo_jax.job.cli, lspo_jax.job.eval_command, lspo_jax.job.errors, lspo_jax.job, lspo_jax.rl"
+    code = f"import sys, {modules}, lspo_jax.methods.l2rr; print('jax' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 

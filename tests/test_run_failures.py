@@ -31,7 +31,7 @@ from run_fixtures import (
     write_jsonl,
 )
 
-from lspo_jax.job import cli, evaluation
+from lspo_jax.job import cli, errors, evaluation
 from lspo_jax.job import run as run_module
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import Run, RunStopped
@@ -133,7 +133,7 @@ def test_sigterm_checkpoints_and_exits_with_the_resumable_status(tmp_path, make_
     monkeypatch.setattr(run_module, "train_step", step_then_sigterm)
     config = write_config(tmp_path / "c.yaml", make_config(steps=5, checkpoint__every=10))
     with cli_verifier(monkeypatch, easy_rule):
-        assert cli.train_main(["--config", config, "--out", str(tmp_path / "r")]) == cli.EXIT_STOPPED == 75
+        assert cli.train_main(["--config", config, "--out", str(tmp_path / "r")]) == errors.EXIT_STOPPED == 75
     assert "stopped at step 1 with a checkpoint; --resume continues it" in capsys.readouterr().err
     with open(tmp_path / "r" / "summary.json") as f:
         summary = json.load(f)
@@ -175,7 +175,7 @@ def test_a_sigterm_after_training_lets_the_run_finish_and_a_second_ends_it(capsy
     """Once training has ended the run closes and plots: a SIGTERM then is neither a stop during start-up (the
     interrupted line, 130) nor a reason to leave the engine and verifier processes behind."""
     before = signal.getsignal(signal.SIGTERM)
-    with cli._terminate_as_interrupt():
+    with errors._terminate_as_interrupt():
         with pytest.raises(KeyboardInterrupt):  # during start-up
             os.kill(os.getpid(), signal.SIGTERM)
         cli._finish_on_terminate()  # what train_run calls once training has ended
@@ -336,15 +336,15 @@ def test_describe_says_what_failed_without_calling_a_read_a_write():
     from lspo_jax.tasks.data import DataError
 
     denied = PermissionError(errno.EACCES, "Permission denied", "/data/x.jsonl")
-    assert cli.describe(denied) == "cannot use /data/x.jsonl: Permission denied; check its permissions"
+    assert errors.describe(denied) == "cannot use /data/x.jsonl: Permission denied; check its permissions"
     try:  # a data file that cannot be read: its own line, not advice about writing
         raise DataError("/data/x.jsonl: cannot be opened (PermissionError: Permission denied)") from denied
     except DataError as err:
-        assert cli.describe(err) == "/data/x.jsonl: cannot be opened (PermissionError: Permission denied)"
+        assert errors.describe(err) == "/data/x.jsonl: cannot be opened (PermissionError: Permission denied)"
     try:  # space is only ever a write's, found through the causes
         raise CheckpointError("checkpoint step 3 could not be written") from OSError(errno.ENOSPC, "No space", "/c")
     except CheckpointError as err:
-        assert cli.describe(err).startswith("cannot write /c: No space; free some space")
+        assert errors.describe(err).startswith("cannot write /c: No space; free some space")
 
 
 def test_the_machine_refusing_a_write_is_one_line_and_the_traceback_is_there_when_asked(tmp_path, capsys,
@@ -363,11 +363,11 @@ def test_the_machine_refusing_a_write_is_one_line_and_the_traceback_is_there_whe
     assert one_line(capsys, "lspo-train").strip() == (
         f"lspo-train: cannot write {lock}: Read-only file system; choose a writable --out"
     )
-    monkeypatch.setenv(cli.DEBUG_VAR, "1")
+    monkeypatch.setenv(errors.DEBUG_VAR, "1")
     assert cli.train_main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and err.splitlines()[-1].startswith(f"lspo-train: cannot write {lock}")
-    monkeypatch.delenv(cli.DEBUG_VAR)
+    monkeypatch.delenv(errors.DEBUG_VAR)
 
     def out_of_memory(*args, **kwargs):  # what XLA raises on an accelerator for a batch it cannot allocate
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.\nmore")

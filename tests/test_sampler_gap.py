@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from run_fixtures import run_steps, train_records
 
-from lspo_jax.job import cli
+from lspo_jax.job import errors
 from lspo_jax.job.run import SamplerGapError
 from lspo_jax.options import RolloutError
 from lspo_jax.rl import scaffold, train
@@ -87,6 +87,6 @@ def test_a_rollout_error_is_one_line_with_its_own_status(capsys, error):
         raise error
 
     assert isinstance(error, RolloutError) and not isinstance(error, ConfigError)
-    assert cli._run_command("lspo-train", body, None, "interrupted") == cli.EXIT_ROLLOUT == 4
+    assert errors.run_command("lspo-train", body, None, "interrupted") == errors.EXIT_ROLLOUT == 4
     err = capsys.readouterr().err
     assert err == f"lspo-train: rollout error: {error}\n"

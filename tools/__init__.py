@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lspo_jax.job import cli
+from lspo_jax.job import errors
 from lspo_jax.train_config import ConfigError
 
 # The larger data files (GSM8K, AIME 1983-2023) that the tools read and the package never ships: the folder beside the
@@ -22,7 +21,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def run_main(prog: str, body: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """``body(argv)``'s exit status (None: 0) through the commands' funnel (``lspo_jax.job.cli``): a user error (a
+    """``body(argv)``'s exit status (None: 0) through the commands' funnel (``lspo_jax.job.errors``): a user error (a
     bad option, config, path or file, what the machine refused, the devices' memory) is one line ``PROG: what`` and
     exit 2, its traceback only with ``LSPO_JAX_DEBUG`` set; Ctrl-C is exit 130. argparse's usage errors and a
     status a tool raises itself (``SystemExit``) pass as they are; any other error is a bug: its traceback."""
@@ -30,25 +29,24 @@ def run_main(prog: str, body: Callable[[list[str] | None], int | None], argv: li
         status = body(argv)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
-        return cli.EXIT_INTERRUPTED
+        return errors.EXIT_INTERRUPTED
     except Exception as err:
         # The devices' memory is the commands' user error too: a shape the machine cannot hold, not a bug.
-        if not (isinstance(err, cli._user_errors()) or cli._out_of_memory(err)):
+        if not (isinstance(err, errors.user_errors()) or errors.out_of_memory(err)):
             raise
-        if os.environ.get(cli.DEBUG_VAR, "0") not in ("", "0"):
-            traceback.print_exc()
+        errors.debug_traceback()
         print(f"{prog}: {describe(err)}", file=sys.stderr)
-        return cli.EXIT_CONFIG
+        return errors.EXIT_CONFIG
     return status or 0
 
 
 def describe(err: BaseException) -> str:
-    """The commands' one line for ``err`` (``cli.describe``), without ``config error:`` before a ``ConfigError``: a
+    """The commands' one line for ``err`` (``errors.describe``), without ``config error:`` before a ``ConfigError``: a
     tool's names the option or key it is about itself (``--arm none: scaffold.corection: unknown key``)."""
     if isinstance(err, ConfigError):
         lines = str(err).strip().splitlines()
         return lines[0] if lines else type(err).__name__
-    return cli.describe(err)
+    return errors.describe(err)
 
 
 def resume_or_restart(out: str, tool: str) -> bool:
@@ -57,7 +55,7 @@ def resume_or_restart(out: str, tool: str) -> bool:
     tool made them, so it removes them, says so, and the run starts again."""
     import shutil
 
-    if cli.has_checkpoint(out):
+    if errors.has_checkpoint(out):
         return True
     if os.path.isdir(out) and os.listdir(out):
         print(f"{tool}: {out} stopped before its first checkpoint; starting it again", file=sys.stderr)

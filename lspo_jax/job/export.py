@@ -33,6 +33,7 @@ from lspo_jax import hub
 from lspo_jax.config import ModelConfig
 from lspo_jax.job.build import abstract_checkpoint_state, load_policy, model_dir
 from lspo_jax.job.config import load_config
+from lspo_jax.job.errors import NoPolicyAdapterError
 from lspo_jax.models import hf, model, peft
 from lspo_jax.models.model import Params
 from lspo_jax.rl import checkpoint
@@ -100,6 +101,8 @@ def export_checkpoint(
     """Write the base params of checkpoint ``step`` (default: the latest) of ``run_dir`` to ``out``; return ``out``.
     A LoRA RL run's are the merged policy, or with ``adapter`` its policy adapter as a PEFT directory.
 
+    ``adapter`` of a run that trained the base itself is refused (``NoPolicyAdapterError``): it has none.
+
     ``out`` ends up either the whole export or as it was: the files are written beside it and renamed into place
     (``_staged``). ``check`` is called after the restore and after each tensor and file written, and may raise to
     end the export there (a stop: ``StopFlag.startup_point``), leaving ``out`` as it was. Once the rename is done, a
@@ -111,6 +114,8 @@ def export_checkpoint(
     check()
     tokenizer_from = model_dir(run, os.path.join(run_dir, "cache"))
     if adapter:
+        if "policy" not in params:
+            raise NoPolicyAdapterError("no policy adapter to write: the run trained the base (optim.train: full)")
         base_model = run.model.path if hub.is_hub_name(run.model.path) else os.path.abspath(tokenizer_from)
         with _staged(os.path.realpath(out)) as staging:
             peft.save_adapter(staging, policy.config, params, base_model=base_model, check=check)
