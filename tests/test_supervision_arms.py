@@ -18,12 +18,13 @@ from run_fixtures import copy_tree, run_steps, train_records, trees_differ, wrap
 
 from lspo_jax import options
 from lspo_jax.job.compiles import KEYS as COMPILE_KEYS
+from lspo_jax.job.config_io import load_config
 from lspo_jax.job.metrics_log import read_metrics, rewrite
+from lspo_jax.job.signals import StopFlag
 from lspo_jax.rl import losses
 from lspo_jax.rl.checkpoint import TrainState
 from lspo_jax.rl.learner import SFTTerm
-from lspo_jax.signals import StopFlag
-from lspo_jax.train_config import ConfigError, load_config
+from lspo_jax.train_config import ConfigError
 
 LN2 = math.log(2.0)
 
@@ -237,8 +238,12 @@ def test_sft_then_lspo_warms_up_then_scaffolds_every_step(tmp_path, make_config,
     step's cliff fitted an adapter and was re-rolled, as in plain LSPO."""
     config = make_config(scaffold__warmup_tokens=60)
     fits = []
-    job = run_steps(config, str(tmp_path / "run"), easy_rule,
-                    prepare=lambda job: wrap(job.learner, "reset_adapter", before=lambda *a, **k: fits.append(1)))
+    job = run_steps(
+        config,
+        str(tmp_path / "run"),
+        easy_rule,
+        prepare=lambda job: wrap(job.learner, "reset_adapter", before=lambda *a, **k: fits.append(1)),
+    )
     warm, *train = _same(str(tmp_path / "run"))
     assert warm["kind"] == "warmup" and warm["scaffold/warmup_tokens"] >= 60 and warm["scaffold/warmup_updates"] == 2
     assert [r["step"] for r in train] == [1, 2] and len(fits) == 2  # a fresh adapter each step

@@ -231,7 +231,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
-    from lspo_jax.signals import StartupStopped, StopFlag
+    from lspo_jax.job.signals import StartupStopped, StopFlag
 
     # SIGTERM and Ctrl-C set a flag from here on, read at start-up's own points and then by the loop: a handler that
     # raised could land in a garbage-collector callback, where the exception is dropped and the run goes on.
@@ -259,7 +259,7 @@ def _train(args) -> int:
 def _start_and_train(args, stop) -> dict | int:
     """The run's summary, or an exit status: 0 after ``--print-config``, 3 stopped after non-finite updates.
     ``stop`` (entered) is asked between the parts of start-up; the run reads it from then on."""
-    from lspo_jax.train_config import to_dict
+    from lspo_jax.job.config_io import to_dict
 
     config = _train_config(args)
     if args.print_config:
@@ -401,8 +401,9 @@ def _protocol_help() -> str:
 def _eval_settings(run, args):
     """``run`` with this command's evaluation settings on top (each only when given): ``--protocol``'s sampling
     settings but those that a flag here or an ``eval.KEY=`` override names, then the flags."""
+    from lspo_jax.job.config_io import apply_overrides, from_dict, to_dict
     from lspo_jax.options import eval_protocol
-    from lspo_jax.train_config import EvalConfig, apply_overrides, from_dict, to_dict
+    from lspo_jax.train_config import EvalConfig
 
     named = {item.partition("=")[0] for item in args.overrides}
     sampling = {}
@@ -558,7 +559,7 @@ def _eval(args) -> int:
 def _until_stopped(prog: str, where: str, what: str, body, args) -> int:
     """``body(args, stop)`` under a ``StopFlag`` that says it stops ``where``; a stop it takes (``StartupStopped``,
     raised at its points) ends the command with one line, nothing ``what``, and ``EXIT_INTERRUPTED``."""
-    from lspo_jax.signals import StartupStopped, StopFlag
+    from lspo_jax.job.signals import StartupStopped, StopFlag
 
     with StopFlag(prog) as stop:
         stop.expect(f"{where}; nothing is {what}")
