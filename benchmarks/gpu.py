@@ -136,8 +136,9 @@ from lspo_jax.rl.prompts import Draw
 from lspo_jax.rollout import sampler
 from lspo_jax.rollout.generator import Policy
 from lspo_jax.rollout.kv_cache import cache_nbytes
+from lspo_jax.step_config import LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig
 from lspo_jax.tasks.data import Example
-from lspo_jax.train_config import DataConfig, LossConfig, RewardConfig, RolloutConfig, ScaffoldConfig, TrainConfig
+from lspo_jax.train_config import DataConfig, TrainConfig
 
 SECTIONS = ("sampler", "train", "lspo", "vllm")
 BATCH_LABELS = ("b256", "b64")

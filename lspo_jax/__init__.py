@@ -1,7 +1,12 @@
 """LoRA Scaffolded Policy Optimization in JAX: one folder per layer, each importing only the ones below it.
 
-    config, options, train_config, text   the run's frozen config and option names (import no folder)
-    hub         models and datasets by their Hugging Face hub names, from the standard cache
+    options     every option's values and the checks of a config's fields
+    config      the model's frozen config (its shape, numerics and LoRA adapters)
+    train_config, step_config, optim_config
+                the run's frozen config, section by section, each key's meaning the docstring under its field
+    hub         models and datasets by their Hugging Face hub names, from the standard cache (the root's one
+                module beyond the config: tasks/, which reads only the root, fetches datasets with it, and job/
+                the policy's weights)
     models/     the Qwen2 forward pass, attention kernels, logical axes and the mesh, Hugging Face conversion
     tasks/      prompts, gold answers and worked solutions; the math verifier and its worker pool; the toy task
     rollout/    sampling: the KV cache, the JAX sampler, the vLLM engine
@@ -77,6 +82,22 @@ class _OldPaths:
 
 if not any(isinstance(finder, _OldPaths) for finder in sys.meta_path):
     sys.meta_path.insert(0, _OldPaths())
+
+
+def moved_names(module: str, names: dict[str, str]) -> Any:
+    """A module's ``__getattr__`` for the public names that moved out of it: ``names`` maps each to the module it
+    lives in now (relative to the package); reading one there warns with a ``DeprecationWarning`` naming that path,
+    for release 0.1 only."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        new = f"{__name__}.{names[name]}"
+        warnings.warn(f"{module}.{name} is {new}.{name}; the old path goes in {REMOVED_IN}", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        return getattr(importlib.import_module(new), name)
+
+    return __getattr__
 
 
 def lazy_exports(package: str, names: dict[str, str]) -> tuple[Any, Any]:

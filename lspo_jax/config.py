@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lspo_jax.options import Attention, DecodeAttention, FieldError, Remat, choices
+from lspo_jax.options import Attention, DecodeAttention, FieldError, Remat, check_fields, choices
 
 # Projections of a decoder layer that can carry a LoRA adapter (peft's q_proj ... down_proj).
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -44,8 +44,11 @@ class LoraConfig:
     """
 
     rank: int = 16
+    """The rank of the low-rank adapter `W + (alpha / rank) * s * B A`."""
     alpha: float = 64.0
+    """The adapter's `alpha`: `B A` is scaled by `alpha / rank` (4.0 at rank 16, alpha 64)."""
     targets: tuple[str, ...] = LORA_TARGETS
+    """The projections of each decoder layer that carry the adapter (peft's `q_proj` ... `down_proj`)."""
 
     def __post_init__(self) -> None:
         # YAML gives lists; a tuple keeps the dataclass hashable (configs are static jit arguments).
@@ -166,87 +169,45 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
-        if self.head_dim is None and self.num_heads > 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if isinstance(self.lora, dict):
-            object.__setattr__(self, "lora", LoraConfig(**self.lora))
-        if isinstance(self.policy_lora, dict):
-            object.__setattr__(self, "policy_lora", LoraConfig(**self.policy_lora))
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        self._read_nested()
         _check(self.family in FAMILIES, "ModelConfig", "family", f"must be one of {list(FAMILIES)}", self.family)
-        _check(
-            self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
-            "ModelConfig",
-            "rope_scaling",
-            "must be a RopeScaling or null",
-            self.rope_scaling,
-        )
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        _check(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling), "ModelConfig", "rope_scaling",
+               "must be a RopeScaling or null", self.rope_scaling)  # fmt: skip
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, "ModelConfig", name, "must be a positive int", value)
         _check(self.head_dim > 0, "ModelConfig", "head_dim", "must be positive", self.head_dim)
-        _check(
-            self.head_dim % 2 == 0,
-            "ModelConfig",
-            "head_dim",
-            "must be even for rotary embeddings",
-            self.head_dim,
-        )
-        _check(
-            self.num_heads % self.num_kv_heads == 0,
-            "ModelConfig",
-            "num_kv_heads",
-            f"must divide num_heads={self.num_heads} (grouped-query attention)",
-            self.num_kv_heads,
-        )
-        _check(self.rope_theta > 0, "ModelConfig", "rope_theta", "must be positive", self.rope_theta)
-        _check(self.rms_norm_eps > 0, "ModelConfig", "rms_norm_eps", "must be positive", self.rms_norm_eps)
-        _check(
-            self.max_position_embeddings > 0,
-            "ModelConfig",
-            "max_position_embeddings",
-            "must be positive",
-            self.max_position_embeddings,
-        )
-        for name in ("param_dtype", "compute_dtype"):
-            value = getattr(self, name)
-            _check(value in _DTYPES, "ModelConfig", name, f"must be one of {_DTYPES}", value)
-        _check(isinstance(self.lora, LoraConfig), "ModelConfig", "lora", "must be a LoraConfig", self.lora)
-        _check(self.policy_lora is None or isinstance(self.policy_lora, LoraConfig), "ModelConfig", "policy_lora",
-               "must be a LoraConfig or None", self.policy_lora)  # fmt: skip
-        _check(self.remat in REMAT_POLICIES, "ModelConfig", "remat", f"must be one of {REMAT_POLICIES}", self.remat)
-        _check(
-            self.attention in ATTENTION_IMPLS,
-            "ModelConfig",
-            "attention",
-            f"must be one of {ATTENTION_IMPLS}",
-            self.attention,
-        )
-        _check(
-            self.decode_attention in DECODE_ATTENTION,
-            "ModelConfig",
-            "decode_attention",
-            f"must be one of {DECODE_ATTENTION}",
-            self.decode_attention,
-        )
+        check_fields(self, {
+            "head_dim": (self.head_dim % 2 == 0, "must be even for rotary embeddings"),
+            "num_kv_heads": (self.num_heads % self.num_kv_heads == 0,
+                             f"must divide num_heads={self.num_heads} (grouped-query attention)"),
+            "rope_theta": (self.rope_theta > 0, "must be positive"),
+            "rms_norm_eps": (self.rms_norm_eps > 0, "must be positive"),
+            "max_position_embeddings": (self.max_position_embeddings > 0, "must be positive"),
+            "param_dtype": (self.param_dtype in _DTYPES, f"must be one of {_DTYPES}"),
+            "compute_dtype": (self.compute_dtype in _DTYPES, f"must be one of {_DTYPES}"),
+            "lora": (isinstance(self.lora, LoraConfig), "must be a LoraConfig"),
+            "policy_lora": (self.policy_lora is None or isinstance(self.policy_lora, LoraConfig),
+                            "must be a LoraConfig or None"),
+            "remat": (self.remat in REMAT_POLICIES, f"must be one of {REMAT_POLICIES}"),
+            "attention": (self.attention in ATTENTION_IMPLS, f"must be one of {ATTENTION_IMPLS}"),
+            "decode_attention": (self.decode_attention in DECODE_ATTENTION, f"must be one of {DECODE_ATTENTION}"),
+        })  # fmt: skip
         if self.attention == "cudnn":  # the fused kernel's own limits, named here rather than deep in a trace
-            _check(
-                self.compute_dtype == "bfloat16",
-                "ModelConfig",
-                "attention",
-                "cudnn needs compute_dtype bfloat16",
-                self.compute_dtype,
-            )
-            _check(
-                self.head_dim % 8 == 0,
-                "ModelConfig",
-                "attention",
-                "cudnn needs head_dim % 8 == 0",
-                self.head_dim,
-            )
+            _check(self.compute_dtype == "bfloat16", "ModelConfig", "attention", "cudnn needs compute_dtype bfloat16",
+                   self.compute_dtype)  # fmt: skip
+            _check(self.head_dim % 8 == 0, "ModelConfig", "attention", "cudnn needs head_dim % 8 == 0", self.head_dim)
+
+    def _read_nested(self) -> None:
+        """The fields a dict or a list may give (``from_hf_config``, a YAML file) as their classes and tuples, and a
+        null ``head_dim`` as ``hidden_size / num_heads``; frozen: set once, while the config is being built."""
+        if self.head_dim is None and self.num_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for name, cls in (("lora", LoraConfig), ("policy_lora", LoraConfig), ("rope_scaling", RopeScaling)):
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, cls(**getattr(self, name)))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
     @property
     def qkv_bias(self) -> bool:

@@ -1,11 +1,12 @@
-"""Every option's vocabulary, typed, and the optimizers' settings: the ground floor the other modules read.
+"""Every option's vocabulary, typed, and the checks of a config's fields: the ground floor the other modules read.
 
 An option is a ``Literal`` of its values, declared here once with what each value means; a config field takes the
 type (``splice: Splice = "partial"``) and ``check`` validates every such field of a config the same way, so the
 YAML reader (``train_config``), a config built in Python and the functions that act on an option agree on one
 vocabulary (``choices(Splice)``: its values in declaration order, the first the default). An option that selects
 a strategy (an estimator, a splice, a correction, an adapter lifetime) has a ``Registry`` beside the code that
-implements it, the one place its name is looked up. Nothing here imports the rest of the package.
+implements it, the one place its name is looked up. ``require`` and ``require_bound`` say a bad value in the config's
+one dialect (``rollout.top_k: must be >= 0 (0 disables it), got -1``). Nothing here imports the rest of the package.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
+
+from lspo_jax import moved_names
 
 
 class ConfigError(ValueError):
@@ -131,6 +134,32 @@ def check(config: Any, section: str) -> None:
         require_choice(option, getattr(config, name), f"{section}.{name}")
 
 
+def require(ok: bool, key: str, message: str, *value: Any) -> None:
+    """A ``ConfigError`` in the config's one dialect unless ``ok``: ``key: what is allowed, got value`` (the value
+    left out where the message says it, or where no one value is at fault)."""
+    if not ok:
+        raise ConfigError(f"{key}: {message}" + (f", got {value[0]!r}" if value else ""))
+
+
+def require_bound(
+    config: Any, section: str, *names: str, low: float = 0, inclusive: bool = False, null: bool = False, why: str = ""
+) -> None:
+    """Each field ``names`` of the dataclass ``config`` above ``low`` (or at it, where ``inclusive``; or None, where
+    ``null``), else a ``ConfigError`` at ``section.name`` (``name`` at the top level, ``section`` empty) that says
+    the bound: ``must be positive``, ``must be positive or null``, ``must be >= 0 (0 never compacts)`` (``why``),
+    ``must be > 1 or null``."""
+    bound = "positive" if (low, inclusive) == (0, False) else f"{'>=' if inclusive else '>'} {low}"
+    message = f"must be {bound}" + (" or null" if null else "") + (f" ({why})" if why else "")
+    for name in names:
+        value = getattr(config, name)
+        ok = (null and value is None) or (value is not None and (value >= low if inclusive else value > low))
+        require(ok, f"{section}.{name}" if section else name, message, value)
+
+
+def positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 # ------------------------------------------------------------------------------------------- registries
 class Registry(dict):
     """One option axis's strategies by name: ``@REGISTRY.register("loo")`` files a function (or an object) under a
@@ -161,100 +190,6 @@ class Registry(dict):
         if name not in self:
             raise ValueError(f"unknown {self.what} {name!r}; known: {tuple(self)}")
         return self[name]
-
-
-# ------------------------------------------------------------------------------------------ optimizers
-@dataclasses.dataclass(frozen=True)
-class AdamWConfig:
-    """AdamW with linear warm-up, a decay after it, and global-norm clipping.
-
-    ``lr_t = lr * min(1, (t + 1) / warmup_steps)`` for update t = 0, 1, ... (the first update already moves;
-    ``warmup_steps = 0``: no warm-up). After the warm-up ``schedule`` holds ``lr`` (``constant``) or decays it to
-    ``min_lr_ratio * lr`` at update ``decay_steps``, then holds that: with the progress
-    ``p = min(1, (t - W) / max(1, D - W))`` (W = warmup_steps, D = decay_steps, m = min_lr_ratio), ``cosine`` is
-    ``lr * (m + (1 - m) (1 + cos(pi p)) / 2)`` and ``linear`` is ``lr * (1 - (1 - m) p)``. ``decay_steps: null`` is the
-    optimizer's lifetime in updates, filled in by the run's config (``TrainConfig``) and recorded in its config.yaml:
-    for ``optim`` the run's updates (``steps x optim.mini_batches x optim.epochs``), for ``scaffold.sft``
-    ``scaffold.sft_steps`` (a fresh adapter's optimizer lives for one step's SFT; give a persistent adapter's its own).
-    ``max_grad_norm = None`` disables clipping. Weight decay is decoupled (``p -= lr_t * weight_decay * p``) and applies
-    to every parameter of the subtree.
-    """
-
-    SECTION: ClassVar[str] = ""  # the dotted section a subclass is read at, which its option errors name
-
-    lr: float = 1e-3
-    warmup_steps: int = 0
-    schedule: LRSchedule = "constant"
-    min_lr_ratio: float = 0.0
-    decay_steps: int | None = None
-    weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        if self.SECTION:
-            check(self, self.SECTION)
-        decay_ok = self.decay_steps is None or (isinstance(self.decay_steps, int) and self.decay_steps >= 1)
-        checks = {
-            "lr": (self.lr > 0, "must be positive"),
-            "warmup_steps": (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "must be an int >= 0"),
-            "schedule": (self.schedule in choices(LRSchedule), f"must be one of {choices(LRSchedule)}"),
-            "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
-            "decay_steps": (decay_ok, "must be a positive int or null (the optimizer's lifetime)"),
-            "weight_decay": (self.weight_decay >= 0, "must be >= 0"),
-            "max_grad_norm": (self.max_grad_norm is None or self.max_grad_norm > 0, "must be positive or null"),
-            "b1": (0 <= self.b1 < 1, "must be in [0, 1)"),
-            "b2": (0 <= self.b2 < 1, "must be in [0, 1)"),
-            "eps": (self.eps > 0, "must be positive"),
-        }
-        check_fields(self, checks)
-
-    def lasting(self, updates: int) -> AdamWConfig:
-        """This config with a null ``decay_steps`` set to ``updates``, the optimizer's lifetime; a constant schedule,
-        which reads no horizon, comes back as it is (the default programs keep their config)."""
-        if self.decay_steps is not None or self.schedule == "constant":
-            return self
-        return dataclasses.replace(self, decay_steps=max(1, updates))
-
-
-@dataclasses.dataclass(frozen=True)
-class RLOptimConfig(AdamWConfig):
-    """The RL update's optimizer: AdamW lr 1e-6 on the base (the paper's DAPO recipe).
-
-    ``train``: what the update trains. ``full`` (default): the base's weights. ``lora``: a persistent policy adapter
-    (its rank, alpha and targets in ``model.policy_lora``) beside a frozen base, which gets neither gradient nor
-    optimizer state; the policy is base + adapter (``optim.py``); give it an adapter's rate (``lr`` about 10x to 100x
-    a full update's: a rank-r update moves fewer weights further).
-
-    ``mini_batches`` and ``epochs``: PPO-style updates per RL step, ``epochs`` passes over the step's rows in
-    ``mini_batches`` shuffled mini-batches (default 1 and 1: the paper's one update). Each update's token-mean is
-    over its own mini-batch's tokens (verl's convention); old log-probs stay those of the sampling policy, so from
-    the second update on the clip acts on on-policy rows too. The warm-up counts updates, not steps.
-    """
-
-    SECTION: ClassVar[str] = "optim"
-
-    lr: float = 1e-6
-    mini_batches: int = 1
-    epochs: int = 1
-    train: PolicyTraining = "full"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for field in ("mini_batches", "epochs"):
-            if getattr(self, field) < 1:
-                raise FieldError(type(self).__name__, field, "must be positive", getattr(self, field))
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTOptimConfig(AdamWConfig):
-    """The adapter's optimizer: AdamW lr 2.5e-5, re-initialised with every fresh adapter."""
-
-    SECTION: ClassVar[str] = "scaffold.sft"
-
-    lr: float = 2.5e-5
 
 
 # ------------------------------------------------------------------------------------- adapter lifetimes
@@ -389,3 +324,9 @@ def load_function(path: str) -> Any:
     if not callable(fn):
         raise PluginImportError(f"{where}:{name} is a {type(fn).__name__}, not a function")
     return fn
+
+
+# The optimizers' sections sit beside the run's other sections now; their old path here warns for one release.
+__getattr__ = moved_names(
+    __name__, {name: "optim_config" for name in ("AdamWConfig", "RLOptimConfig", "SFTOptimConfig")}
+)

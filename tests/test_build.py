@@ -10,8 +10,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from lspo_jax import train_config
-from lspo_jax.job import build
+from lspo_jax.job import build, config_io
 from lspo_jax.job.config import RunConfig, load_config
 from lspo_jax.train_config import ConfigError
 
@@ -48,7 +47,7 @@ class WithToy(RunConfig):
 
 
 def toy_run(*overrides: str) -> WithToy:
-    return train_config.load_config(DEMO, list(overrides), cls=WithToy)
+    return config_io.load_config(DEMO, list(overrides), cls=WithToy)
 
 
 @pytest.mark.parametrize("kind", ["prompt", "token-advantages"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lspo_jax.train_config import to_dict
+from lspo_jax.job.config_io import to_dict
 from tools import calibrate_scaffold as tool
 from tools import compare_arms
 

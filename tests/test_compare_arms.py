@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from lspo_jax.job.config import load_config
-from lspo_jax.train_config import ConfigError, to_dict
+from lspo_jax.job.config_io import to_dict
+from lspo_jax.train_config import ConfigError
 from tools import compare_arms
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")

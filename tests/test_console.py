@@ -113,7 +113,7 @@ def test_vllm_log_lines_go_to_the_run_directory_and_only_errors_to_the_console(t
 
 
 def test_the_lines_name_the_arm_a_dapo_run_is_not_called_lspo():
-    from lspo_jax.train_config import load_config
+    from lspo_jax.job.config_io import load_config
 
     def name(*overrides):
         return progress_module.arm_name(load_config(None, list(overrides)).scaffold)

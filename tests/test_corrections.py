@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lspo_jax.job.config_io import apply_overrides, from_dict, to_dict
 from lspo_jax.rl import corrections, losses, train
-from lspo_jax.train_config import TrainConfig, apply_overrides, from_dict, to_dict
+from lspo_jax.train_config import TrainConfig
 
 
 def run_config(*overrides: str) -> TrainConfig:

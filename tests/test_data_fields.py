@@ -14,8 +14,9 @@ from run_fixtures import K, one_line, rule_of, run_steps, train_records, write_j
 
 from lspo_jax import options
 from lspo_jax.job import cli
+from lspo_jax.job.config_io import from_dict, load_config, to_dict
 from lspo_jax.tasks import data, example_store, toy
-from lspo_jax.train_config import ConfigError, DataConfig, DataFields, TrainConfig, from_dict, load_config, to_dict
+from lspo_jax.train_config import ConfigError, DataConfig, DataFields, TrainConfig
 from tools import qwen_vocab
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "getting-started.md"

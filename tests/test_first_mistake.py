@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lspo_jax.job import toy_model
+from lspo_jax.job.config_io import from_dict
 from lspo_jax.methods.first_mistake.advantages import first_mistake_advantages, token_advantages
 from lspo_jax.methods.first_mistake.config import FirstMistakeConfig
 from lspo_jax.methods.first_mistake.sentences import sentence_token_starts, split_sentences, token_char_ends
@@ -23,7 +24,6 @@ from lspo_jax.methods.first_mistake.teacher import (
 )
 from lspo_jax.rollout.sampler import SampleBatch
 from lspo_jax.tasks import toy
-from lspo_jax.train_config import from_dict
 
 
 def _texts(text, spans):

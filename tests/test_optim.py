@@ -262,7 +262,8 @@ def test_learner_logprobs_in_micro_batches_and_chunks_equal_one_pass():
     chunk, equals the plain pass; so does the packed pass; positions off the response mask are 0."""
     from lspo_jax.rl.learner import Learner
     from lspo_jax.rollout.generator import Policy
-    from lspo_jax.train_config import LossConfig, RolloutConfig, TrainConfig
+    from lspo_jax.step_config import LossConfig, RolloutConfig
+    from lspo_jax.train_config import TrainConfig
 
     batch = _batch()
     rows = {k: np.asarray(batch[k])[:3] for k in ("tokens", "attention_mask", "mask")}

@@ -43,6 +43,19 @@ def test_an_old_path_keeps_only_the_public_names():
         exec("from lspo_jax.losses import token_mean", {})
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [("train_config", "job.config_io", "load_config"), ("train_config", "job.config_io", "apply_overrides"),
+     ("train_config", "step_config", "LossConfig"), ("options", "optim_config", "RLOptimConfig")],
+)  # fmt: skip
+def test_a_config_name_that_moved_warns_with_its_real_path(old, new, name):
+    with pytest.warns(DeprecationWarning, match=rf"^lspo_jax\.{old}\.{name} is lspo_jax\.{new}\.{name}; the old path"):
+        exec(f"from lspo_jax.{old} import {name} as got", scope := {})
+    assert scope["got"] is getattr(importlib.import_module(f"lspo_jax.{new}"), name)
+    with pytest.raises(ImportError):
+        exec(f"from lspo_jax.{old} import no_such_name", {})
+
+
 @pytest.mark.parametrize("old", ["compiles", "cli", "sampler", "l2rr", "first_mistake", "no_such_module"])
 def test_an_old_module_outside_the_public_api_is_gone(old):
     with pytest.raises(ModuleNotFoundError):

@@ -16,8 +16,9 @@ from run_fixtures import train_records
 import lspo_jax
 from lspo_jax.job import cli
 from lspo_jax.job.api import function_path
+from lspo_jax.job.config_io import to_dict
 from lspo_jax.job.metrics_log import read_metrics
-from lspo_jax.train_config import ConfigError, to_dict
+from lspo_jax.train_config import ConfigError
 
 pytestmark = pytest.mark.slow  # whole training runs
 

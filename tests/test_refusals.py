@@ -16,8 +16,9 @@ from run_fixtures import PAPER_CONFIG, FakeVerifier, one_line, too_long_rows, wr
 
 from lspo_jax import hub
 from lspo_jax.job import build, cli, errors, eval_command
+from lspo_jax.job.config_io import load_config
 from lspo_jax.job.run import Run
-from lspo_jax.train_config import ConfigError, load_config
+from lspo_jax.train_config import ConfigError
 
 
 def test_the_vllm_engine_without_vllm_installed_is_one_line_naming_the_extra(monkeypatch, tmp_path, capsys):

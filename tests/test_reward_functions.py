@@ -13,11 +13,12 @@ import pytest
 from run_fixtures import one_line, train_records
 
 from lspo_jax.job import cli
+from lspo_jax.job.config_io import load_config
 from lspo_jax.job.run import Run
 from lspo_jax.options import load_function
 from lspo_jax.tasks.reward_functions import RewardFunction, Rewards
 from lspo_jax.tasks.verify_pool import VerifierPool
-from lspo_jax.train_config import ConfigError, load_config
+from lspo_jax.train_config import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FORMAT = f"{EXAMPLES / 'format_reward.py'}:boxed_once"

@@ -114,7 +114,7 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, make_config, 
 def write_config(path, config) -> str:
     import yaml
 
-    from lspo_jax.train_config import to_dict
+    from lspo_jax.job.config_io import to_dict
 
     with open(path, "w") as f:
         yaml.safe_dump(to_dict(config), f)
@@ -211,7 +211,7 @@ def test_a_stop_is_agreed_by_every_process(monkeypatch, flags, expected):
 
     from jax.experimental import multihost_utils
 
-    from lspo_jax.signals import StopFlag
+    from lspo_jax.job.signals import StopFlag
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(multihost_utils, "process_allgather", allgather)

@@ -13,10 +13,11 @@ import pytest
 from run_fixtures import run_steps, train_records
 
 from lspo_jax.job import errors
+from lspo_jax.job.config_io import load_config
 from lspo_jax.job.run import SamplerGapError
 from lspo_jax.options import RolloutError
 from lspo_jax.rl import scaffold, train
-from lspo_jax.train_config import ConfigError, load_config
+from lspo_jax.train_config import ConfigError
 
 
 def test_every_step_records_a_gap_near_zero_when_the_sampler_holds_the_trained_weights(trained_run):

@@ -22,8 +22,8 @@ from run_fixtures import run_steps, wrap, write_jsonl
 
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run_dir import run_records
+from lspo_jax.job.signals import StartupStopped, StopFlag
 from lspo_jax.rl import warmup
-from lspo_jax.signals import StartupStopped, StopFlag
 
 pytestmark = pytest.mark.slow  # stops at each phase of whole runs
 

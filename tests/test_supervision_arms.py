@@ -18,12 +18,13 @@ from run_fixtures import copy_tree, run_steps, train_records, trees_differ, wrap
 
 from lspo_jax import options
 from lspo_jax.job.compiles import KEYS as COMPILE_KEYS
+from lspo_jax.job.config_io import load_config
 from lspo_jax.job.metrics_log import read_metrics, rewrite
+from lspo_jax.job.signals import StopFlag
 from lspo_jax.rl import losses
 from lspo_jax.rl.checkpoint import TrainState
 from lspo_jax.rl.learner import SFTTerm
-from lspo_jax.signals import StopFlag
-from lspo_jax.train_config import ConfigError, load_config
+from lspo_jax.train_config import ConfigError
 
 LN2 = math.log(2.0)
 

@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from lspo_jax.job.config import RunConfig, load_config
+from lspo_jax.job.config_io import from_dict, to_dict
 from lspo_jax.methods.l2rr.config import score_micro_batches, target_micro_batches
 from lspo_jax.tasks import benchmarks, toy
-from lspo_jax.train_config import ConfigError, from_dict, to_dict
+from lspo_jax.train_config import ConfigError
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
@@ -462,7 +463,7 @@ def test_lengths_beyond_the_model_and_a_cache_beyond_the_memory_are_refused_befo
 
 
 def apply(run, *overrides):
-    from lspo_jax.train_config import apply_overrides, from_dict, to_dict
+    from lspo_jax.job.config_io import apply_overrides, from_dict, to_dict
 
     return from_dict(RunConfig, apply_overrides(to_dict(run), list(overrides)))
 

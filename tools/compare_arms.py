@@ -50,9 +50,10 @@ import yaml
 
 from lspo_jax.job.compiles import use_cache
 from lspo_jax.job.config import load_config
+from lspo_jax.job.config_io import apply_overrides, from_dict, to_dict
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import surpass_distribution, train_run
-from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, to_dict
+from lspo_jax.train_config import ConfigError
 from tools import tables
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path

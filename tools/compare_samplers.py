@@ -19,9 +19,9 @@ import sys
 import numpy as np
 
 from lspo_jax.job.config import load_config
+from lspo_jax.job.config_io import apply_overrides, from_dict, to_dict
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import train_run
-from lspo_jax.train_config import apply_overrides, from_dict, to_dict
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/compare_samplers.py: run it from the repository root as python -m tools.compare_samplers ...")

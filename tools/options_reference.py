@@ -1,19 +1,25 @@
-"""Every config key of a training run in one reference, docs/options.md, its key, type and default read from the code.
+"""Every config key of a training run in one reference, docs/options.md, written whole from the code.
 
 .venv/bin/python -m tools.options_reference --check docs/options.md   # exit 2, one line, when the page has drifted
-.venv/bin/python -m tools.options_reference --write docs/options.md   # rewrite it, keeping each key's meaning
+.venv/bin/python -m tools.options_reference --write docs/options.md   # rewrite it from the code
 
 The keys, types and defaults come from walking ``job.config.RunConfig`` (its sections, and theirs: ``model.lora``,
-``scaffold.sft``); only the meaning column is written by hand, and ``--write`` keeps it (a new key gets ``TODO``).
-With neither option the page that ``--write`` would make is printed.
+``scaffold.sft``); each key's meaning is the docstring right under its field in the section's class body (read with
+``ast``; a subclass's own docstring wins). A section class used at a second key (``LoraConfig`` as
+``model.policy_lora``) reads there as the ``meanings`` in that field's metadata say. A key with no meaning is an
+error, at ``--write`` and ``--check`` alike. With neither option the page is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
 import re
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Iterator
@@ -31,7 +37,6 @@ from tools import run_main  # noqa: E402
 
 ROOT = RunConfig  # the config walked; the tests put a class with one more field here
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
-TODO = "TODO"
 TOP = "top level"  # the heading of the config's own keys (``steps``, ``seed``), which have no section
 HEADER = ("key", "type", "default", "meaning")
 INTRO = """\
@@ -41,37 +46,62 @@ Every key of a training run's config, by its dotted name: what a YAML file (`lsp
 override (`lspo-train ... rollout.group_size=8`) sets. A file names only what differs from these defaults; `null` is
 YAML's None. A file may start from another: `base_config: other.yaml` (relative to the file) reads that one first
 and lays this file's keys over it, section by section. Each section is a frozen dataclass, named under its heading,
-whose docstring says more. The key, type and default columns are written from the code
-(`python -m tools.options_reference --write docs/options.md`), the meanings by hand; `--check` fails when the page
-and the code differ."""
+whose docstring says more. The whole page is written from the code, each meaning from the docstring under its
+key's field (`python -m tools.options_reference --write docs/options.md`); `--check` fails when the page and the
+code differ."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One leaf of the config: its dotted key, its type and its default as a YAML file writes them."""
+    """One leaf of the config: its dotted key, its type and its default as a YAML file writes them, its meaning (None:
+    its field has no docstring) and where that is written (``where``: the field and its class)."""
 
     key: str
     type: str
     default: str
+    meaning: str | None = None
+    where: str = ""
 
     @property
     def section(self) -> str:
         return self.key.split(".")[0] if "." in self.key else TOP
 
 
-def walk(cls: type | None = None, value: Any = None, prefix: str = "") -> Iterator[Option]:
+def walk(cls: type | None = None, value: Any = None, prefix: str = "", meanings: Any = None) -> Iterator[Option]:
     """The leaves of the dataclass ``cls`` (``ROOT``), in declaration order, a section's keys within it. A section
     is walked by its annotation, as the YAML reader reads it; the defaults are those of ``cls()``, so a section's
-    ``default_factory`` (``TrainConfig.model``'s ``ModelSource(path="toy")``) gives its keys' values."""
+    ``default_factory`` (``TrainConfig.model``'s ``ModelSource(path="toy")``) gives its keys' values. ``meanings``
+    (the section field's metadata) say what the keys mean here, before the docstrings under the fields."""
     cls = ROOT if cls is None else cls
     value = cls() if value is None else value
-    hints = typing.get_type_hints(cls)
+    hints, meanings = typing.get_type_hints(cls), meanings or {}
     for field in dataclasses.fields(cls):
         hint, current = hints[field.name], getattr(value, field.name)
         if dataclasses.is_dataclass(hint):
-            yield from walk(hint, current, f"{prefix}{field.name}.")
-        else:
-            yield Option(f"{prefix}{field.name}", type_name(hint), yaml_value(current))
+            yield from walk(hint, current, f"{prefix}{field.name}.", field.metadata.get("meanings"))
+            continue
+        meaning = meanings.get(field.name) or next(filter(None, (docs(c).get(field.name) for c in cls.__mro__)), None)
+        where = f"the field {field.name} of {cls.__name__} ({cls.__module__})"
+        yield Option(f"{prefix}{field.name}", type_name(hint), yaml_value(current), meaning, where)
+
+
+@functools.cache
+def docs(cls: type) -> dict[str, str]:
+    """The docstring right under each field of the class body of ``cls``, on one line (a class with no source, made
+    at run time, has none)."""
+    try:
+        (body,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    except (OSError, TypeError):
+        return {}
+    found = {}
+    for field, doc in zip(body.body, body.body[1:], strict=False):
+        if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and _is_text(doc):
+            found[field.target.id] = " ".join(doc.value.value.split())
+    return found
+
+
+def _is_text(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
 def type_name(hint: Any) -> str:
@@ -112,8 +142,8 @@ def code(text: str) -> str:
     return f"`` {text} ``" if "`" in text else f"`{text}`"
 
 
-def row(option: Option, meaning: str) -> str:
-    return f"| {code(option.key)} | {cell(option.type)} | {code(cell(option.default))} | {meaning} |"
+def row(option: Option) -> str:
+    return f"| {code(option.key)} | {cell(option.type)} | {code(cell(option.default))} | {cell(option.meaning)} |"
 
 
 def heading(section: str) -> list[str]:
@@ -136,8 +166,17 @@ def sections_in(cls: type, prefix: str) -> Iterator[tuple[str, type]]:
             yield from sections_in(hint, f"{prefix}{field.name}.")
 
 
-def render(options: list[Option], meanings: dict[str, str]) -> str:
-    """The page: ``INTRO``, then one table per section in the config's order, the config's own keys last."""
+def undocumented(options: list[Option]) -> list[str]:
+    """One line for each key whose field has no docstring, naming where to write it."""
+    return [f"{o.key}: no meaning; write it in a docstring under {o.where}" for o in options if not o.meaning]
+
+
+def render(options: list[Option]) -> str:
+    """The page: ``INTRO``, then one table per section in the config's order, the config's own keys last; a key
+    with no meaning is a ``ConfigError`` naming where to write it."""
+    if missing := undocumented(options):
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(missing[0] + more)
     sections: dict[str, list[Option]] = {}
     for option in options:
         sections.setdefault(option.section, []).append(option)
@@ -146,7 +185,7 @@ def render(options: list[Option], meanings: dict[str, str]) -> str:
     lines = [INTRO]
     for section, members in sections.items():
         lines += ["", *heading(section), "", "| " + " | ".join(HEADER) + " |", "|---|---|---|---|"]
-        lines += [row(option, meanings.get(option.key, "").strip() or TODO) for option in members]
+        lines += [row(option) for option in members]
     return "\n".join(lines) + "\n"
 
 
@@ -186,14 +225,10 @@ def parse(text: str, where: str) -> list[Row]:
     return rows
 
 
-def meanings_of(rows: list[Row]) -> dict[str, str]:
-    return {r.key: r.meaning for r in rows}
-
-
 def problems(text: str, where: str, options: list[Option]) -> list[str]:
-    """What the page ``text`` says that the code does not, key by key, then any other difference from the page
-    that ``--write`` makes of it (its layout, the order of the rows)."""
-    rows, found = parse(text, where), []
+    """What the page ``text`` says that the code does not, key by key (the code's keys without a meaning first),
+    then any other difference from the page that ``--write`` makes of it (its layout, the order of the rows)."""
+    rows, found = parse(text, where), undocumented(options)
     by_key: dict[str, Row] = {}
     for r in rows:
         if r.key in by_key:
@@ -215,12 +250,14 @@ def problems(text: str, where: str, options: list[Option]) -> list[str]:
             found.append(f"{option.key}: default '{default}' on line {r.line}, '{cell(option.default)}' in the code")
         if r.section != option.section:
             found.append(f"{option.key}: under '## {r.section}' on line {r.line}, belongs under '## {option.section}'")
-        if r.meaning in ("", TODO):
-            found.append(f"{option.key}: no meaning on line {r.line}; write one short sentence")
-    made, have = render(options, meanings_of(rows)).splitlines(), text.splitlines()
-    if not found and made != have:
+        if option.meaning and r.meaning != cell(option.meaning):
+            found.append(f"{option.key}: the meaning on line {r.line} is not the docstring under {option.where}")
+    if found:
+        return found
+    made, have = render(options).splitlines(), text.splitlines()
+    if made != have:
         first = next((i for i, (a, b) in enumerate(zip(made, have, strict=False)) if a != b), min(len(made), len(have)))
-        found.append(f"line {first + 1} differs from the page --write makes (it writes all but the meanings)")
+        found.append(f"line {first + 1} differs from the page --write makes")
     return found
 
 
@@ -233,13 +270,10 @@ def check(path: Path, options: list[Option] | None = None) -> None:
         raise ConfigError(f"{path}: {found[0]}{more}")
 
 
-def write(path: Path, options: list[Option] | None = None) -> list[str]:
-    """Rewrite the page at ``path`` (made if missing), keeping each key's meaning; the keys left ``TODO``."""
-    options = list(walk()) if options is None else options
-    meanings = meanings_of(parse(path.read_text(encoding="utf-8"), str(path))) if path.exists() else {}
-    text = render(options, meanings)
+def write(path: Path, options: list[Option] | None = None) -> None:
+    """Write the page at ``path`` from the code; a ``ConfigError`` (nothing written) while a key has no meaning."""
+    text = render(list(walk()) if options is None else options)
     path.write_text(text, encoding="utf-8")
-    return [option.key for option in options if meanings.get(option.key, "").strip() in ("", TODO)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,17 +284,16 @@ def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--check", metavar="PAGE", type=Path, help="exit 2 naming the first key the page has wrong")
-    mode.add_argument("--write", metavar="PAGE", type=Path, help="rewrite the page from the code, keeping meanings")
+    mode.add_argument("--write", metavar="PAGE", type=Path, help="write the page from the code")
     args = p.parse_args(argv)
     if args.check:
         check(args.check)
         print(f"{args.check}: {len(list(walk()))} keys, as in the code")
     elif args.write:
-        todo = write(args.write)
-        print(f"{args.write}: written" + (f"; {len(todo)} keys need a meaning: {', '.join(todo)}" if todo else ""))
+        write(args.write)
+        print(f"{args.write}: written, {len(list(walk()))} keys")
     else:
-        meanings = meanings_of(parse(PAGE.read_text(encoding="utf-8"), str(PAGE))) if PAGE.exists() else {}
-        print(render(list(walk()), meanings), end="")
+        print(render(list(walk())), end="")
     return 0
 
 

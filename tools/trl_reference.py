@@ -26,10 +26,11 @@ import numpy as np
 from lspo_jax.job import evaluation
 from lspo_jax.job.build import model_dir, validation_specs
 from lspo_jax.job.config import load_config
+from lspo_jax.job.config_io import to_dict
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.models import hf
 from lspo_jax.tasks import benchmarks, data, rewards
-from lspo_jax.train_config import ConfigError, to_dict
+from lspo_jax.train_config import ConfigError
 from tools import tables
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path

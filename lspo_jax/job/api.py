@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lspo_jax import train_config
+from lspo_jax import step_config
 from lspo_jax.job import config as job_config
+from lspo_jax.job import config_io
 from lspo_jax.train_config import ConfigError
 
 Config = str | Path | Mapping[str, Any] | job_config.RunConfig
@@ -38,10 +39,10 @@ def load_config(
     if reward_functions is not None:
         overrides.append(f"reward.functions={json.dumps([_function_entry(f) for f in reward_functions])}")
     if isinstance(config, job_config.RunConfig):
-        data = train_config.to_dict(config)
-        return train_config.from_dict(job_config.RunConfig, train_config.apply_overrides(data, overrides))
+        data = config_io.to_dict(config)
+        return config_io.from_dict(job_config.RunConfig, config_io.apply_overrides(data, overrides))
     if isinstance(config, Mapping):
-        return train_config.from_dict(job_config.RunConfig, train_config.apply_overrides(dict(config), overrides))
+        return config_io.from_dict(job_config.RunConfig, config_io.apply_overrides(dict(config), overrides))
     return job_config.load_config(config, overrides)
 
 
@@ -101,7 +102,7 @@ def _prepared(run: job_config.RunConfig) -> job_config.RunConfig:
 
 def _function_entry(item: Any) -> dict[str, Any]:
     """A ``reward.functions`` entry (a mapping) from a callable, a path string or a mapping whose ``fn`` is either."""
-    if isinstance(item, train_config.RewardFunctionConfig):
+    if isinstance(item, step_config.RewardFunctionConfig):
         return dataclasses.asdict(item)
     entry = dict(item) if isinstance(item, Mapping) else {"fn": item}
     if callable(entry.get("fn")):

@@ -110,7 +110,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
-    from lspo_jax.signals import StartupStopped, StopFlag
+    from lspo_jax.job.signals import StartupStopped, StopFlag
 
     # SIGTERM and Ctrl-C set a flag from here on, read at start-up's own points and then by the loop: a handler that
     # raised could land in a garbage-collector callback, where the exception is dropped and the run goes on.
@@ -138,7 +138,7 @@ def _train(args) -> int:
 def _start_and_train(args, stop) -> dict | int:
     """The run's summary, or an exit status: 0 after ``--print-config``, 3 stopped after non-finite updates.
     ``stop`` (entered) is asked between the parts of start-up; the run reads it from then on."""
-    from lspo_jax.train_config import to_dict
+    from lspo_jax.job.config_io import to_dict
 
     config = _train_config(args)
     if args.print_config:

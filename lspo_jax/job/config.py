@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from lspo_jax import train_config
+from lspo_jax.job import config_io
 from lspo_jax.methods.first_mistake.config import FirstMistakeConfig
 from lspo_jax.methods.l2rr import config as l2rr_config
 from lspo_jax.methods.l2rr.config import L2RRConfig
@@ -27,4 +28,4 @@ class RunConfig(train_config.TrainConfig):
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """A run's config from a YAML file (None: the defaults) and dotted overrides, every section included."""
-    return train_config.load_config(path, overrides, cls=RunConfig)
+    return config_io.load_config(path, overrides, cls=RunConfig)

@@ -131,7 +131,7 @@ def run_command(prog: str, body, args, interrupted: str) -> int:
 def until_stopped(prog: str, where: str, what: str, body, args) -> int:
     """``body(args, stop)`` under a ``StopFlag`` that says it stops ``where``; a stop it takes (``StartupStopped``,
     raised at its points) ends the command with one line, nothing ``what``, and ``EXIT_INTERRUPTED``."""
-    from lspo_jax.signals import StartupStopped, StopFlag
+    from lspo_jax.job.signals import StartupStopped, StopFlag
 
     with StopFlag(prog) as stop:
         stop.expect(f"{where}; nothing is {what}")

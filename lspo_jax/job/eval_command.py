@@ -77,8 +77,9 @@ def _protocol_help() -> str:
 def _eval_settings(run, args):
     """``run`` with this command's evaluation settings on top (each only when given): ``--protocol``'s sampling
     settings but those that a flag here or an ``eval.KEY=`` override names, then the flags."""
+    from lspo_jax.job.config_io import apply_overrides, from_dict, to_dict
     from lspo_jax.options import eval_protocol
-    from lspo_jax.train_config import EvalConfig, apply_overrides, from_dict, to_dict
+    from lspo_jax.train_config import EvalConfig
 
     named = {item.partition("=")[0] for item in args.overrides}
     sampling = {}

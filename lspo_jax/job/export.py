@@ -34,12 +34,12 @@ from lspo_jax.config import ModelConfig
 from lspo_jax.job.build import abstract_checkpoint_state, load_policy, model_dir
 from lspo_jax.job.config import load_config
 from lspo_jax.job.errors import NoPolicyAdapterError
+from lspo_jax.job.signals import StopFlag
 from lspo_jax.models import hf, model, peft
 from lspo_jax.models.model import Params
 from lspo_jax.rl import checkpoint
 from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError
 from lspo_jax.rollout.generator import Policy
-from lspo_jax.signals import StopFlag
 from lspo_jax.train_config import TrainConfig
 
 

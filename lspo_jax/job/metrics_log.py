@@ -82,7 +82,7 @@ def wandb_options(run) -> dict[str, Any] | None:
     """
     if not run.log.wandb:
         return None
-    from lspo_jax.train_config import to_dict
+    from lspo_jax.job.config_io import to_dict
 
     _import_wandb()
     return {"project": run.log.wandb_project, "mode": run.log.wandb_mode, "config": to_dict(run)}

@@ -40,12 +40,12 @@ from lspo_jax.job.metrics_log import MetricsLog, NullLog, records_until, rewrite
 from lspo_jax.job.progress import Progress, arm_name
 from lspo_jax.job.run_dir import check_resumable, model_shapes, new_run_refused, record_config, run_records
 from lspo_jax.job.run_lock import take_run_lock
+from lspo_jax.job.signals import StartupStopped, StopFlag
 from lspo_jax.options import RolloutError
 from lspo_jax.rl import staleness, warmup
 from lspo_jax.rl.checkpoint import DIGEST, Checkpointer, CheckpointError, TrainState
 from lspo_jax.rl.learner import Learner
 from lspo_jax.rl.train import GAP_KEY, Phases, StepAbandoned, step_rates, train_step
-from lspo_jax.signals import StartupStopped, StopFlag
 from lspo_jax.tasks import data, example_store
 from lspo_jax.train_config import ConfigError, TrainConfig
 

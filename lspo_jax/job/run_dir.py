@@ -17,8 +17,9 @@ import yaml
 
 from lspo_jax import options
 from lspo_jax.job.build import model_dir
-from lspo_jax.text import error_cause
-from lspo_jax.train_config import ConfigError, TrainConfig, to_dict
+from lspo_jax.job.config_io import to_dict
+from lspo_jax.tasks.text import error_cause
+from lspo_jax.train_config import ConfigError, TrainConfig
 
 
 def check_resumable(run: TrainConfig, out_dir: str, *, writer: bool = True) -> str | None:

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from lspo_jax.text import error_cause
+from lspo_jax.tasks.text import error_cause
 
 
 class CheckpointError(RuntimeError):

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lspo_jax import options
-from lspo_jax.train_config import ScaffoldConfig, TrainConfig
+from lspo_jax.step_config import ScaffoldConfig
+from lspo_jax.train_config import TrainConfig
 
 CORRECTIONS = options.Registry(options.Correction, "spliced-row correction")
 

@@ -41,7 +41,7 @@ import optax
 from lspo_jax import options
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import model
-from lspo_jax.options import AdamWConfig, RLOptimConfig, SFTOptimConfig  # noqa: F401 (optim's own config names)
+from lspo_jax.optim_config import AdamWConfig, RLOptimConfig, SFTOptimConfig  # noqa: F401 (optim's own config names)
 from lspo_jax.rl import logprobs, losses
 
 Params = dict[str, Any]

@@ -34,7 +34,7 @@ import numpy as np
 
 from lspo_jax import hub, options
 from lspo_jax.tasks import rewards, toy
-from lspo_jax.text import error_cause
+from lspo_jax.tasks.text import error_cause
 from lspo_jax.train_config import DataConfig, DataFields
 
 ROLES = tuple(f.name for f in dataclasses.fields(DataFields))  # problem, answer, solution, id: ``data.fields``' keys

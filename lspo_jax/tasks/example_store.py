@@ -44,7 +44,7 @@ import pyarrow as pa
 
 from lspo_jax.config import cache_root
 from lspo_jax.tasks import data, rewards
-from lspo_jax.text import error_cause
+from lspo_jax.tasks.text import error_cause
 from lspo_jax.train_config import DataConfig
 
 # 2: a content digest beside the files; 3: rows typed (a number answer, a list refused), hub ids; 4: the rows' other

@@ -29,7 +29,7 @@ import numpy as np
 
 from lspo_jax.options import load_function
 
-BUILTIN = "math_verify"  # ``train_config.BUILTIN_REWARD``: the built-in verifier's name in ``reward.functions``
+BUILTIN = "math_verify"  # ``step_config.BUILTIN_REWARD``: the built-in verifier's name in ``reward.functions``
 ROW_FIELDS = ("answer", "problem", "solution", "id")
 
 
@@ -44,7 +44,7 @@ class RewardFunction:
 
     @classmethod
     def of(cls, entry: Any) -> RewardFunction:
-        """From a ``train_config.RewardFunctionConfig`` (or anything with its fields)."""
+        """From a ``step_config.RewardFunctionConfig`` (or anything with its fields)."""
         return cls(entry.name, entry.fn, entry.weight, entry.correctness)
 
 

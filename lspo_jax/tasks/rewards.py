@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from sympy import Basic, MatrixBase
 
-from lspo_jax.text import matching_braces
+from lspo_jax.tasks.text import matching_braces
 
 __all__ = [
     "GoldReport",

@@ -30,16 +30,28 @@ class FirstMistakeConfig:
     """
 
     enabled: bool = False
+    """Use first-mistake advantages; false leaves GRPO's advantages alone."""
     judge_path: str | None = None
+    """The teacher's Hugging Face directory (null: the policy judges itself; `toy:judge` is the demo's scripted
+    teacher)."""
     reference: Reference = "teacher"
+    """The judge's reference solution: the `teacher`'s own verified one or the dataset's (`ground_truth`)."""
     lam: float = 0.0
+    """The weight of `abs(A_i)` on a failed rollout's valid prefix."""
     max_new_tokens: int = 2048
+    """The teacher's longest response, in tokens, in both stages."""
     teacher_temperature: float = 0.6
+    """The teacher's sampling temperature (0: greedy; 0.6, the method's own)."""
     seed: int = 0
+    """The seed of the teacher's sampling."""
     max_sentences: int = 256
+    """Sentences numbered per rollout for the judge."""
     judge_correct: bool = False
+    """Also judge passing rollouts, for the agreement metric only."""
     max_batch: int = 64
+    """Prompts per teacher call (one sampler call); a stop during the step's judging waits for the current call only."""
     sentence_breaks: str = ""
+    """Characters that also end a sentence, for tasks whose steps are not written as sentences."""
     # Keys of an earlier version that a run's own config.yaml may hold: read under their new names.
     RENAMED: ClassVar[dict[str, str]] = {"temperature": "teacher_temperature"}
 

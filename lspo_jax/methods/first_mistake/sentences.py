@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lspo_jax.text import matching_braces
+from lspo_jax.tasks.text import matching_braces
 
 Span = tuple[int, int]  # [start, end) character offsets of one sentence
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from lspo_jax.methods.first_mistake.config import FirstMistakeConfig
 from lspo_jax.methods.first_mistake.sentences import Span, numbered
-from lspo_jax.text import matching_braces
+from lspo_jax.tasks.text import matching_braces
 
 CORRECT, MISTAKE, UNPARSEABLE, OUT_OF_RANGE = "correct", "mistake", "unparseable", "out_of_range"
 Generate = Callable[[list[str]], list[str]]

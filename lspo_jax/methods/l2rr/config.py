@@ -7,7 +7,7 @@ import math
 from typing import Any, Literal
 
 from lspo_jax import options
-from lspo_jax.train_config import positive_int, require
+from lspo_jax.options import positive_int, require
 
 # The scores' normalisation, the target loss, and how a prompt's loss is averaged.
 Normalisation = Literal["std", "max_abs", "none"]
@@ -36,24 +36,46 @@ class L2RRConfig:
     """
 
     enabled: bool = False
+    """Draw prompts with L2RR; false samples uniformly."""
     target: str | None = None
+    """The held-out target set: a data file or a benchmark name as in `eval.benchmarks` (`toy:target` for the demo
+    task); needed when enabled."""
     target_limit: int | None = 64
+    """The target set's first this many examples with worked solutions (null: all)."""
     a: float = 1.0
+    """The EG step scale: `eta = a / sqrt(horizon)`."""
     horizon: int | None = None
+    """The horizon of the EG step size (null: `a / sqrt(t)` at the t-th update)."""
     rho_min: float = 0.25
+    """The smallest budget fraction."""
     g_min: int = 2
+    """The fewest rollouts a drawn prompt gets (at least 2: one rollout has no variance)."""
     p_e: float = 0.5
+    """The waste decay."""
     waste_weight: float = 1.0
+    """The waste penalty's weight beside the target signal."""
     normalise: Normalisation = "std"
+    """How the prompts' scores are divided by their spread over the batch: population `std`, `max_abs` (signals in [-1,
+    1]) or `none`."""
     target_loss: TargetLoss = "nll_token_mean"
+    """The target set's NLL: one token-mean over all its tokens, or the mean over examples of each one's token-mean."""
     prompt_loss_norm: PromptLossNorm = "prompt"
+    """A prompt's policy loss as a token-mean over its own response tokens (`prompt`) or over the batch's (`batch`)."""
     alloc_power: float = 1.5
+    """The exponent of `w` in the rollout allocation (3/2)."""
     explore: float = 0.0
+    """The uniform share of the draw distribution."""
     max_draw_rounds: int = 4
+    """Draw rounds per step; groups without a signal are dropped and more drawn."""
     lookahead: bool = True
+    """Take the target gradient at the base after the step's update (t + 1), holding a second copy of the base; false
+    takes both gradients before it."""
     score_micro_batches: int | None = None
+    """Chunks of prompts for the scores' jvp (null: sized to one micro-batch of the padded update's tokens)."""
     target_micro_batches: int | None = None
+    """Chunks of target rows for the target gradient (null: sized to one micro-batch of the padded update's tokens)."""
     top_k: int = 5
+    """The top-weighted prompts reported in the metrics."""
 
     def __post_init__(self) -> None:
         options.check(self, "l2rr")
