@@ -130,8 +130,9 @@ from benchmarks import hf_baseline, trace_summary, vllm_layout
 from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.models import sharding
 from lspo_jax.models.model import count_params, decode_attend, init_params
-from lspo_jax.rl import distributed, logprobs, losses, optim, packing, train
+from lspo_jax.rl import distributed, logprobs, losses, optim, packing, step_record, train
 from lspo_jax.rl.learner import Learner
+from lspo_jax.rl.phases import Phases
 from lspo_jax.rl.prompts import Draw
 from lspo_jax.rollout import sampler
 from lspo_jax.rollout.generator import Policy
@@ -900,7 +901,7 @@ def timed_step(learner: Learner, examples, seed: int) -> tuple[float, dict]:
     draw = Draw(examples, jax.random.fold_in(jax.random.key(seed), learner.state.step))
     start = time.perf_counter()
     metrics = train.train_step(learner, draw).metrics
-    return time.perf_counter() - start, {**metrics, **train.step_rates(metrics)}
+    return time.perf_counter() - start, {**metrics, **step_record.step_rates(metrics)}
 
 
 def scaffold_share(lspo: dict, dapo: dict | None) -> tuple[float, str]:
@@ -916,7 +917,7 @@ def scaffold_share(lspo: dict, dapo: dict | None) -> tuple[float, str]:
 
 def section_lspo(ctx: Context) -> None:
     shapes, args, rec = ctx.shapes, ctx.args, ctx.rec
-    phase_keys = [f"time_{name}" for name in train.Phases.NAMES]
+    phase_keys = [f"time_{name}" for name in Phases.NAMES]
     scaffold_keys = ("cliff_groups", "surpassed_groups", "spliced_rows", "rescue_pass_rate", "sft_loss")
     lspo = None
     with rec.part("lspo"):

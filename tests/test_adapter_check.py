@@ -20,7 +20,7 @@ from run_fixtures import FakeVerifier, flag_adapter
 from lspo_jax.job import errors
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import Run
-from lspo_jax.rl import scaffold, train
+from lspo_jax.rl import scaffold, step_record
 from lspo_jax.rollout import sampler
 
 # Four rows of three tokens; rows 1 and 2 spliced, row 1's last token masked out.
@@ -41,12 +41,12 @@ def check(engine, noise):
 def test_adapter_reliance_by_hand():
     # behaviour_logp is the adapter's on spliced rows, the base's elsewhere (as the step builds it).
     behaviour = np.where(SPLICED[:, None], ADAPTER, BASE)
-    got = train.adapter_reliance(BASE, behaviour, MASK, SPLICED)
+    got = step_record.adapter_reliance(BASE, behaviour, MASK, SPLICED)
     assert got == {"scaffold/adapter_reliance": pytest.approx(RELIANCE, rel=1e-6)}
     # The log ratio spliced_diagnostics reads is its negative on the same tokens: q50 of [-2, 0.5, -0.5, 0, 0] is 0.
-    diagnostics = train.spliced_diagnostics(BASE, behaviour, MASK, SPLICED)
+    diagnostics = step_record.spliced_diagnostics(BASE, behaviour, MASK, SPLICED)
     assert diagnostics["spliced_log_ratio_q50"] == 0.0 and diagnostics["spliced_token_share"] == pytest.approx(5 / 11)
-    assert train.adapter_reliance(BASE, behaviour, MASK, np.zeros(4, bool)) == {"scaffold/adapter_reliance": None}
+    assert step_record.adapter_reliance(BASE, behaviour, MASK, np.zeros(4, bool)) == {"scaffold/adapter_reliance": None}
 
 
 def test_an_engine_with_the_adapters_logprobs_passes():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lspo_jax.job.config_io import apply_overrides, from_dict, to_dict
-from lspo_jax.rl import corrections, losses, train
+from lspo_jax.rl import corrections, losses, step_record, train
 from lspo_jax.train_config import TrainConfig
 
 
@@ -124,7 +124,7 @@ def test_spliced_diagnostics_of_a_constructed_batch():
     base = np.array([[-1, -1, -1], [-3, -1, -1.5], [-2, 0, 0], [-1, -1, -1]], np.float32)
     old = np.array([[-1, -1, -1], [-1, -1, -1], [-1, 5, 5], [-1, -1, -1]], np.float32)
     mask = np.array([[1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
-    got = train.spliced_diagnostics(base, old, mask, np.array([False, True, True, False]))
+    got = step_record.spliced_diagnostics(base, old, mask, np.array([False, True, True, False]))
     want = {
         "spliced_log_ratio_q10": -1.7,
         "spliced_log_ratio_q50": -0.75,
@@ -134,7 +134,7 @@ def test_spliced_diagnostics_of_a_constructed_batch():
     }
     assert got == pytest.approx(want, rel=RTOL)
     # A step without spliced rows records the same keys, empty.
-    empty = train.spliced_diagnostics(base, old, mask, np.zeros(4, bool))
+    empty = step_record.spliced_diagnostics(base, old, mask, np.zeros(4, bool))
     assert empty == dict.fromkeys(want)
 
 

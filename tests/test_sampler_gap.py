@@ -16,12 +16,12 @@ from lspo_jax.job import errors
 from lspo_jax.job.config_io import load_config
 from lspo_jax.job.run import SamplerGapError
 from lspo_jax.options import RolloutError
-from lspo_jax.rl import scaffold, train
+from lspo_jax.rl import scaffold, step_record
 from lspo_jax.train_config import ConfigError
 
 
 def test_every_step_records_a_gap_near_zero_when_the_sampler_holds_the_trained_weights(trained_run):
-    gaps = [r[train.GAP_KEY] for r in train_records(trained_run["dir"])]
+    gaps = [r[step_record.GAP_KEY] for r in train_records(trained_run["dir"])]
     # float32 on both sides: one rounding of log-probs near 0 (1e-7 measured), four decades under the bound.
     assert len(gaps) == 4 and all(0 <= gap < 1e-5 for gap in gaps), gaps
 
@@ -31,11 +31,11 @@ def test_the_gap_leaves_out_spliced_rows_and_rows_sampled_ahead():
     rows = {"mask": mask, "sampler_logp": np.array([[0.0, -1.0, -2.0], [0.0, -5.0, 0.0]], np.float32)}
     base = np.array([[9.0, -1.5, -2.5], [0.0, 0.0, 7.0]], np.float32)  # prompt slots and padding: never read
     # Row 0's tokens differ by 0.5 and 0.5; row 1 (spliced: the adapter sampled it) by 5, left out.
-    assert train.sampler_gap(rows, base, np.array([False, True]), on_policy=True) == {train.GAP_KEY: 0.5}
+    assert step_record.sampler_gap(rows, base, np.array([False, True]), on_policy=True) == {step_record.GAP_KEY: 0.5}
     # Both rows: (0.5 + 0.5 + 5) / 3 = 2.
-    assert train.sampler_gap(rows, base, np.array([False, False]), on_policy=True) == {train.GAP_KEY: 2.0}
-    assert train.sampler_gap(rows, base, np.array([False, False]), on_policy=False) == {train.GAP_KEY: None}
-    assert train.sampler_gap(rows, base, np.array([True, True]), on_policy=True) == {train.GAP_KEY: 0.0}
+    assert step_record.sampler_gap(rows, base, np.array([False, False]), on_policy=True) == {step_record.GAP_KEY: 2.0}
+    assert step_record.sampler_gap(rows, base, np.array([False, False]), on_policy=False) == {step_record.GAP_KEY: None}
+    assert step_record.sampler_gap(rows, base, np.array([True, True]), on_policy=True) == {step_record.GAP_KEY: 0.0}
 
 
 def test_the_bound_comes_from_the_engine_and_dtype_unless_given():
@@ -74,7 +74,7 @@ def test_a_sampler_left_with_step_0s_weights_stops_the_run_within_two_steps(tmp_
     # Step 1 samples with the weights it trains (0 updates yet); steps 2 and 3 with step 0's: two in a row, stop.
     assert "above rollout.max_logprob_gap 0.001 (jax, float32) for 2 steps in a row" in str(err.value)
     assert "checkpoint written at step 3" in str(err.value)
-    gaps = [r[train.GAP_KEY] for r in train_records(str(tmp_path))]
+    gaps = [r[step_record.GAP_KEY] for r in train_records(str(tmp_path))]
     assert len(gaps) == 3 and gaps[0] < 1e-5 and min(gaps[1:]) > 1e-3, gaps
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [3]
 

@@ -15,6 +15,7 @@ import pytest
 from lspo_jax.job.config import load_config
 from lspo_jax.rl import corrections, losses, scaffold, train
 from lspo_jax.rl.packing import Rows
+from lspo_jax.rl.phases import Phases
 from lspo_jax.rl.prompts import Draw
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,12 +28,12 @@ def documented_stages(text: str, indent: str) -> list[str]:
 
 
 def test_the_stages_have_one_name_set_in_the_code_the_docstring_and_the_docs():
-    assert documented_stages(train.__doc__, "    ") == list(train.Phases.NAMES)
+    assert documented_stages(train.__doc__, "    ") == list(Phases.NAMES)
     architecture = (ROOT / "docs" / "architecture.md").read_text()
-    assert documented_stages(architecture, " │     ") == list(train.Phases.NAMES)
+    assert documented_stages(architecture, " │     ") == list(Phases.NAMES)
 
 
-class RecordingPhases(train.Phases):
+class RecordingPhases(Phases):
     """The step's timer, also keeping the stage each learner verb ran in."""
 
     def __init__(self):
@@ -144,10 +145,10 @@ def test_train_step_runs_its_stages_in_the_documented_order(judged):
     assert learner.calls == want
     # The stages in the order they first ran are the documented order (the judge's only when a teacher judges).
     first_seen = list(dict.fromkeys(stage for _, stage, _ in learner.calls))
-    assert first_seen == [name for name in train.Phases.NAMES if judged or name != "judge"]
+    assert first_seen == [name for name in Phases.NAMES if judged or name != "judge"]
     # Every stage is timed in the record, 0 where it did not run; the cliff's re-rolls were spliced in.
     assert {k for k in result.metrics if k.startswith("time_") and k != "time_target"} == {
-        f"time_{name}" for name in train.Phases.NAMES
+        f"time_{name}" for name in Phases.NAMES
     }
     assert (result.metrics["time_judge"] > 0) == judged
     assert result.metrics["cliff_groups"] == 1 and result.metrics["spliced_rows"] == K

@@ -298,7 +298,7 @@ def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup()
     from lspo_jax import options
     from lspo_jax.job import run
     from lspo_jax.models import model
-    from lspo_jax.rl import corrections, losses, optim, scaffold, train
+    from lspo_jax.rl import corrections, losses, optim, scaffold, supervise
 
     registries = {
         "rollout.engine": run.ENGINES,
@@ -310,7 +310,7 @@ def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup()
         "scaffold.splice": scaffold.SPLICE_VARIANTS,
         "scaffold.correction": corrections.CORRECTIONS,
         "scaffold.adapter": options.ADAPTER_LIFETIMES,
-        "scaffold.supervise": train.SUPERVISORS,
+        "scaffold.supervise": supervise.SUPERVISORS,
     }
     hints = {f"{s}.{n}": hint for s, n, hint in _option_fields()}
     for key, registry in registries.items():

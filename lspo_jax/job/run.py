@@ -45,7 +45,9 @@ from lspo_jax.options import RolloutError
 from lspo_jax.rl import staleness, warmup
 from lspo_jax.rl.checkpoint import DIGEST, Checkpointer, CheckpointError, TrainState
 from lspo_jax.rl.learner import Learner
-from lspo_jax.rl.train import GAP_KEY, Phases, StepAbandoned, step_rates, train_step
+from lspo_jax.rl.phases import Phases, StepAbandoned
+from lspo_jax.rl.step_record import GAP_KEY, step_rates
+from lspo_jax.rl.train import train_step
 from lspo_jax.tasks import data, example_store
 from lspo_jax.train_config import ConfigError, TrainConfig
 

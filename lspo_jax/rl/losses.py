@@ -344,6 +344,14 @@ def policy_loss(
         dual_clipped = (adv < 0) & (per_token > cap) & mask
         per_token = jnp.where(dual_clipped, cap, per_token)
     loss = masked_mean(per_token, mask, num_tokens)
+    return loss, _surrogate_metrics(ratio, log_ratio, adv, mask, dual_clipped, eps_low=eps_low, eps_high=eps_high)
+
+
+def _surrogate_metrics(
+    ratio: jax.Array, log_ratio: jax.Array, adv: jax.Array, mask: jax.Array, dual_clipped: jax.Array, *,
+    eps_low: float, eps_high: float,
+) -> Metrics:  # fmt: skip
+    """``policy_loss``'s metrics (named in its docstring), detached: they report the update, never steer it."""
     metrics = {
         "clip_frac_low": masked_mean((adv < 0) & (ratio < 1.0 - eps_low), mask),
         "clip_frac_high": masked_mean((adv > 0) & (ratio > 1.0 + eps_high), mask),
@@ -353,7 +361,7 @@ def policy_loss(
         "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask),
         "num_tokens": jnp.sum(mask.astype(jnp.float32)),
     }
-    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+    return jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
 def weighted_advantages(advantages: jax.Array, weights: jax.Array, shape: tuple[int, ...]) -> jax.Array:

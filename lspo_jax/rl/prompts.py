@@ -30,7 +30,7 @@ class UpdateHook(Protocol):
 
     ``before`` runs before the step's last stop check, so a stop asked for during it abandons the step. A hook whose
     ``before`` comes in pieces sets ``checks_stop = True`` and gets ``check=``, a function to call between them that
-    raises ``train.StepAbandoned`` once a stop is asked for; one without the attribute is called as before."""
+    raises ``phases.StepAbandoned`` once a stop is asked for; one without the attribute is called as before."""
 
     def before(self, learner: Any, batch: dict[str, np.ndarray]) -> None:
         """Runs before the update, at the base that sampled the rows."""

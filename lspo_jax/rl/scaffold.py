@@ -129,12 +129,29 @@ def splice(
         (inputs are not modified), ``[N]`` bool marking the replaced rows, and the step's ``SpliceStats``.
     """
     variant_ = SPLICE_VARIANTS.resolve(variant)
+    acc_GK, reroll_acc_CK, cliff_ids = _accuracies(base, rerolls, cliffs, group_size, reroll_n or group_size, carry)
+    valid_GK = _valid(valid, acc_GK.shape)
+    # Slots a re-rollout may fill: the failed ones (``group``: all) of valid slots.
+    open_GK = valid_GK if variant_.fills_passing_slots else valid_GK & ~(acc_GK > 0)
+    dst, src, num_surpassed = _slot_pairs(open_GK, reroll_acc_CK > 0, cliff_ids, variant_.order)
+    spliced = {key: _replace_rows(key, np.asarray(base[key]), np.asarray(rerolls[key]), dst, src) for key in base}
+    spliced.update({key: _carried(key, np.asarray(rerolls[key]), base, dst, src) for key in carry})
+    spliced_rows = np.zeros(acc_GK.size, dtype=bool)
+    spliced_rows[dst] = True
+    return spliced, spliced_rows, _splice_stats(acc_GK, reroll_acc_CK, cliff_ids, num_surpassed, dst)
+
+
+def _accuracies(
+    base: Mapping[str, np.ndarray], rerolls: Mapping[str, np.ndarray], cliffs: np.ndarray, group_size: int,
+    reroll_n: int, carry: tuple[str, ...],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """``splice``'s inputs checked against each other: the base's accuracy ``[G, K]``, the re-rolls' ``[C,
+    reroll_n]`` and the cliff groups' indices ``[C]``; a ``ValueError`` naming the first that does not fit."""
     acc_GK = _grouped(np.asarray(base["accuracy"]), group_size, "base accuracy")
     cliffs = np.asarray(cliffs, dtype=bool)
     if cliffs.shape != acc_GK.shape[:1]:
         raise ValueError(f"cliffs must have one entry per group, shape {acc_GK.shape[:1]}, got {cliffs.shape}")
     cliff_ids = np.flatnonzero(cliffs)
-    reroll_n = reroll_n or group_size
     reroll_acc_CK = _grouped(np.asarray(rerolls["accuracy"]), reroll_n, "reroll accuracy")
     if reroll_acc_CK.shape[0] != cliff_ids.size:
         raise ValueError(
@@ -146,19 +163,19 @@ def splice(
     missing = sorted(set(base) - set(rerolls))
     if missing:
         raise ValueError(f"rerolls lack field(s) {missing} present in base")
+    return acc_GK, reroll_acc_CK, cliff_ids
 
-    valid_GK = _valid(valid, acc_GK.shape)
-    # Slots a re-rollout may fill: the failed ones (``group``: all) of valid slots.
-    open_GK = valid_GK if variant_.fills_passing_slots else valid_GK & ~(acc_GK > 0)
-    dst, src, num_surpassed = _slot_pairs(open_GK, reroll_acc_CK > 0, cliff_ids, variant_.order)
-    spliced = {key: _replace_rows(key, np.asarray(base[key]), np.asarray(rerolls[key]), dst, src) for key in base}
-    for key in carry:
-        field = np.asarray(rerolls[key])
-        shape = (acc_GK.size, *field.shape[1:]) if field.ndim < 2 else (acc_GK.size, _length(base), *field.shape[2:])
-        spliced[key] = _replace_rows(key, np.zeros(shape, field.dtype), field, dst, src)
-    spliced_rows = np.zeros(acc_GK.size, dtype=bool)
-    spliced_rows[dst] = True
-    stats = SpliceStats(
+
+def _carried(key: str, field: np.ndarray, base: Mapping[str, np.ndarray], dst: np.ndarray, src: np.ndarray):
+    """A re-roll-only ``field`` on the base's rows: the spliced rows' values, zeros elsewhere (at the base's token
+    length, for a per-token field)."""
+    rows = np.asarray(base["accuracy"]).size
+    shape = (rows, *field.shape[1:]) if field.ndim < 2 else (rows, _length(base), *field.shape[2:])
+    return _replace_rows(key, np.zeros(shape, field.dtype), field, dst, src)
+
+
+def _splice_stats(acc_GK, reroll_acc_CK, cliff_ids, num_surpassed: int, dst: np.ndarray) -> SpliceStats:
+    return SpliceStats(
         num_groups=acc_GK.shape[0],
         num_cliffs=int(cliff_ids.size),
         num_surpassed=num_surpassed,
@@ -166,7 +183,6 @@ def splice(
         num_passing_rerolls=int(np.sum(reroll_acc_CK > 0)),
         num_spliced=int(dst.size),
     )
-    return spliced, spliced_rows, stats
 
 
 def _slot_pairs(

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from lspo_jax.rl.learner import Learner
-from lspo_jax.rl.train import sft_batch
+from lspo_jax.rl.supervise import sft_batch
 from lspo_jax.train_config import ConfigError, TrainConfig
 
 RECORD_KIND = "warmup"  # the ``kind`` of the warm-up's one record in metrics.jsonl, at step 0

@@ -152,7 +152,7 @@ def first_mistake_advantages(
 
     ``valid`` (``[N]`` bool, optional) marks the rows of groups smaller than K (the rest is padding with no
     tokens): a group is mixed, and a row judged, on its valid rows alone. ``check`` (optional) is called between the
-    teacher's batches and stages, and may raise to end the step's judging there (a stop: ``train.Phases.within``).
+    teacher's batches and stages, and may raise to end the step's judging there (a stop: ``phases.Phases.within``).
 
     Per group: ``problems``, ``golds`` and ``references`` (the dataset's worked solutions, needed for
     ``reference="ground_truth"``). Per row: the verifier's ``response_texts``, the ``response_ids`` they
@@ -170,8 +170,7 @@ def first_mistake_advantages(
     n, k = len(correct_N), group_size
     _check_batch(problems, golds, references, response_texts, response_ids, response_mask, n, k)
     valid_N = np.ones(n, bool) if valid is None else np.asarray(valid, bool)
-    correct_GK, valid_GK = correct_N.reshape(-1, k), valid_N.reshape(-1, k)
-    mixed_G = (correct_GK & valid_GK).any(axis=1) & (~correct_GK & valid_GK).any(axis=1)
+    mixed_G = _mixed_groups(correct_N, valid_N, k)
     metrics: dict[str, Any] = {"fm_groups": len(mixed_G), "fm_skipped_zero_variance": int((~mixed_G).sum())}
     refs = _references(np.flatnonzero(mixed_G), problems, golds, references, score, judge, config, metrics, check)
     tally = _Tally()
@@ -183,15 +182,35 @@ def first_mistake_advantages(
         [problems[i // k] for i in asked], [refs[i // k] for i in asked], [response_texts[i] for i in asked], spans,
         check,
     )  # fmt: skip
-    pitfall_N = np.full(n, -1, np.int64)
-    for i, split, verdict in zip(asked, spans, verdicts, strict=True):
-        pitfall_N[i] = tally.read(verdict, bool(correct_N[i]), response_texts[i], response_ids[i], split, tokenizer)
-    judged_G = np.zeros(len(mixed_G), bool)
-    judged_G[np.flatnonzero(pitfall_N > 0) // k] = True
+    pitfall_N = _pitfall_tokens(asked, spans, verdicts, correct_N, response_texts, response_ids, tokenizer, tally)
+    judged_G = _judged_groups(pitfall_N, k, len(mixed_G))
     metrics.update(tally.metrics(), fm_groups_judged=len({i // k for i in asked}), fm_rollouts_judged=len(asked))
     metrics["fm_groups_reshaped"] = int(judged_G.sum())
     adv = token_advantages(outcome_adv, correct_N, pitfall_N, response_mask, k, judged_G, lam=config.lam)
     return adv, metrics
+
+
+def _mixed_groups(correct_N: np.ndarray, valid_N: np.ndarray, k: int) -> np.ndarray:
+    """``[G]``: the groups with a correct and a failed rollout among their valid rows, the only ones a judged
+    pitfall can reshape (in the others every outcome advantage is 0)."""
+    correct_GK, valid_GK = correct_N.reshape(-1, k), valid_N.reshape(-1, k)
+    return (correct_GK & valid_GK).any(axis=1) & (~correct_GK & valid_GK).any(axis=1)
+
+
+def _pitfall_tokens(asked, spans, verdicts, correct_N, response_texts, response_ids, tokenizer, tally) -> np.ndarray:
+    """``[N]``: each judged row's pitfall token as its verdict reads (``_Tally.read``, which counts the fallbacks),
+    -1 on the rows not asked about."""
+    pitfall_N = np.full(len(correct_N), -1, np.int64)
+    for i, split, verdict in zip(asked, spans, verdicts, strict=True):
+        pitfall_N[i] = tally.read(verdict, bool(correct_N[i]), response_texts[i], response_ids[i], split, tokenizer)
+    return pitfall_N
+
+
+def _judged_groups(pitfall_N: np.ndarray, k: int, groups: int) -> np.ndarray:
+    """``[G]``: the groups with at least one row whose pitfall the judge located."""
+    judged_G = np.zeros(groups, bool)
+    judged_G[np.flatnonzero(pitfall_N > 0) // k] = True
+    return judged_G
 
 
 def _check_batch(problems, golds, references, texts, ids, mask, n: int, k: int) -> None:

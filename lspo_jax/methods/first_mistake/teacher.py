@@ -115,7 +115,7 @@ class Judge:
     """The teacher's two stages through one engine-agnostic ``generate(prompt_texts) -> replies`` callable.
 
     Each method calls ``generate`` once per ``max_batch`` prompts (None: once for its whole batch), and between two
-    calls its ``check``, which may raise to end the stage there (a stop asked for: ``train.Phases.within``): a
+    calls its ``check``, which may raise to end the stage there (a stop asked for: ``phases.Phases.within``): a
     teacher's batch is the piece a stop waits for, not the whole stage. ``generate`` gets the user turns as text;
     rendering them (chat template, tokens) is its business.
     """

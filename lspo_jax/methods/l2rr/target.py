@@ -222,7 +222,7 @@ class TargetSide:
         a ``jax.tree_util.Partial`` of a hashable function compiles once for all steps, any other callable
         once per callable. Both programs run on the mesh the params are laid out on (``distributed.mesh_of``), the
         target rows split over its data axes. ``check`` is called between the two (it may raise to end the scoring
-        there: a stop, ``train.Phases.within``).
+        there: a stop, ``phases.Phases.within``).
         """
         base = params[optim.BASE]
         at = base if target_params is None else target_params[optim.BASE]
