@@ -143,10 +143,20 @@ def test_the_warmup_budget_is_what_each_seeds_direct_run_spent(tool, tmp_path, m
     assert "compare_arms: direct seed 42: reusing the run in " in capsys.readouterr().err
     # A warm-up run of another config is refused before anything trains, though its budget is not known yet.
     saved = tmp_path / "sft_warmup_seed43" / "config.yaml"
-    saved.write_text(saved.read_text().replace("sft_steps: 8", "sft_steps: 3"))
+    saved.write_text(saved.read_text().replace("cliff_max_successes: 0", "cliff_max_successes: 1"))
     assert tool.main(argv) == 2 and len(calls) == 6
-    assert "sft_warmup_seed43/config.yaml: a run with scaffold.sft_steps=3" in capsys.readouterr().err
+    assert "sft_warmup_seed43/config.yaml: a run with scaffold.cliff_max_successes=1" in capsys.readouterr().err
+    saved.write_text(saved.read_text().replace("cliff_max_successes: 1", "cliff_max_successes: 0"))
+    # The adapter's SFT is not read by SFT then DAPO, whose steps use no cliffs: its run is reused under another
+    # sft_steps; SFT then LSPO's, which fits the adapter every step, is refused.
+    for arm in ("sft_warmup", "sft_lspo"):
+        saved = tmp_path / f"{arm}_seed43" / "config.yaml"
+        saved.write_text(saved.read_text().replace("sft_steps: 8", "sft_steps: 3"))
+    assert tool.main(argv) == 2 and len(calls) == 6
+    err = capsys.readouterr().err
+    assert "sft_lspo_seed43/config.yaml: a run with scaffold.sft_steps=3" in err and "sft_warmup_seed43" not in err
     saved.write_text(saved.read_text().replace("sft_steps: 3", "sft_steps: 8"))
+    assert tool.main(argv) == 0 and len(calls) == 6
     # A direct run that spent nothing gives no budget: one line, nothing trained.
     spent[44] = [(1, 0)]
     assert tool.main([*argv[:3], "44", *argv[4:]]) == 2

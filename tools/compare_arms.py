@@ -185,17 +185,35 @@ def check_reusable(
 ) -> None:
     """Refuse (``ConfigError``) a run directory ``run_cell`` would reuse or resume that holds a run of another
     config: an arm name given new overrides would otherwise be tabulated from the old run. ``steps`` may differ
-    (the horizon cuts a longer run back), and the keys in ``ignore``."""
+    (the horizon cuts a longer run back), the keys in ``ignore``, and the knobs of a scaffold the run never used
+    (``unread_keys``): a DAPO run is the same run under a config that changes only the adapter's SFT."""
     path = os.path.join(out_root, f"{name}_seed{seed}", "config.yaml")
     if not os.path.exists(path):
         return
     with open(path) as f:
         saved = _flat(yaml.safe_load(f) or {})
-    wanted = _flat(to_dict(cell_config(base_config, overrides, seed)))
-    for key in (k for k in wanted if k in saved and k != "steps" and k not in ignore):
+    config = cell_config(base_config, overrides, seed)
+    wanted, unread = _flat(to_dict(config)), unread_keys(config)
+    for key in (k for k in wanted if k in saved and k != "steps" and k not in ignore and k not in unread):
         if saved[key] != wanted[key]:
             raise ConfigError(f"{path}: a run with {key}={saved[key]!r}, not {wanted[key]!r}; give the arm another "
                               "name or --out")  # fmt: skip
+
+
+# The scaffold's keys that a run whose steps use no cliffs (DAPO, SFT then DAPO) still reads: whether it is on, what
+# it supervises, the warm-up's budget, and what a cliff is (its records count them).
+READ_WITHOUT_CLIFFS = (
+    "scaffold.enabled", "scaffold.supervise", "scaffold.warmup_tokens", "scaffold.cliff_max_successes",
+)  # fmt: skip
+
+
+def unread_keys(config) -> set[str]:
+    """The keys ``config``'s run never reads: with no step acting on its cliffs, the adapter's shape and the
+    scaffold's knobs but ``READ_WITHOUT_CLIFFS``."""
+    if config.scaffold.uses_cliffs:
+        return set()
+    keys = _flat(to_dict(config))
+    return {k for k in keys if k.startswith(("scaffold.", "model.lora.")) and k not in READ_WITHOUT_CLIFFS}
 
 
 def _flat(data: dict, prefix: str = "") -> dict:
