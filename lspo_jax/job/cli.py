@@ -24,7 +24,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     or from the machine (permissions, space): each ends a command in one line and ``EXIT_CONFIG``."""
     from lspo_jax.job.metrics_log import MetricsError
     from lspo_jax.rl.checkpoint import CheckpointError
-    from lspo_jax.tasks.data import DataError
+    from lspo_jax.tasks.data_report import DataError
     from lspo_jax.train_config import ConfigError
 
     return ConfigError, DataError, CheckpointError, MetricsError, OSError
@@ -573,7 +573,7 @@ def _eval_until_stopped(args, stop) -> int:
     from lspo_jax.job import evaluation
     from lspo_jax.job.build import check_positions, load_benchmarks, make_verifier
     from lspo_jax.rollout.generator import Generator
-    from lspo_jax.tasks.data import DataReport
+    from lspo_jax.tasks.data_report import DataReport
 
     try:
         samples, seeds = _eval_arguments(args)
@@ -732,7 +732,7 @@ def _warn_about_protocol(run) -> None:
 def _warn_about_rows(name: str, report: dict) -> None:
     """Each benchmark's rows as read, and where some were lost at load time, how: a benchmark that lost problems is
     not the published benchmark."""
-    from lspo_jax.tasks.data import DataReport
+    from lspo_jax.tasks.data_report import DataReport
 
     line = DataReport(**report).losses() or f"{report['rows']} rows, all kept"
     print(f"lspo-eval: {name}: {line}", file=sys.stderr)
