@@ -129,7 +129,8 @@ import numpy as np
 from benchmarks import hf_baseline, trace_summary, vllm_layout
 from lspo_jax.config import ATTENTION_IMPLS, ModelConfig
 from lspo_jax.models import sharding
-from lspo_jax.models.model import count_params, decode_attend, init_params
+from lspo_jax.models.attention import decode_attend
+from lspo_jax.models.specs import count_params, init_params
 from lspo_jax.rl import distributed, logprobs, losses, optim, packing, step_record, train
 from lspo_jax.rl.learner import Learner
 from lspo_jax.rl.phases import Phases

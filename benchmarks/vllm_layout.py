@@ -42,8 +42,9 @@ from jax.experimental import multihost_utils
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import hf, sharding
-from lspo_jax.models.model import init_params
-from lspo_jax.rollout.vllm_sampler import VLLMSampler, check_model, prompt_share
+from lspo_jax.models.specs import init_params
+from lspo_jax.rollout.vllm_sampler import VLLMSampler, prompt_share
+from lspo_jax.rollout.vllm_setup import check_model
 from lspo_jax.train_config import MeshSection
 
 if TYPE_CHECKING:  # gpu.py imports this module

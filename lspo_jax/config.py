@@ -105,7 +105,7 @@ _ARCHITECTURES = {family.architecture: name for name, family in FAMILIES.items()
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's remapping of the rotary frequencies (``rope_type: llama3``, ``model.rope_frequencies``): wavelengths
+    """Llama 3's remapping of the rotary frequencies (``rope_type: llama3``, ``layer.rope_frequencies``): wavelengths
     longer than ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``, those shorter than
     ``... / high_freq_factor`` kept, and the band between interpolated."""
 

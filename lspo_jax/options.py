@@ -83,7 +83,7 @@ Remat = Literal["none", "full", "dots"]
 # blocked attention of ``flash`` (pure JAX, never a [T, T] score matrix), or a vendor kernel with segment ids
 # (``kernels``: Pallas on GPUs, splash on TPUs).
 Attention = Literal["einsum", "xla", "cudnn", "blocked", "pallas", "splash"]
-# Attention of the sampler's decode step over the KV cache (``model.decode_attend``): the einsums, broadcast
+# Attention of the sampler's decode step over the KV cache (``attention.decode_attend``): the einsums, broadcast
 # multiplies and sums (the default: one pass over the cache on every backend), jax.nn.dot_product_attention,
 # or the Pallas GPU decode kernel (``kernels.decode_attention``).
 DecodeAttention = Literal["einsum", "reduce", "xla", "pallas"]

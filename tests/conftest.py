@@ -237,7 +237,7 @@ def tiny_params(tiny_config):
     import jax
     import jax.numpy as jnp
 
-    from lspo_jax.models.model import abstract_params
+    from lspo_jax.models.specs import abstract_params
 
     rng = np.random.default_rng(0)
 

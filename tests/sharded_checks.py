@@ -25,10 +25,11 @@ from jax.sharding import PartitionSpec
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.job import toy_model
-from lspo_jax.models import model, sharding
+from lspo_jax.models import sharding, specs
+from lspo_jax.models.attention import attend, decode_attend
 from lspo_jax.rl import distributed, logprobs, losses, optim, packing
 from lspo_jax.rl.checkpoint import Checkpointer
-from lspo_jax.rollout import sampler
+from lspo_jax.rollout import programs, sampler
 
 # Before the first use of JAX (nothing above touches a device): 8 CPU devices to build meshes from.
 jax.config.update("jax_num_cpu_devices", 8)
@@ -54,12 +55,12 @@ def _params():
     """Random tiny params, drawn with numpy: ``jax.random`` would compile a program per shape, slowly on CPU."""
     rng = np.random.default_rng(0)
 
-    def draw(spec: model.ParamSpec) -> np.ndarray:
+    def draw(spec: specs.ParamSpec) -> np.ndarray:
         if spec.init in ("zeros", "ones"):
             return np.full(spec.shape, float(spec.init == "ones"), spec.dtype)
         return (0.05 * rng.standard_normal(spec.shape)).astype(spec.dtype)  # adapter B too: it computes something
 
-    return jax.tree.map(draw, model.param_specs(CONFIG), is_leaf=lambda x: isinstance(x, model.ParamSpec))
+    return jax.tree.map(draw, specs.param_specs(CONFIG), is_leaf=lambda x: isinstance(x, specs.ParamSpec))
 
 
 def _batch():
@@ -221,14 +222,14 @@ def check_sampler(params) -> dict:
     # at step 4; the single-device call without compaction is the reference.
     limits = dict(kwargs, max_new_tokens=[10, 3, 5])
     still = sampler.generate_arrays(CONFIG, params, prompts, **limits, compact_every=0)
-    before = sampler.TRACE_COUNTS["compact"]
+    before = programs.TRACE_COUNTS["compact"]
     sampler.MIN_COMPACT_ROWS, floor = 1, sampler.MIN_COMPACT_ROWS
     try:
         moved = sampler.generate_arrays(CONFIG, params, prompts, mesh=mesh, **limits, compact_every=2)
     finally:
         sampler.MIN_COMPACT_ROWS = floor
     out["compacted"] = {
-        "compactions": sampler.TRACE_COUNTS["compact"] - before,
+        "compactions": programs.TRACE_COUNTS["compact"] - before,
         "tokens_equal": bool(np.array_equal(moved.tokens, still.tokens)),
         "lengths_equal": bool(np.array_equal(moved.lengths, still.lengths)),
         "logprobs": _max_diff([moved.logprobs], [still.logprobs]),
@@ -239,16 +240,16 @@ def check_sampler(params) -> dict:
 def check_decode_kernel() -> dict:
     """The Pallas decode kernel (interpreted) on fsdp4 x tp2 with 6 query heads over 3 KV heads, which tp cannot
     split: each shard must then keep every query head of its rows (split 3 and 3, query heads 0-2 would be paired
-    with KV heads 0-2 instead of 0, 0, 1). Against ``model.attend`` on one device."""
+    with KV heads 0-2 instead of 0, 0, 1). Against ``attention.attend`` on one device."""
     rng = np.random.default_rng(5)
     rows, heads, kv_heads, head_dim, slots = 4, 6, 3, 16, 48
     q = rng.normal(size=(rows, 1, heads, head_dim)).astype(np.float32)
     k, v = (rng.normal(size=(rows, kv_heads, slots, head_dim)).astype(np.float32) for _ in range(2))
     start, end = np.array([0, 5, 16, 31]), np.array([48, 40, 17, 35])
     mask = ((np.arange(slots) >= start[:, None]) & (np.arange(slots) < end[:, None]))[:, None]
-    ref = np.asarray(model.attend(q, k, v, mask))
+    ref = np.asarray(attend(q, k, v, mask))
     with jax.set_mesh(sharding.make_mesh(sharding.MeshConfig(*LAYOUTS["fsdp4_tp2"]))):
-        got = np.asarray(jax.jit(model.decode_attend, static_argnums=0)("pallas", q, k, v, mask))
+        got = np.asarray(jax.jit(decode_attend, static_argnums=0)("pallas", q, k, v, mask))
     return {"max_abs_diff": float(np.abs(got - ref).max()), "scale": float(np.abs(ref).max())}
 
 

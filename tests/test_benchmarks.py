@@ -10,15 +10,15 @@ import shutil
 
 import pytest
 
-from lspo_jax.tasks import benchmarks, data, rewards
+from lspo_jax.tasks import benchmarks, data, data_report, rewards, sources
 
 
 @pytest.mark.parametrize("name, rows", [("math500", 500), ("aime24", 30), ("aime25", 30)])
 def test_a_packaged_benchmark_loads_whole_with_its_licence(name, rows):
     path = benchmarks.benchmark_path(name)
     assert path == str(benchmarks.PACKAGED_DIR / f"{name}.jsonl")
-    report = data.DataReport()
-    loaded = data.read_rows(path, report=report)
+    report = data_report.DataReport()
+    loaded = sources.read_rows(path, report=report)
     assert len(loaded) == rows == benchmarks.manifest()[name]["rows"] and report.rows_invalid == 0
     assert len({r["id"] for r in loaded}) == rows  # ids are unique: per-problem records are keyed by them
     assert rewards.parse_golds((r["id"], r["answer"]) for r in loaded).n_bad == 0

@@ -89,7 +89,7 @@ def test_no_pytorch_advice_from_the_entry_points(quiet):
 def test_vllm_log_lines_go_to_the_run_directory_and_only_errors_to_the_console(tmp_path, capsys, monkeypatch):
     import logging
 
-    from lspo_jax.rollout.vllm_sampler import route_logs
+    from lspo_jax.rollout.vllm_setup import route_logs
 
     for name in ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH"):  # restored after the test
         monkeypatch.setenv(name, "")

@@ -14,8 +14,9 @@ import pytest
 
 from lspo_jax.job import toy_model
 from lspo_jax.rl import packing
-from lspo_jax.tasks import benchmarks, data, toy
+from lspo_jax.tasks import benchmarks, data, data_report, sources, toy
 from lspo_jax.tasks.rewards import math_reward
+from lspo_jax.tasks.templates import prompt_text, render_prompt
 from lspo_jax.train_config import DataConfig
 from tools import qwen_vocab
 
@@ -47,8 +48,8 @@ def test_deepmath_parquet_maps_to_the_shared_schema_and_skips_bad_rows(tmp_path)
     records[1]["final_answer"] = None  # missing in the parquet sense: a null
     records[3]["question"] = "  "  # blank counts as missing
     path = write_parquet(tmp_path / "deepmath.parquet", records)
-    report = data.DataReport()
-    rows = data.read_rows(path, DataConfig(), report=report)
+    report = data_report.DataReport()
+    rows = sources.read_rows(path, DataConfig(), report=report)
     assert [r["id"] for r in rows] == ["0", "2", "4"]  # the row index: the file has no id column
     assert rows[1] == {
         "id": "2", "problem": "What is 2+2?", "answer": "4", "solution": "trace 1 of 2\n</think>\n\\boxed{4}",
@@ -58,7 +59,7 @@ def test_deepmath_parquet_maps_to_the_shared_schema_and_skips_bad_rows(tmp_path)
     assert report.rows_invalid == 2
     assert report.row_errors == ["row 1 (id 1): missing final_answer", "row 3 (id 3): missing question"]
     # Which trace feeds the scaffold is configurable; the format can be named instead of detected.
-    rows = data.read_rows(path, DataConfig(solution_field="r1_solution_3", format="deepmath"))
+    rows = sources.read_rows(path, DataConfig(solution_field="r1_solution_3", format="deepmath"))
     assert [r["solution"] for r in rows] == ["trace 3 of 0", "trace 3 of 2", "trace 3 of 4"]
 
 
@@ -67,8 +68,8 @@ def test_deepmath_jsonl_with_ids_bad_lines_and_a_directory_of_shards(tmp_path):
         deepmath_record(0, id="dm-a"), "{not json", deepmath_record(1, id="dm-b", final_answer=""),
         deepmath_record(2, id="dm-c", r1_solution_1=None), "",
     ]  # fmt: skip
-    report = data.DataReport()
-    rows = data.read_rows(write_jsonl(tmp_path / "dm.jsonl", lines), report=report)
+    report = data_report.DataReport()
+    rows = sources.read_rows(write_jsonl(tmp_path / "dm.jsonl", lines), report=report)
     assert [(r["id"], r["solution"] is None) for r in rows] == [("dm-a", False), ("dm-c", True)]
     assert report.row_errors == ["line 2: not a JSON object", "line 3 (id dm-b): missing final_answer"]
     # DeepMath-103K ships as parquet shards: a directory is read in file-name order, row ids run across files.
@@ -76,19 +77,19 @@ def test_deepmath_jsonl_with_ids_bad_lines_and_a_directory_of_shards(tmp_path):
     shards.mkdir()
     write_parquet(shards / "train-00001.parquet", [deepmath_record(i) for i in (7, 8)])
     write_parquet(shards / "train-00000.parquet", [deepmath_record(i) for i in (5, 6)])
-    rows = data.read_rows(str(shards))
+    rows = sources.read_rows(str(shards))
     assert [(r["id"], r["answer"]) for r in rows] == [("0", "10"), ("1", "12"), ("2", "14"), ("3", "16")]
 
 
 def test_shared_rows_with_missing_fields_are_reported_and_a_useless_file_is_an_error(tmp_path):
     good = {"id": "a", "problem": "1+1=", "answer": "2", "solution": "1+1=2;\\boxed{2}"}
-    report = data.DataReport()
-    rows = data.read_rows(write_jsonl(tmp_path / "s.jsonl", [good, {"id": "b", "problem": "2+2="}]), report=report)
+    report = data_report.DataReport()
+    rows = sources.read_rows(write_jsonl(tmp_path / "s.jsonl", [good, {"id": "b", "problem": "2+2="}]), report=report)
     assert [r["id"] for r in rows] == ["a"] and report.row_errors == ["line 2 (id b): missing answer"]
     with pytest.raises(ValueError, match="none of its 2 rows is usable"):
-        data.read_rows(write_jsonl(tmp_path / "bad.jsonl", [{"text": 1}, {"text": 2}]), DataConfig(format="shared"))
+        sources.read_rows(write_jsonl(tmp_path / "bad.jsonl", [{"text": 1}, {"text": 2}]), DataConfig(format="shared"))
     with pytest.raises(ValueError, match="cannot tell the format"):
-        data.read_rows(write_jsonl(tmp_path / "other.jsonl", [{"text": 1}]))
+        sources.read_rows(write_jsonl(tmp_path / "other.jsonl", [{"text": 1}]))
 
 
 def test_load_examples_sft_targets_length_policy_and_golds(tmp_path):
@@ -159,7 +160,7 @@ def r1_tokenizer():
 def test_r1_prompt_renders_exactly_and_round_trips(tmp_path):
     tokenizer = r1_tokenizer()
     question = "Find $x$ if $2x = 6$."
-    text = data.prompt_text(question, DataConfig())
+    text = prompt_text(question, DataConfig())
     expected = (
         "<｜begin▁of▁sentence｜><｜User｜>Find $x$ if $2x = 6$.\n"
         "Please reason step by step, and put your final answer within \\boxed{}.<｜Assistant｜><think>\n"
@@ -168,7 +169,7 @@ def test_r1_prompt_renders_exactly_and_round_trips(tmp_path):
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
     )
     assert rendered == expected
-    ids = data.render_prompt(tokenizer, text)
+    ids = render_prompt(tokenizer, text)
     chars = lambda s: [tokenizer.convert_tokens_to_ids(c) for c in s]
     # One BOS (the template's; none added on top), each special token one id, every character one id.
     assert ids == [1, 2, *chars(text), 3, 4, *chars("\n")]
@@ -178,7 +179,7 @@ def test_r1_prompt_renders_exactly_and_round_trips(tmp_path):
     tokenizer.save_pretrained(tmp_path)
     from transformers import AutoTokenizer
 
-    assert data.render_prompt(AutoTokenizer.from_pretrained(tmp_path), text) == ids
+    assert render_prompt(AutoTokenizer.from_pretrained(tmp_path), text) == ids
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +192,8 @@ def test_r1_prompt_in_the_real_qwen2_vocabulary(qwen_r1):
     """The same prompt in the real vocabulary. The ids are DeepSeek-R1-Distill-Qwen's published ones: BOS
     <｜begin▁of▁sentence｜> 151646, <｜User｜> 151644, <｜Assistant｜> 151645, <think> 151648, and Qwen2's "\n" 198
     and "What" 3838."""
-    text = data.prompt_text("Find $x$ if $2x = 6$.", DataConfig())
-    ids = data.render_prompt(qwen_r1, text)
+    text = prompt_text("Find $x$ if $2x = 6$.", DataConfig())
+    ids = render_prompt(qwen_r1, text)
     assert ids[:2] == [151646, 151644] and ids[-3:] == [151645, 151648, 198]
     assert qwen_r1.decode(ids) == (
         "<｜begin▁of▁sentence｜><｜User｜>Find $x$ if $2x = 6$.\n"
@@ -230,14 +231,11 @@ def test_the_real_vocabulary_without_its_package_is_one_line(monkeypatch):
 def test_instruction_placement_and_plain_template():
     tokenizer = toy.char_tokenizer()
     config = DataConfig(instruction="show work")
-    assert data.prompt_text("1+2=", config) == "1+2=\nshow work"
-    assert (
-        data.prompt_text("1+2=", DataConfig(instruction="show work", instruction_position="before"))
-        == "show work\n1+2="
-    )
-    assert data.prompt_text("1+2=", DataConfig(instruction_position="none")) == "1+2="
+    assert prompt_text("1+2=", config) == "1+2=\nshow work"
+    assert prompt_text("1+2=", DataConfig(instruction="show work", instruction_position="before")) == "show work\n1+2="
+    assert prompt_text("1+2=", DataConfig(instruction_position="none")) == "1+2="
     # Without a chat template: BOS and the text.
-    assert data.render_prompt(tokenizer, "1+2=") == [toy.BOS_ID, *tokenizer.encode("1+2=", add_special_tokens=False)]
+    assert render_prompt(tokenizer, "1+2=") == [toy.BOS_ID, *tokenizer.encode("1+2=", add_special_tokens=False)]
     # The demo's generated task keeps its own format: no instruction whatever the config says.
     examples, _ = data.load_examples("toy:heldout", tokenizer, config)
     row = toy.heldout_rows()[0]
@@ -269,12 +267,12 @@ def test_the_demo_task_has_fixed_held_out_classes_kept_out_of_training():
     held_problems = {r["problem"] for name in held for r in held[name]}
     # The same problems for every run seed (paired seeds are scored on one set), none of them trained on.
     for seed in (0, 42):
-        rows = data.read_rows("toy:addition", seed=seed)
+        rows = sources.read_rows("toy:addition", seed=seed)
         assert not {r["problem"] for r in rows} & held_problems
         kinds = [(len(r["problem"].split("+")[0]), r["problem"].count("+") + 1) for r in rows]
         assert {kind: kinds.count(kind) for kind in toy.CLASSES.values()} == dict.fromkeys(toy.CLASSES.values(), 750)
-        assert data.read_rows("toy:heldout_3digit", seed=seed) == held["3digit"]
-    assert data.read_rows("toy:addition", seed=0) != data.read_rows("toy:addition", seed=1)
+        assert sources.read_rows("toy:heldout_3digit", seed=seed) == held["3digit"]
+    assert sources.read_rows("toy:addition", seed=0) != sources.read_rows("toy:addition", seed=1)
     assert [benchmarks.benchmark_name(s) for s in toy.HELDOUT_SPECS] == [
         "toy_heldout_2digit", "toy_heldout_3digit", "toy_heldout_4digit_cliff_beyond",
         "toy_heldout_3term_frontier"]  # fmt: skip
@@ -326,8 +324,8 @@ def test_benchmark_gold_answers_verify_against_themselves():
 
 
 def test_the_console_line_on_dropped_rows():
-    assert data.DataReport(rows=20, kept=20).losses() is None
-    report = data.DataReport(rows=20, kept=9, prompt_skipped=1, gold_unparseable=["7"])
+    assert data_report.DataReport(rows=20, kept=20).losses() is None
+    report = data_report.DataReport(rows=20, kept=9, prompt_skipped=1, gold_unparseable=["7"])
     report.invalid("line 3 (id a)", "missing answer")
     # Counted by cause; the first listed row error is quoted.
     assert report.losses() == (

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lspo_jax.job import cli, toy_model
-from lspo_jax.tasks import data
+from lspo_jax.tasks import data, data_report, sources
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 ROW = {"id": "a", "problem": "1+1=", "answer": "2", "solution": "1+1=2"}
@@ -43,8 +43,8 @@ def test_a_cut_parquet_file_is_one_line_naming_it(model_dir, tmp_path, capsys):
     assert code == 2 and "Traceback" not in err and not (tmp_path / "run" / "config.yaml").exists()
     assert f"{bad}: not a readable parquet file (ArrowInvalid: Parquet magic bytes not found" in err
     # Inside a directory of shards too, and with the format named (the schema is then read by the reader).
-    with pytest.raises(data.DataError, match=r"train-00000\.parquet: not a readable parquet file"):
-        data.read_rows(str(tmp_path), data.DataConfig(format="shared"))
+    with pytest.raises(data_report.DataError, match=r"train-00000\.parquet: not a readable parquet file"):
+        sources.read_rows(str(tmp_path), data.DataConfig(format="shared"))
 
 
 def test_a_path_that_cannot_be_opened_and_a_directory_without_data(model_dir, tmp_path, capsys):
@@ -63,8 +63,8 @@ def test_a_path_that_cannot_be_opened_and_a_directory_without_data(model_dir, tm
 def test_bad_jsonl_lines_are_counted_rows_and_a_binary_file_is_one_line(model_dir, tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b"".join([json.dumps(ROW).encode(), b"\n{not json\n", b"\xff\xfe\x00bytes\n"]))
-    report = data.DataReport()
-    assert [r["id"] for r in data.read_rows(str(path), report=report)] == ["a"]
+    report = data_report.DataReport()
+    assert [r["id"] for r in sources.read_rows(str(path), report=report)] == ["a"]
     assert report.row_errors == ["line 2: not a JSON object", "line 3: not a JSON object"]
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(bytes(range(256)) * 4)  # four newlines: five lines of bytes that are not UTF-8
@@ -88,8 +88,8 @@ def test_fields_of_a_type_no_grader_reads_make_a_counted_listed_row(tmp_path):
         {**ROW, "id": "int", "answer": 7, "solution": ["1+1=2"]},  # a solution that is no text: kept without one
         {**ROW, "id": "half", "answer": 2.5},
     ])  # fmt: skip
-    report = data.DataReport()
-    rows = data.read_rows(path, report=report)
+    report = data_report.DataReport()
+    rows = sources.read_rows(path, report=report)
     assert [(r["id"], r["answer"], r["solution"]) for r in rows] == [
         ("a", "2", "1+1=2"), ("float", "70", "1+1=2"), ("int", "7", None), ("half", "2.5", "1+1=2")]  # fmt: skip
     assert report.rows_invalid == 3
@@ -106,12 +106,12 @@ def test_deepmath_fields_of_the_wrong_type_and_a_float_answer_from_parquet(tmp_p
                 "r1_solution_1": "2</think> 2"}  # fmt: skip
     path = write_jsonl(tmp_path / "deepmath.jsonl", [
         deepmath, {**deepmath, "final_answer": ["2"]}, {**deepmath, "question": 5}])  # fmt: skip
-    report = data.DataReport()
-    assert [(r["id"], r["answer"]) for r in data.read_rows(path, report=report)] == [("0", "2")]
+    report = data_report.DataReport()
+    assert [(r["id"], r["answer"]) for r in sources.read_rows(path, report=report)] == [("0", "2")]
     assert report.row_errors == [
         "line 2 (id 1): final_answer is a list, not a string or number",
         "line 3 (id 2): question is an int, not a string",
     ]
     aime = tmp_path / "aime.parquet"  # a float column, as MathArena's answers may be read
     pq.write_table(pa.Table.from_pylist([{"problem": "p", "answer": 70.0}, {"problem": "q", "answer": 204.0}]), aime)
-    assert [r["answer"] for r in data.read_rows(str(aime))] == ["70", "204"]
+    assert [r["answer"] for r in sources.read_rows(str(aime))] == ["70", "204"]

@@ -15,7 +15,8 @@ from run_fixtures import K, one_line, rule_of, run_steps, train_records, write_j
 from lspo_jax import options
 from lspo_jax.job import cli
 from lspo_jax.job.config_io import from_dict, load_config, to_dict
-from lspo_jax.tasks import data, example_store, toy
+from lspo_jax.tasks import data, data_report, example_store, toy
+from lspo_jax.tasks.templates import TEMPLATES, prompt_text, render_prompt, render_prompts, render_texts
 from lspo_jax.train_config import ConfigError, DataConfig, DataFields, TrainConfig
 from tools import qwen_vocab
 
@@ -70,7 +71,7 @@ def test_a_file_in_its_own_columns_loads_through_data_fields_with_its_other_colu
     assert report.row_errors == ["line 3 (id p-9): missing gold"] and report.rows_invalid == 1
     # The prompt is what transformers renders for a system turn and a user turn, encoded.
     messages = [{"role": "system", "content": section["system_prompt"]},
-                {"role": "user", "content": data.prompt_text("What is 2+3?", config)}]  # fmt: skip
+                {"role": "user", "content": prompt_text("What is 2+3?", config)}]  # fmt: skip
     rendered = qwen.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert eager[0].prompt_ids == stored[0].prompt_ids == tuple(qwen.encode(rendered, add_special_tokens=False))
     # The settings are the store's key: another system prompt is another store, never the stale one.
@@ -80,30 +81,32 @@ def test_a_file_in_its_own_columns_loads_through_data_fields_with_its_other_colu
 
 def test_the_documented_renderings_are_what_each_template_renders(qwen):
     row, section, shown = documented()
-    assert set(shown) == set(options.choices(options.PromptTemplate)) == set(data.TEMPLATES)
+    assert set(shown) == set(options.choices(options.PromptTemplate)) == set(TEMPLATES)
     for template, text in shown.items():
         config = from_dict(DataConfig, {**section, "template": template}, "data.")
-        assert data.render_texts(qwen, [data.prompt_text(row["question"], config)], config) == [text], template
+        assert render_texts(qwen, [prompt_text(row["question"], config)], config) == [text], template
     # The same two by hand; R1's marks and BOS are one token each, and the prompt ends by opening the thought.
     ask = "What is 2+3?\nPlease reason step by step, and put your final answer within \\boxed{}."
     r1 = f"<｜begin▁of▁sentence｜>You are a careful mathematician.<｜User｜>{ask}<｜Assistant｜><think>\n"
     assert shown["r1"] == r1 and shown["plain"] == f"<｜begin▁of▁sentence｜>You are a careful mathematician.\n{ask}"
-    ids = data.render_prompt(qwen, ask, DataConfig(system_prompt="You are a careful mathematician.", template="r1"))
+    ids = render_prompt(qwen, ask, DataConfig(system_prompt="You are a careful mathematician.", template="r1"))
     assert ids[0] == 151646 and ids.count(151644) == 1 and ids[-3:] == [151645, 151648, 198]
-    plain = data.render_prompt(qwen, ask, DataConfig(template="plain"))  # no system prompt: BOS and the text
+    plain = render_prompt(qwen, ask, DataConfig(template="plain"))  # no system prompt: BOS and the text
     assert plain == [151646, *qwen.encode(ask, add_special_tokens=False)]
 
 
 def test_a_template_that_cannot_render_the_prompt_is_one_line(qwen, monkeypatch):
-    with pytest.raises(data.DataError, match=r"^data\.template: r1 needs the tokens <｜begin▁of▁sentence｜>, "):
-        data.render_prompts(toy.char_tokenizer(), ["1+1="], DataConfig(template="r1"))
+    with pytest.raises(data_report.DataError, match=r"^data\.template: r1 needs the tokens <｜begin▁of▁sentence｜>, "):
+        render_prompts(toy.char_tokenizer(), ["1+1="], DataConfig(template="r1"))
     r1 = qwen  # with R1-Distill's template, cut to one user turn: it drops a system turn
     monkeypatch.setattr(r1, "chat_template", qwen_vocab.R1_CHAT_TEMPLATE)
-    with pytest.raises(data.DataError, match=r"^data\.system_prompt: the tokenizer's chat template leaves the sys"):
-        data.render_prompts(r1, ["1+1="], DataConfig(system_prompt="Be brief."))
+    with pytest.raises(
+        data_report.DataError, match=r"^data\.system_prompt: the tokenizer's chat template leaves the sys"
+    ):
+        render_prompts(r1, ["1+1="], DataConfig(system_prompt="Be brief."))
     # ``r1`` renders as R1's own template, and puts a system prompt right after BOS.
-    assert data.render_texts(r1, ["x"], DataConfig(template="r1")) == data.render_texts(r1, ["x"], DataConfig())
-    assert data.render_texts(r1, ["x"], DataConfig(system_prompt="Be brief.", template="r1")) == [
+    assert render_texts(r1, ["x"], DataConfig(template="r1")) == render_texts(r1, ["x"], DataConfig())
+    assert render_texts(r1, ["x"], DataConfig(system_prompt="Be brief.", template="r1")) == [
         "<｜begin▁of▁sentence｜>Be brief.<｜User｜>x<｜Assistant｜><think>\n"]  # fmt: skip
     # The generated tasks keep their own format whatever is set.
     tokenizer, config = toy.char_tokenizer(), DataConfig(system_prompt="Be brief.", template="plain")
@@ -146,7 +149,7 @@ def test_prompts_too_long_name_the_limit_the_longest_and_the_key(tmp_path):
     said = ("3 of 3 prompts are longer than data.max_prompt_tokens=16 (the longest 23 tokens, with the template and "
             "instruction); raise data.max_prompt_tokens or set data.prompt_policy: truncate")  # fmt: skip
     assert not examples and report.too_long() == said and said in report.losses()
-    with pytest.raises(data.DataError, match=f"^data.train {re.escape(path)}: {re.escape(said)}$"):
+    with pytest.raises(data_report.DataError, match=f"^data.train {re.escape(path)}: {re.escape(said)}$"):
         report.check_kept(f"data.train {path}")
     _, report = data.load_examples(path, tokenizer, DataConfig(instruction_position="none", max_prompt_tokens=22,
                                                                prompt_policy="truncate"))  # fmt: skip

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lspo_jax.rl import prompts
-from lspo_jax.tasks import data, example_store, rewards, toy
+from lspo_jax.tasks import data, example_store, rewards, templates, toy
 from lspo_jax.train_config import DataConfig
 from tools import qwen_vocab
 
@@ -155,7 +155,7 @@ def test_a_solution_that_fails_to_tokenise_mid_run_is_counted_and_skipped(tmp_pa
     config = DataConfig(instruction_position="none", cache_dir=str(tmp_path / "cache"))
     examples, report = example_store.load_examples(path, tokenizer, config, quiet=True)
     by_id = {ex.id: ex for ex in examples}
-    encode = data.encode_texts
+    encode = templates.encode_texts
 
     def fails_on_row_4(tok, texts):
         if texts == [by_id["4"].solution]:

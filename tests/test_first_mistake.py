@@ -22,7 +22,7 @@ from lspo_jax.methods.first_mistake.teacher import (
     make_judge,
     parse_verdict,
 )
-from lspo_jax.rollout.sampler import SampleBatch
+from lspo_jax.rollout.samples import SampleBatch
 from lspo_jax.tasks import toy
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_close_relative
 
 from lspo_jax.config import ModelConfig
-from lspo_jax.models import flash, kernels, model
+from lspo_jax.models import attention, flash, kernels, specs
 from lspo_jax.rl import logprobs
 
 B, T, H, K, E = 5, 37, 4, 2, 16  # T is no multiple of the blocks below: the last block is padded inside
@@ -41,7 +41,7 @@ def qkv(seed: int = 0):
 
 def einsum_attention(seg):
     mask = jnp.asarray(visible(seg))
-    return lambda q, k, v: model.attend(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
+    return lambda q, k, v: attention.attend(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
 
 
 # Scale of the comparison: outputs are convex combinations of O(1) values, gradients sums of O(T) such terms;
@@ -85,7 +85,7 @@ def test_blocks_no_query_sees_are_never_computed():
 def test_the_model_through_the_blocked_attention_equals_einsum():
     """Log-probs and their gradient for left-padded rows (a prompt, a response, right padding) and an empty row."""
     config = ModelConfig.preset("tiny")
-    params = model.init_params(config, jax.random.key(0))
+    params = specs.init_params(config, jax.random.key(0))
     rng = np.random.default_rng(2)
     tokens = jnp.asarray(rng.integers(1, config.vocab_size, size=(3, 24)), jnp.int32)
     mask = np.zeros((3, 24), np.int32)
@@ -140,10 +140,10 @@ def test_decode_attention_equals_einsum(implementation):
     q, k, v = normal(4, 1, H, E), normal(4, K, slots, E), normal(4, K, slots, E)
     start, end = np.array([0, 5, 16, 31]), np.array([48, 40, 17, 35])
     mask = jnp.asarray((np.arange(slots) >= start[:, None]) & (np.arange(slots) < end[:, None]))[:, None]
-    ref = model.attend(q, k, v, mask)
+    ref = attention.attend(q, k, v, mask)
     config = ModelConfig.preset("tiny", decode_attention=implementation)
-    keys = k if model.cache_key_name(config) == "k" else jnp.swapaxes(k, 2, 3)  # the cache's layout for it
-    out = jax.jit(model.decode_attend, static_argnums=0)(implementation, q, keys, v, mask)
+    keys = k if attention.cache_key_name(config) == "k" else jnp.swapaxes(k, 2, 3)  # the cache's layout for it
+    out = jax.jit(attention.decode_attend, static_argnums=0)(implementation, q, keys, v, mask)
     # A weighted mean of unit normals: float32 sums of <= 48 terms in another order differ by about
     # sqrt(48) * 6e-8 = 4e-7 of the values at worst, so 1e-6 of the norm holds on any x86 build.
     assert_close_relative(out, ref, 1e-6)

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.models.hf import load_pretrained, load_tokenizer, save_pretrained, to_hf_state_dict
-from lspo_jax.models.model import forward, init_lora
+from lspo_jax.models.model import forward
+from lspo_jax.models.specs import init_lora
 
 _forward = jax.jit(forward, static_argnums=0)
 

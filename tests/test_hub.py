@@ -21,7 +21,7 @@ from lspo_jax import hub
 from lspo_jax.job import build, cli, errors
 from lspo_jax.job.config import load_config
 from lspo_jax.models import hf
-from lspo_jax.tasks import benchmarks, data
+from lspo_jax.tasks import benchmarks, data_report, sources
 
 BIN = os.path.dirname(sys.executable)  # the console commands installed beside this interpreter
 
@@ -96,8 +96,8 @@ def test_math500_in_the_hub_schema_loads_500_rows(hub_cache):
     ]  # fmt: skip
     write_repo(hub_cache, "HuggingFaceH4/MATH-500", {"test.jsonl": jsonl(hub_rows), "README.md": b"# MATH-500"},
                repo_type="dataset")  # fmt: skip
-    report = data.DataReport()
-    loaded = data.read_rows("HuggingFaceH4/MATH-500", report=report)
+    report = data_report.DataReport()
+    loaded = sources.read_rows("HuggingFaceH4/MATH-500", report=report)
     assert len(loaded) == 500 and report.rows_invalid == 0
     assert [r["id"] for r in loaded] == [r["id"] for r in rows]
     assert [r["answer"] for r in loaded] == [r["answer"] for r in rows]
@@ -113,14 +113,14 @@ def test_aime24_as_hub_parquet_and_aime26_by_its_bare_name(hub_cache):
                "url": "https://artofproblemsolving.com", "year": "2024"} for i, r in enumerate(rows)]  # fmt: skip
     write_repo(hub_cache, "HuggingFaceH4/aime_2024", {"data/train-00000-of-00001.parquet": parquet(aime24)},
                repo_type="dataset")  # fmt: skip
-    loaded = data.read_rows("HuggingFaceH4/aime_2024")
+    loaded = sources.read_rows("HuggingFaceH4/aime_2024")
     assert [r["id"] for r in loaded] == [str(60 + i) for i in range(30)] and loaded[5]["answer"] == rows[5]["answer"]
     aime26 = [{"problem_idx": i + 1, "problem": f"Find {i}.", "answer": 100 + i} for i in range(30)]
     write_repo(hub_cache, "MathArena/aime_2026", {"data/train-00000-of-00001.parquet": parquet(aime26)},
                repo_type="dataset")  # fmt: skip
     spec = benchmarks.benchmark_path("aime26")
     assert spec == "MathArena/aime_2026"
-    loaded = data.read_rows(spec)
+    loaded = sources.read_rows(spec)
     assert [(r["id"], r["answer"]) for r in loaded[:2]] == [("1", "100"), ("2", "101")] and len(loaded) == 30
 
 
@@ -155,11 +155,11 @@ def test_a_dataset_of_several_splits_asks_for_one(hub_cache):
     files = {"data/train-00000-of-00001.parquet": train, "data/test-00000-of-00001.parquet": test}
     write_repo(hub_cache, "tiny-org/sums", files, repo_type="dataset")
     with pytest.raises(FileNotFoundError, match=r"holds the splits test, train; name one, e.g. tiny-org/sums:test"):
-        data.read_rows("tiny-org/sums")
-    assert [r["answer"] for r in data.read_rows("tiny-org/sums:test")] == ["4", "6"]
-    assert [r["answer"] for r in data.read_rows("tiny-org/sums:data/train-00000-of-00001.parquet")] == ["2"]
+        sources.read_rows("tiny-org/sums")
+    assert [r["answer"] for r in sources.read_rows("tiny-org/sums:test")] == ["4", "6"]
+    assert [r["answer"] for r in sources.read_rows("tiny-org/sums:data/train-00000-of-00001.parquet")] == ["2"]
     with pytest.raises(FileNotFoundError, match="no data file or split of tiny-org/sums is 'dev'"):
-        data.read_rows("tiny-org/sums:dev")
+        sources.read_rows("tiny-org/sums:dev")
 
 
 def test_lspo_eval_with_a_hub_model_and_a_hub_benchmark_in_its_own_process(hub_cache, hf_untied_dir, tmp_path):

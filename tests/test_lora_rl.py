@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from lspo_jax.config import LoraConfig, ModelConfig
 from lspo_jax.job.export import export_checkpoint
-from lspo_jax.models import hf, model
+from lspo_jax.models import hf, lora, model, specs
 from lspo_jax.rl import checkpoint, optim
 from lspo_jax.rl.checkpoint import Checkpointer, checkpoint_state
 from lspo_jax.rl.logprobs import token_logprobs
@@ -45,7 +45,7 @@ def _with_random_b(params, key, name):
 
 @pytest.fixture(scope="module")
 def tiny():
-    params = _with_random_b(model.init_params(CONFIG, jax.random.key(0)), jax.random.key(1), "policy")
+    params = _with_random_b(specs.init_params(CONFIG, jax.random.key(0)), jax.random.key(1), "policy")
     tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, CONFIG.vocab_size)
     mask = jnp.ones((2, 7), bool).at[:, :3].set(False)  # 3 prompt tokens, 4 response tokens
     return params, tokens, mask
@@ -58,7 +58,7 @@ def test_stacked_forward_with_zero_scaffold_is_the_policy_and_unmerged_is_merged
     np.testing.assert_array_equal(model.forward(CONFIG, params, tokens, lora_scale=1.0), policy)
     base_only = model.forward(CONFIG, {"base": params["base"]}, tokens)
     assert np.abs(policy - base_only).max() > 1e-3  # the policy adapter is on
-    merged = model.forward(CONFIG, {"base": model.merge_lora(CONFIG, params, 0.0)}, tokens)
+    merged = model.forward(CONFIG, {"base": lora.merge_lora(CONFIG, params, 0.0)}, tokens)
     np.testing.assert_allclose(merged, policy, atol=1e-5)
 
 

@@ -76,7 +76,7 @@ def test_a_kernel_is_chosen_for_the_platform_it_is_lowered_for(tool, shape):
 def test_a_kl_penalty_puts_the_reference_in_the_log_prob_pass_and_its_log_probs_in_the_update(tool):
     """``loss.kl_coef``: the rollouts' pass takes the frozen reference's weights beside the base's (bfloat16: the recipe
     computes in it, 2 bytes a parameter) and returns their log-probs too; the update's batch carries those."""
-    from lspo_jax.models import model
+    from lspo_jax.models import specs
 
     mesh = tool.abstract_mesh("fsdp4_tp2")
 
@@ -87,7 +87,7 @@ def test_a_kl_penalty_puts_the_reference_in_the_log_prob_pass_and_its_log_probs_
     nbytes = lambda avals: sum(math.prod(a.shape) * a.dtype.itemsize for a in avals)
     shape, off = traced("logprobs_base")
     _, on = traced("logprobs_base", "loss.kl_coef=0.1")
-    params = model.count_params(model.abstract_params(shape.model)["base"])
+    params = specs.count_params(specs.abstract_params(shape.model)["base"])
     assert nbytes(on.in_avals) - nbytes(off.in_avals) == 2 * params
     assert (len(off.out_avals), len(on.out_avals)) == (1, 2) and on.out_avals[0] == on.out_avals[1]
     (_, rl_off), (_, rl_on) = traced("rl_packed"), traced("rl_packed", "loss.kl_coef=0.1")

@@ -15,22 +15,10 @@ import pytest
 from conftest import assert_close_relative
 
 from lspo_jax.config import LoraConfig, ModelConfig
-from lspo_jax.models.model import (
-    abstract_params,
-    attention_positions,
-    causal_padding_mask,
-    count_params,
-    decoder,
-    embed,
-    forward,
-    hidden_states,
-    init_lora,
-    init_params,
-    lm_logits,
-    logical_axes,
-    merge_lora,
-    param_specs,
-)
+from lspo_jax.models.attention import attention_positions, causal_padding_mask
+from lspo_jax.models.lora import merge_lora
+from lspo_jax.models.model import decoder, embed, forward, hidden_states, lm_logits
+from lspo_jax.models.specs import abstract_params, count_params, init_lora, init_params, logical_axes, param_specs
 from lspo_jax.rollout.kv_cache import init_cache
 
 # One compiled forward per (config, shapes, params structure); a traced lora_scale never takes the

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 
 from lspo_jax.config import FAMILIES, HUB_PRESETS, ModelConfig
 from lspo_jax.job import cli, toy_model
-from lspo_jax.models import hf, model, sharding
+from lspo_jax.models import hf, layer, model, sharding, specs
 from lspo_jax.models.axes import MESH_AXES
 from lspo_jax.rollout.sampler import generate
 
@@ -135,9 +135,9 @@ def test_rotary_frequencies_are_transformers(family_model):
     """Llama 3's remapped frequencies (and Qwen3's plain ones), against the buffer transformers computed."""
     family, _, config, _, reference = family_model
     theirs = reference.model.rotary_emb.inv_freq.numpy()
-    np.testing.assert_allclose(np.asarray(model.rope_frequencies(config)), theirs, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(np.asarray(layer.rope_frequencies(config)), theirs, rtol=1e-6, atol=0)
     if family == "llama":  # every band of the remapping is exercised: kept, smoothed and stretched dims
-        plain = np.asarray(model.rope_frequencies(dataclasses.replace(config, rope_scaling=None)))
+        plain = np.asarray(layer.rope_frequencies(dataclasses.replace(config, rope_scaling=None)))
         ratio = plain / theirs
         assert np.any(ratio == 1.0) and np.any(np.isclose(ratio, 8.0)) and np.any((ratio > 1.01) & (ratio < 7.99))
 
@@ -187,9 +187,9 @@ def test_export_round_trip_is_exact_and_loads_in_transformers(family_model, tmp_
 
 
 def test_the_vllm_sync_pushes_the_familys_state_dict(family_model):
-    """The tensors a vLLM engine is given in place (``vllm_sampler.hf_tensors``, what ``sync_weights`` pushes) are
+    """The tensors a vLLM engine is given in place (``vllm_weights.hf_tensors``, what ``sync_weights`` pushes) are
     the export's: the same names, order and values, so an engine of the family loads every weight."""
-    from lspo_jax.rollout.vllm_sampler import Handover, hf_tensors
+    from lspo_jax.rollout.vllm_weights import Handover, hf_tensors
 
     _, _, config, params, _ = family_model
     reference = list(hf.to_hf_state_dict(config, params))
@@ -243,7 +243,7 @@ PUBLISHED = {
 )
 def test_presets_of_the_recipes_models_are_their_published_configs(name, params, family):
     config = ModelConfig.preset(name)
-    assert config.family == family and model.count_params(model.abstract_params(config)["base"]) == params
+    assert config.family == family and specs.count_params(specs.abstract_params(config)["base"]) == params
     assert ModelConfig.from_hf_config(PUBLISHED[name]) == config
     assert ModelConfig.from_hf_config(config.to_hf_config()) == config
 
@@ -318,7 +318,7 @@ def family_policy(request, model_dir, tmp_path_factory):
     scaling = dict(rope_scaling={k: v for k, v in LLAMA3.items() if k != "rope_type"}) if family == "llama" else {}
     config = dataclasses.replace(toy_model.model_config(), family=family, **scaling)
     path = str(tmp_path_factory.mktemp(f"policy_{family}"))
-    hf.save_pretrained(path, config, model.init_params(config, jax.random.key(0)), tokenizer_from=model_dir)
+    hf.save_pretrained(path, config, specs.init_params(config, jax.random.key(0)), tokenizer_from=model_dir)
     return family, path
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_close_relative
 
 from lspo_jax.config import ModelConfig
-from lspo_jax.models import model
+from lspo_jax.models.specs import ParamSpec, param_specs
 from lspo_jax.rl import logprobs, losses, optim
 
 CONFIG = ModelConfig.preset("tiny")
@@ -30,7 +30,7 @@ def _trees_equal(a, b) -> bool:
     )
 
 
-def _numpy_init(spec: model.ParamSpec, rng: np.random.Generator) -> np.ndarray:
+def _numpy_init(spec: ParamSpec, rng: np.random.Generator) -> np.ndarray:
     """The spec's initialiser in numpy: jax.random would compile one program per shape, slowly on CPU."""
     if spec.init in ("zeros", "ones"):
         return np.full(spec.shape, float(spec.init == "ones"), spec.dtype)
@@ -42,8 +42,8 @@ def _numpy_init(spec: model.ParamSpec, rng: np.random.Generator) -> np.ndarray:
 @functools.cache
 def _params():
     rng = np.random.default_rng(0)
-    specs = model.param_specs(CONFIG)
-    params = jax.tree.map(lambda spec: _numpy_init(spec, rng), specs, is_leaf=lambda x: isinstance(x, model.ParamSpec))
+    specs = param_specs(CONFIG)
+    params = jax.tree.map(lambda spec: _numpy_init(spec, rng), specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     # A non-zero B makes the adapter change the output when it is on, so "scale 0 ignores it" means something.
     params["lora"] = jax.tree.map(lambda x: x + np.float32(0.05), params["lora"])
     return params

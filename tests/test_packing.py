@@ -15,6 +15,7 @@ from lspo_jax.job.config import load_config
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import Run
 from lspo_jax.models import model
+from lspo_jax.models.attention import packs_segments
 from lspo_jax.rl import logprobs, losses, optim, packing
 
 pytestmark = pytest.mark.slow  # packed against padded gradients, many shapes
@@ -150,7 +151,7 @@ def test_fused_attention_refuses_a_row_of_several_segments(tiny_params):
 def test_fused_attention_packs_one_sequence_per_row(tiny_params):
     """``xla`` (``jax.nn.dot_product_attention``) takes right-padded rows: one segment each, at slot 0."""
     config = dataclasses.replace(CONFIG, attention="xla")
-    assert not model.packs_segments(config) and model.packs_segments(CONFIG)
+    assert not packs_segments(config) and packs_segments(CONFIG)
     rows = _rows(seed=2)
     packed = packing.pack_rows(rows, ("mask",), PROMPT + RESPONSE, one_per_row=True)
     assert packed.arrays["segment_ids"].max() == 1

@@ -18,7 +18,7 @@ from run_fixtures import cli_verifier, one_line
 
 from lspo_jax.job import cli, toy_model
 from lspo_jax.job.run_dir import model_shapes, recorded_model_shapes
-from lspo_jax.models import hf, model
+from lspo_jax.models import hf, specs
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def narrower_model(tmp_path_factory, model_dir) -> str:
     """The run's model with hidden_size 64 (the run's has 128): the same tokenizer, other shapes."""
     config = dataclasses.replace(toy_model.model_config(), hidden_size=64)
     path = str(tmp_path_factory.mktemp("narrower") / "model")
-    hf.save_pretrained(path, config, {"base": model.init_params(config, jax.random.key(1))["base"]})
+    hf.save_pretrained(path, config, {"base": specs.init_params(config, jax.random.key(1))["base"]})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(model_dir, name), path)
     return path

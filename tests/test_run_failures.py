@@ -333,7 +333,7 @@ def test_describe_says_what_failed_without_calling_a_read_a_write():
     import errno
 
     from lspo_jax.rl.checkpoint import CheckpointError
-    from lspo_jax.tasks.data import DataError
+    from lspo_jax.tasks.data_report import DataError
 
     denied = PermissionError(errno.EACCES, "Permission denied", "/data/x.jsonl")
     assert errors.describe(denied) == "cannot use /data/x.jsonl: Permission denied; check its permissions"

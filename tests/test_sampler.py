@@ -17,8 +17,9 @@ import pytest
 from conftest import assert_close_relative
 
 from lspo_jax.models.model import forward
-from lspo_jax.rollout import sampler
-from lspo_jax.rollout.sampler import generate, generate_arrays, sample_token
+from lspo_jax.rollout import programs, sampler, samples
+from lspo_jax.rollout.sampler import generate, generate_arrays
+from lspo_jax.rollout.sampling import sample_token
 
 T = 0.7
 PROMPTS = [[5, 9, 13, 17, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38], [60, 61]]
@@ -130,9 +131,9 @@ def test_rows_do_not_depend_on_the_other_rows_or_on_compaction(tiny_config, tiny
         tiny_config, tiny_params, prompts, key=jax.random.key(4), **{**SHARED, "max_new_tokens": 10, **kw}
     )
     monkeypatch.setattr(sampler, "MIN_COMPACT_ROWS", 1)  # this batch of 8 rows may shrink to 2
-    before = collections.Counter(sampler.TRACE_COUNTS)
+    before = collections.Counter(programs.TRACE_COUNTS)
     moved = run(PROMPTS, max_new_tokens=limits, compact_every=2)
-    assert (sampler.TRACE_COUNTS - before)["compact"] >= 2  # it did move rows, twice
+    assert (programs.TRACE_COUNTS - before)["compact"] >= 2  # it did move rows, twice
     still = run(PROMPTS, max_new_tokens=limits, compact_every=0)
     np.testing.assert_array_equal(moved.lengths, np.repeat(limits, 2))
     assert not moved.eos.any() and moved.steps == 10
@@ -185,7 +186,7 @@ def test_eos_and_max_new_tokens_end_rows(tiny_config, tiny_params):
     for row, length in enumerate(expected_len):
         np.testing.assert_array_equal(stopped.tokens[row, :length], free.tokens[row, :length])
         np.testing.assert_array_equal(stopped.logprobs[row, :length], free.logprobs[row, :length])
-        assert np.all(stopped.tokens[row, length:] == sampler.PAD_ID)  # finished rows padded ...
+        assert np.all(stopped.tokens[row, length:] == samples.PAD_ID)  # finished rows padded ...
         assert np.all(stopped.logprobs[row, length:] == 0.0)  # ... and masked
     recs = stopped.completions()
     assert [r.finish_reason for r in recs] == ["eos"] * 6
@@ -204,7 +205,7 @@ def test_argument_errors(tiny_config, tiny_params):
 
 # ---------------------------------------------------------------------------------- compilation bound
 def test_compilations_bounded_by_buckets(tiny_config, tiny_params):
-    before = collections.Counter(sampler.TRACE_COUNTS)
+    before = collections.Counter(programs.TRACE_COUNTS)
     rng = np.random.default_rng(0)
     lengths = [3, 4, 6, 8, 10, 12, 14, 16, 18, 20]
     for i, length in enumerate(lengths):
@@ -218,17 +219,17 @@ def test_compilations_bounded_by_buckets(tiny_config, tiny_params):
             eos_token_ids=[(i * 7) % 96],  # a traced argument: changes recompile nothing
             **SHARED,
         )
-    new = sampler.TRACE_COUNTS - before
+    new = programs.TRACE_COUNTS - before
     # Prompt lengths 3..16 share bucket 16 and 18..20 bucket 32: at most 2 prefill programs, and per prompt
     # bucket one decode program per window (8, 16), so at most 4; 10 calls without buckets would need 10 / 20.
     assert new["prefill"] <= 2 and new["decode"] <= 4, new
 
-    before = collections.Counter(sampler.TRACE_COUNTS)
+    before = collections.Counter(programs.TRACE_COUNTS)
     for scale in (0.5, 1.0, 0.25):  # adapter on: the scale is traced, one program set for all values
         generate(
             tiny_config, tiny_params, PROMPTS, key=jax.random.key(0), max_new_tokens=10, lora_scale=scale, **SHARED
         )
-    new = sampler.TRACE_COUNTS - before
+    new = programs.TRACE_COUNTS - before
     assert new["prefill"] <= 1 and new["decode"] <= 2, new
 
 

@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import axes as mesh_axes
-from lspo_jax.models import model, sharding
+from lspo_jax.models import sharding, specs
 
 pytestmark = pytest.mark.slow  # 8-device checks in subprocesses
 
@@ -125,8 +125,8 @@ def test_mesh_config_resolves_and_validates():
 def test_rules_drop_axes_that_do_not_divide():
     mesh = AbstractMesh((1, 2, 4), mesh_axes.MESH_AXES)
     config = ModelConfig.preset("tiny")  # 4 heads, 2 KV heads, embed 64
-    axes = model.logical_axes(config)["base"]["layers"]
-    shapes = model.abstract_params(config)["base"]["layers"]
+    axes = specs.logical_axes(config)["base"]["layers"]
+    shapes = specs.abstract_params(config)["base"]["layers"]
     spec = lambda name: mesh_axes.logical_spec(shapes[name].shape, axes[name], mesh)
     assert spec("q") == PartitionSpec(None, "fsdp", "tp", None)
     assert spec("k") == PartitionSpec(None, "fsdp", None, None)  # 2 KV heads on tp = 4: replicated

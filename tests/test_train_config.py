@@ -297,13 +297,13 @@ def test_every_option_is_typed_and_checked_one_way_from_yaml_and_from_python():
 def test_each_strategy_option_has_exactly_its_values_registered_and_one_lookup():
     from lspo_jax import options
     from lspo_jax.job import run
-    from lspo_jax.models import model
+    from lspo_jax.models import attention
     from lspo_jax.rl import corrections, losses, optim, scaffold, supervise
 
     registries = {
         "rollout.engine": run.ENGINES,
-        "model.attention": model.ATTENTIONS,
-        "model.decode_attention": model.DECODE_ATTENTIONS,
+        "model.attention": attention.ATTENTIONS,
+        "model.decode_attention": attention.DECODE_ATTENTIONS,
         "loss.advantage": losses.ESTIMATORS,
         "loss.kl_estimator": losses.KL_ESTIMATORS,
         "optim.schedule": optim.LR_SCHEDULES,

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lspo_jax.rollout.sampler import PAD_ID
+from lspo_jax.rollout.samples import PAD_ID
 from lspo_jax.rollout.vllm_sampler import _pack, logprob_mismatch
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]  # vLLM's CPU engines

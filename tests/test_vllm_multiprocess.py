@@ -23,7 +23,8 @@ from test_multiprocess import finish, free_port, train_records
 
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.models import hf
-from lspo_jax.rollout.vllm_sampler import Handover, hf_tensors, prompt_share
+from lspo_jax.rollout.vllm_sampler import prompt_share
+from lspo_jax.rollout.vllm_weights import Handover, hf_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]  # vLLM engines in two processes
 

@@ -31,9 +31,9 @@ import numpy as np
 
 from lspo_jax.config import LoraConfig, ModelConfig
 from lspo_jax.models import hf
-from lspo_jax.models.model import abstract_params
+from lspo_jax.models.specs import abstract_params
 from lspo_jax.rl import logprobs
-from lspo_jax.rollout import sampler
+from lspo_jax.rollout import sampler, samples
 from lspo_jax.tasks import toy
 
 CONFIG = ModelConfig(
@@ -65,7 +65,7 @@ def _logprobs(params, tokens, mask, temperature, lora_scale):
     return logp
 
 
-def teacher_forced(params, prompts, batch: sampler.SampleBatch, *, temperature: float, lora_scale: float = 0.0):
+def teacher_forced(params, prompts, batch: samples.SampleBatch, *, temperature: float, lora_scale: float = 0.0):
     """Our log-probs of each row's sampled tokens given its prompt: [rows, NEW], 0 past each length."""
     width = max(len(p) for p in prompts) + NEW
     tokens = np.zeros((len(batch.lengths), width), np.int32)
@@ -82,7 +82,7 @@ def teacher_forced(params, prompts, batch: sampler.SampleBatch, *, temperature: 
     return out
 
 
-def valid(batch: sampler.SampleBatch) -> np.ndarray:
+def valid(batch: samples.SampleBatch) -> np.ndarray:
     return np.arange(batch.tokens.shape[1])[None, :] < batch.lengths[:, None]
 
 
@@ -97,7 +97,7 @@ def jax_greedy(params, prompts, *, lora_scale=0.0, eos=()):
     )  # fmt: skip
 
 
-def same_tokens(a: sampler.SampleBatch, b: sampler.SampleBatch) -> bool:
+def same_tokens(a: samples.SampleBatch, b: samples.SampleBatch) -> bool:
     return bool(
         np.array_equal(a.tokens, b.tokens) and np.array_equal(a.lengths, b.lengths) and np.array_equal(a.eos, b.eos)
     )

@@ -71,12 +71,12 @@ def main(port: int, process_id: int) -> dict:
     jax.config.update("jax_platforms", "cpu")
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
     from lspo_jax.config import ModelConfig
-    from lspo_jax.models import hf, model, sharding
+    from lspo_jax.models import hf, sharding, specs
 
     config = ModelConfig.preset("tiny")
     rng = np.random.default_rng(0)  # the same draws in both processes
     leaves = jax.tree.map(lambda a: (0.1 * rng.standard_normal(a.shape)).astype(np.float32),
-                          model.abstract_params(config))  # fmt: skip
+                          specs.abstract_params(config))  # fmt: skip
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=2))
     params = sharding.shard_params(jax.tree.map(np.asarray, leaves), sharding.param_shardings(config, mesh))
     spans = not params["base"]["embed"].is_fully_addressable

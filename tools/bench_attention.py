@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lspo_jax.config import ModelConfig
-from lspo_jax.models import model
+from lspo_jax.models import specs
 from lspo_jax.rl import logprobs
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(argv: list[str] | None) -> None:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     base = ModelConfig.preset("tiny")
-    params = model.init_params(base, jax.random.key(0))
+    params = specs.init_params(base, jax.random.key(0))
     for rows, length in SHAPES:
         tokens = jnp.asarray(np.random.default_rng(0).integers(1, base.vocab_size, size=(rows, length)), jnp.int32)
         mask = jnp.ones((rows, length), jnp.int32)

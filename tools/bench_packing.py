@@ -75,7 +75,7 @@ def response_lengths(spec: str, n: int, cap: int, rng: np.random.Generator) -> n
 
 def r1_prompt_lengths(data_dir: str, name: str) -> np.ndarray:
     """The R1 prompts' token counts of one benchmark file (the chat template and instruction included)."""
-    from lspo_jax.tasks import benchmarks, data
+    from lspo_jax.tasks import benchmarks, templates
     from lspo_jax.train_config import DataConfig
     from tools import qwen_vocab
 
@@ -91,7 +91,7 @@ def r1_prompt_lengths(data_dir: str, name: str) -> np.ndarray:
         raise ConfigError(str(err)) from err
     with open(path) as f:
         problems = [json.loads(line)["problem"] for line in f if line.strip()]
-    render = lambda p: len(data.render_prompt(tokenizer, data.prompt_text(p, DataConfig())))
+    render = lambda p: len(templates.render_prompt(tokenizer, templates.prompt_text(p, DataConfig())))
     return np.array([render(p) for p in problems], np.int64)
 
 
@@ -156,7 +156,7 @@ def cpu_shape(args, prompt_pool: np.ndarray, rng: np.random.Generator) -> dict:
     import jax
 
     from lspo_jax.config import ModelConfig
-    from lspo_jax.models import model
+    from lspo_jax.models import specs
 
     sizes = dict(SMALL_MODEL)
     for item in args.model:
@@ -180,8 +180,8 @@ def cpu_shape(args, prompt_pool: np.ndarray, rng: np.random.Generator) -> dict:
     rows["advantages"] = np.where(np.arange(n) % 2 == 0, 1.0, -1.0).astype(np.float32)
     packed = packing.pack_rows(rows, ("mask", "old_logp", "advantages"), p + r)
     padded = {k: rows[k] for k in ("tokens", "attention_mask", "mask", "old_logp", "advantages")}
-    params = jax.jit(model.init_params, static_argnums=0)(config, jax.random.key(0))
-    out = {"model_params": model.count_params(params["base"]), "shape": f"{n} rows of {p} + {r}",
+    params = jax.jit(specs.init_params, static_argnums=0)(config, jax.random.key(0))
+    out = {"model_params": specs.count_params(params["base"]), "shape": f"{n} rows of {p} + {r}",
            "real_tokens": packed.real_tokens, "padded_slots": padded["tokens"].size,
            "packed_slots": packed.slots}  # fmt: skip
     variants = {"padded": ("einsum", padded), "packed": ("einsum", packed.arrays),

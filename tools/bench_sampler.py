@@ -46,7 +46,7 @@ if not __package__:  # run by its path: the repository root, where the package `
 from benchmarks import hf_baseline  # noqa: E402
 from lspo_jax.config import DECODE_ATTENTION, ModelConfig  # noqa: E402
 from lspo_jax.models import hf  # noqa: E402
-from lspo_jax.models.model import count_params, init_params  # noqa: E402
+from lspo_jax.models.specs import count_params, init_params  # noqa: E402
 from lspo_jax.rollout import sampler  # noqa: E402
 from lspo_jax.rollout.kv_cache import cache_nbytes  # noqa: E402
 from lspo_jax.train_config import ConfigError  # noqa: E402
@@ -223,7 +223,7 @@ def start_vllm(config: ModelConfig, params, args, model_dir: str):
 
 def check_vllm(config: ModelConfig) -> None:
     """Refuse a shape vLLM cannot run before anything is timed, in one line."""
-    from lspo_jax.rollout.vllm_sampler import check_model
+    from lspo_jax.rollout.vllm_setup import check_model
 
     try:
         check_model(config)

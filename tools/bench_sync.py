@@ -1,5 +1,5 @@
 """The vLLM weight sync's handover, timed: one full set of Hugging Face tensors built from the JAX params by
-``vllm_sampler.hf_tensors``, through the host (a numpy copy per tensor, the path before DLPack) and through DLPack (the
+``vllm_weights.hf_tensors``, through the host (a numpy copy per tensor, the path before DLPack) and through DLPack (the
 JAX array's own buffer), on JAX's CPU device.
 
 Random params of ``--shape`` are built directly in ``--dtype`` (leaf by leaf, never a float32 copy of the whole model:
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from lspo_jax.config import ModelConfig
-from lspo_jax.models import model
-from lspo_jax.rollout import vllm_sampler
+from lspo_jax.models.specs import ParamSpec, abstract_params, param_specs
+from lspo_jax.rollout import vllm_weights
 from lspo_jax.train_config import ConfigError
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
@@ -78,11 +78,11 @@ def _peak_rss() -> int:
 def random_base(config: ModelConfig, seed: int) -> dict[str, Any]:
     """Random base params (N(0, 0.02^2) weights, norms 1, biases 0) in ``config.param_dtype``, each leaf drawn in that
     dtype by its own compiled program, so no float32 copy of a leaf (let alone of the model) is ever held."""
-    specs = model.param_specs(config)["base"]
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, model.ParamSpec))
+    specs = param_specs(config)["base"]
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
 
-    def one(spec: model.ParamSpec, key: jax.Array) -> jax.Array:
+    def one(spec: ParamSpec, key: jax.Array) -> jax.Array:
         if spec.init == "ones":
             return jnp.ones(spec.shape, spec.dtype)
         if spec.init == "zeros":
@@ -96,10 +96,10 @@ def random_base(config: ModelConfig, seed: int) -> dict[str, Any]:
 def one_sync(config: ModelConfig, base: dict[str, Any], dtype: str, path: str, torch: Any) -> dict[str, Any]:
     """Seconds, tensors and bytes of one full set of HF tensors handed over by ``path``; each tensor is held, as the
     engine's reload takes it, until the next one comes, then dropped."""
-    handover = vllm_sampler.Handover(torch, ENGINE_DEVICE[path])
+    handover = vllm_weights.Handover(torch, ENGINE_DEVICE[path])
     tensors = tensor_bytes = 0
     start = time.perf_counter()
-    for _name, tensor in vllm_sampler.hf_tensors(config, base, PARTS, dtype=dtype, handover=handover):
+    for _name, tensor in vllm_weights.hf_tensors(config, base, PARTS, dtype=dtype, handover=handover):
         tensors += 1
         tensor_bytes += tensor.numel() * tensor.element_size()
     seconds = time.perf_counter() - start
@@ -124,7 +124,7 @@ def _bench(argv: list[str] | None) -> int:
     except ImportError as err:
         raise ConfigError("bench_sync needs torch (the vLLM extra's CPU wheel: tools/setup.sh installs it)") from err
     config = ModelConfig.preset(SHAPES[args.shape], param_dtype=args.dtype, compute_dtype=args.dtype)
-    abstract = model.abstract_params(config)["base"]
+    abstract = abstract_params(config)["base"]
     params = sum(x.size for x in jax.tree.leaves(abstract))
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
     available = _available_bytes()

@@ -82,7 +82,7 @@ from lspo_jax.config import HUB_PRESETS, ModelConfig
 from lspo_jax.job.config import load_config
 from lspo_jax.methods.l2rr import config as l2rr_config
 from lspo_jax.methods.l2rr import target as l2rr_target
-from lspo_jax.models import model, sharding
+from lspo_jax.models import sharding, specs
 from lspo_jax.models.axes import MESH_AXES
 from lspo_jax.rl import distributed, losses, optim, packing
 from lspo_jax.rl.learner import Learner, reference_dtype
@@ -207,8 +207,8 @@ LOSS_KEYS = ("mask", "old_logp", "advantages")
 def _train_state(config: ModelConfig, mesh: AbstractMesh, run: TrainConfig) -> tuple[Any, Any]:
     tx = optim.make_optimizer(run.optim, run.scaffold.sft)
     params_sh, state_sh, _ = distributed.step_shardings(config, mesh, tx)
-    state = jax.eval_shape(tx.init, model.abstract_params(config))
-    return _abstract(model.abstract_params(config), params_sh), _abstract(state, state_sh)
+    state = jax.eval_shape(tx.init, specs.abstract_params(config))
+    return _abstract(specs.abstract_params(config), params_sh), _abstract(state, state_sh)
 
 
 def _rollout_rows(shape: Shape, mesh: AbstractMesh, layout: str, keys: Iterable[str]) -> tuple[dict, int]:
@@ -761,7 +761,7 @@ def _check(argv: list[str] | None) -> int:
     if args.compile:
         use_chip_compilers()
     shape = (small_shape if args.small else paper_shape)(args.config, args.overrides)
-    print(f"jax {jax.__version__}; {model.count_params(model.abstract_params(shape.model)['base']):,} base params")
+    print(f"jax {jax.__version__}; {specs.count_params(specs.abstract_params(shape.model)['base']):,} base params")
     if args.compile:
         splits = parse_splits(args.splits)
         return compile_main(shape, split(args.compile), split(args.programs), split(args.meshes), args.json, splits)

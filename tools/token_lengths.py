@@ -1,7 +1,7 @@
 """Token lengths of the shared benchmark and training files in the real Qwen2 vocabulary (``tools.qwen_vocab``).
 
 For each file: the problems' tokens, the R1 prompts' (the chat template and the recipe's instruction, as
-``data.render_prompt`` makes them: what a rollout row's prompt part holds) and the worked solutions' where the
+``templates.render_prompt`` makes them: what a rollout row's prompt part holds) and the worked solutions' where the
 file has them; median, 90th percentile (linear interpolation) and maximum. Input for the packing design: how
 much of a fixed ``[max_prompt_tokens | max_new_tokens]`` row is padding.
 
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from lspo_jax.tasks import data
+from lspo_jax.tasks import templates
 from lspo_jax.train_config import ConfigError, DataConfig
 from tools import qwen_vocab
 
@@ -45,7 +45,9 @@ def file_lengths(tokenizer, rows: list[dict]) -> dict[str, dict]:
     config = DataConfig()  # the recipe's instruction after the question
     out = {
         "problem": stats([encode(r["problem"]) for r in rows]),
-        "r1_prompt": stats([len(data.render_prompt(tokenizer, data.prompt_text(r["problem"], config))) for r in rows]),
+        "r1_prompt": stats(
+            [len(templates.render_prompt(tokenizer, templates.prompt_text(r["problem"], config))) for r in rows]
+        ),
     }
     solutions = [r["solution"] for r in rows if r.get("solution")]
     if solutions:

@@ -29,7 +29,7 @@ from lspo_jax.job.config import load_config
 from lspo_jax.job.config_io import to_dict
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.models import hf
-from lspo_jax.tasks import benchmarks, data, rewards
+from lspo_jax.tasks import benchmarks, rewards, sources
 from lspo_jax.train_config import ConfigError
 from tools import tables
 
@@ -43,7 +43,7 @@ def held_out(run, tokenizer) -> dict[str, list]:
     """The run's held-out benchmarks as rows (the demo's classes when the config names none)."""
     specs = validation_specs(run)
     paths = {benchmarks.benchmark_name(s): benchmarks.benchmark_path(s, run.eval.data_dir) for s in specs}
-    return {name: data.read_rows(path, seed=run.seed, max_rows=run.eval.limit) for name, path in paths.items()}
+    return {name: sources.read_rows(path, seed=run.seed, max_rows=run.eval.limit) for name, path in paths.items()}
 
 
 def prompt_text(row: dict, tokenizer) -> str:
@@ -115,7 +115,7 @@ def train(run, out: str) -> None:
     path = model_dir(run, os.path.join(out, "cache"))
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = hf.load_tokenizer(path)
-    rows = data.read_rows(run.data.train, seed=run.seed)
+    rows = sources.read_rows(run.data.train, seed=run.seed)
     dataset = Dataset.from_list([{"prompt": prompt_text(r, tokenizer), "answer": r["answer"]} for r in rows])
     log_file = open(os.path.join(out, "metrics.jsonl"), "w")
 

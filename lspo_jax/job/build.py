@@ -20,15 +20,15 @@ from lspo_jax import hub, options
 from lspo_jax.config import ModelConfig
 from lspo_jax.job import toy_model
 from lspo_jax.methods import first_mistake, l2rr
-from lspo_jax.models import hf, model, sharding
-from lspo_jax.models.model import Params
+from lspo_jax.models import hf, sharding
+from lspo_jax.models.specs import Params, init_params
 from lspo_jax.rl import optim
 from lspo_jax.rl.checkpoint import checkpoint_state
 from lspo_jax.rl.prompts import ShuffledPrompts
 from lspo_jax.rl.rounds import DynamicSamplingPrompts
 from lspo_jax.rollout import sampler
 from lspo_jax.rollout.generator import Policy
-from lspo_jax.tasks import benchmarks, data, example_store, toy, verify_pool
+from lspo_jax.tasks import benchmarks, data, data_report, example_store, sources, toy, verify_pool
 from lspo_jax.train_config import ConfigError, TrainConfig
 
 
@@ -260,12 +260,12 @@ class VLLMEngine(JaxEngine):
                               "rollout.engine: jax")  # fmt: skip
 
     def prepare(self, run: TrainConfig, policy: Policy, out_dir: str, logs: bool) -> None:
-        from lspo_jax.rollout import vllm_sampler
+        from lspo_jax.rollout import vllm_setup
 
         if logs:  # before vLLM is first imported: it logs from then on
-            vllm_sampler.route_logs(os.path.join(out_dir, "vllm.log"))
+            vllm_setup.route_logs(os.path.join(out_dir, "vllm.log"))
         try:
-            vllm_sampler.check_model(policy.config)
+            vllm_setup.check_model(policy.config)
         except ValueError as err:
             raise ConfigError(f"rollout.engine: {err}") from None
 
@@ -293,7 +293,7 @@ ENGINES.register("vllm")(VLLMEngine())
 
 def load_examples(
     run: TrainConfig, policy: Policy, spec: str, seed: int, max_rows: int | None = None
-) -> tuple[Sequence[data.Example], data.DataReport]:
+) -> tuple[Sequence[data.Example], data_report.DataReport]:
     """Tokenised examples of ``spec`` with invalid rows and unparseable gold answers excluded, and the report (its
     solution counts grow as the run tokenises them: ``example_store``). Only the writing process says when a
     store is built."""
@@ -306,7 +306,7 @@ def validation_specs(run: TrainConfig) -> tuple[str, ...]:
     with ``eval.enabled: false``."""
     if not run.eval.enabled:
         return ()
-    specs = run.eval.benchmarks or (toy.HELDOUT_SPECS if data.is_generated(run.data.train) else ())
+    specs = run.eval.benchmarks or (toy.HELDOUT_SPECS if sources.is_generated(run.data.train) else ())
     check_coverage_names(run, specs)
     return specs
 
@@ -345,15 +345,18 @@ def check_unique_ids(name: str, path: str, examples: Sequence[Any]) -> None:
     repeated = [i for i, n in counts.items() if n > 1]
     if repeated:
         more = f" (and {len(repeated) - 1} more ids given twice or more)" if len(repeated) > 1 else ""
-        raise data.DataError(f"benchmark {name} ({path}): the id {repeated[0]!r} names {counts[repeated[0]]} problems"
-                             f"{more}; give each problem an id of its own")  # fmt: skip
+        problems = counts[repeated[0]]
+        raise data_report.DataError(
+            f"benchmark {name} ({path}): the id {repeated[0]!r} names {problems} problems{more}; "
+            "give each problem an id of its own"
+        )
 
 
 def abstract_checkpoint_state(run: TrainConfig, config: ModelConfig) -> dict[str, Any]:
     """Shapes and dtypes of ``checkpoint_state`` for this run, without allocating: a restore target."""
 
     def build():
-        params = model.init_params(config, jax.random.key(0))
+        params = init_params(config, jax.random.key(0))
         opt_state = optim.make_optimizer(run.optim, run.scaffold.sft).init(params)
         checkpointed = options.ADAPTER_LIFETIMES.resolve(run.scaffold.adapter).checkpointed
         return checkpoint_state(params, opt_state, adapter=checkpointed)
@@ -384,7 +387,7 @@ def enabled_method(run: TrainConfig, methods: dict[str, Any], kind: str) -> str 
 def prompt_source(run: TrainConfig, examples: list[data.Example], policy: Policy) -> Any:
     """The run's prompt source: dynamic sampling, the prompt method the config turns on, or the seeded order."""
     if not examples:
-        raise data.DataError("no training prompts left after loading; see the data report")
+        raise data_report.DataError("no training prompts left after loading; see the data report")
     section = enabled_method(run, PROMPT_METHODS, "prompt")
     if run.rollout.dynamic_sampling:
         return DynamicSamplingPrompts(run, examples)

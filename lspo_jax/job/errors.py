@@ -33,7 +33,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     or from the machine (permissions, space): each ends a command in one line and ``EXIT_CONFIG``."""
     from lspo_jax.job.metrics_log import MetricsError
     from lspo_jax.rl.checkpoint import CheckpointError
-    from lspo_jax.tasks.data import DataError
+    from lspo_jax.tasks.data_report import DataError
     from lspo_jax.train_config import ConfigError
 
     return ConfigError, DataError, CheckpointError, MetricsError, NoPolicyAdapterError, OSError

@@ -231,7 +231,7 @@ def _eval_until_stopped(args, stop) -> int:
     from lspo_jax.job import evaluation
     from lspo_jax.job.build import check_positions, load_benchmarks, make_verifier
     from lspo_jax.rollout.generator import Generator
-    from lspo_jax.tasks.data import DataReport
+    from lspo_jax.tasks.data_report import DataReport
 
     try:
         samples, seeds = _eval_arguments(args)
@@ -390,7 +390,7 @@ def _warn_about_protocol(run) -> None:
 def _warn_about_rows(name: str, report: dict) -> None:
     """Each benchmark's rows as read, and where some were lost at load time, how: a benchmark that lost problems is
     not the published benchmark."""
-    from lspo_jax.tasks.data import DataReport
+    from lspo_jax.tasks.data_report import DataReport
 
     line = DataReport(**report).losses() or f"{report['rows']} rows, all kept"
     print(f"lspo-eval: {name}: {line}", file=sys.stderr)

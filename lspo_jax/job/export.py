@@ -35,8 +35,8 @@ from lspo_jax.job.build import abstract_checkpoint_state, load_policy, model_dir
 from lspo_jax.job.config import load_config
 from lspo_jax.job.errors import NoPolicyAdapterError
 from lspo_jax.job.signals import StopFlag
-from lspo_jax.models import hf, model, peft
-from lspo_jax.models.model import Params
+from lspo_jax.models import hf, lora, peft
+from lspo_jax.models.specs import Params
 from lspo_jax.rl import checkpoint
 from lspo_jax.rl.checkpoint import Checkpointer, CheckpointError
 from lspo_jax.rollout.generator import Policy
@@ -122,7 +122,7 @@ def export_checkpoint(
             check()  # the last chance to leave OUT as it was: after the rename the export is complete
         return out
     if "policy" in params:  # LoRA RL: the adapter folded into the base, one rounding to the base's dtype
-        params = {"base": model.merge_lora(policy.config, params, 0.0)}
+        params = {"base": lora.merge_lora(policy.config, params, 0.0)}
     check_finite(policy.config, params, step)
     check()
     with _staged(os.path.realpath(out)) as staging:

@@ -49,6 +49,7 @@ from lspo_jax.rl.phases import Phases, StepAbandoned
 from lspo_jax.rl.step_record import GAP_KEY, step_rates
 from lspo_jax.rl.train import train_step
 from lspo_jax.tasks import data, example_store
+from lspo_jax.tasks.data_report import DataError, DataReport
 from lspo_jax.train_config import ConfigError, TrainConfig
 
 
@@ -236,9 +237,9 @@ class Run:
         loaded = load_benchmarks(self.run, self.policy, validation_specs(self.run))
         for name, (examples, report) in loaded.items():
             if not examples:
-                raise data.DataError(f"eval.benchmarks: {name} keeps no problem to validate on ({report['rows']} "
-                                     f"rows; {data.DataReport(**report).losses()})")  # fmt: skip
-            if self.writer and (line := data.DataReport(**report).losses()):
+                raise DataError(f"eval.benchmarks: {name} keeps no problem to validate on ({report['rows']} "
+                                f"rows; {DataReport(**report).losses()})")  # fmt: skip
+            if self.writer and (line := DataReport(**report).losses()):
                 print(f"lspo-train: eval.benchmarks {name}: {len(examples)} problems validated; {line}",
                       file=sys.stderr)  # fmt: skip
         return {name: ex for name, (ex, _) in loaded.items()}, {name: report for name, (_, report) in loaded.items()}

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from lspo_jax.config import LoraConfig, ModelConfig
-from lspo_jax.models import hf, model
+from lspo_jax.models import hf, specs
 from lspo_jax.rl import logprobs, losses, packing
 from lspo_jax.tasks import data, toy
 from lspo_jax.train_config import DataConfig
@@ -84,7 +84,7 @@ def ensure_model(
 
 
 def _warm_start(config, tokenizer, rows, *, steps: int, seed: int, batch: int = 64):
-    base = model.init_params(config, jax.random.key(seed))["base"]
+    base = specs.init_params(config, jax.random.key(seed))["base"]
     if steps == 0:
         return base  # the random init: what tests want, without encoding the warm-start rows
     examples, _ = data.encode_rows(rows, tokenizer, DataConfig(), instruction=False)  # the task's own format

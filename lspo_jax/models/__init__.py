@@ -1,6 +1,7 @@
-"""The Qwen2 policy: its forward pass (``model``) with the LoRA adapter as its own subtree, attention kernels
-(``flash``, ``kernels``), logical axes and their mesh (``axes``, ``sharding``) and Hugging Face conversion
-(``hf``). Imports only the package's root."""
+"""The Qwen2 policy: its forward pass (``model``), built from one decoder layer (``layer``), attention and its
+registries (``attention``) and LoRA applied (``lora``) over params described once (``specs``, the LoRA adapter as its
+own subtree); attention kernels (``flash``, ``kernels``), logical axes and their mesh (``axes``, ``sharding``) and
+Hugging Face conversion (``hf``). Imports only the package's root."""
 
 from lspo_jax import lazy_exports
 
@@ -8,8 +9,8 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "forward": "model",
-        "init_params": "model",
-        "init_lora": "model",
+        "init_params": "specs",
+        "init_lora": "specs",
         "load_pretrained": "hf",
         "save_pretrained": "hf",
     },

@@ -11,7 +11,7 @@ probabilities from the saved per-query log-normaliser and walks key blocks outsi
 too stays O(T x block). A block pair in which no query sees any key (above the causal diagonal, or between
 disjoint segments) is skipped in both passes (``lax.cond``).
 
-A query that sees no key (padding) gets output 0 and passes no gradient; the einsum path (``model.attend``)
+A query that sees no key (padding) gets output 0 and passes no gradient; the einsum path (``attention.attend``)
 gives such a query the values' mean instead. No real token ever reads a padding query's output, so the two
 agree wherever a result is used: on every query that sees a key.
 """
@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# Finite stand-in for -inf (as ``model._MASKED``): masked scores stay finite, so no NaN from inf - inf.
+# Finite stand-in for -inf (as ``attention._MASKED``): masked scores stay finite, so no NaN from inf - inf.
 _MASKED = -1e30
 DEFAULT_BLOCK = 128
 

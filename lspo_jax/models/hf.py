@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from lspo_jax.config import ModelConfig
-from lspo_jax.models.model import Params, param_specs
+from lspo_jax.models.specs import Params, param_specs
 
 # How an HF tensor relates to ours. "copy": same layout. "linear": HF [prod(out), prod(in)] is the
 # transpose of ours [in..., out...] (n_in leading dims are inputs). "flat": HF [prod(shape)] (biases).
@@ -230,7 +230,7 @@ def load_pretrained(path: str, dtype: Any = jnp.float32) -> tuple[ModelConfig, P
     """Read a local Hugging Face directory of one of ``config.FAMILIES`` -> ``(ModelConfig, {"base": params})``,
     weights in ``dtype``.
 
-    No adapter is created; add one with ``model.init_lora``.
+    No adapter is created; add one with ``specs.init_lora``.
     """
     if not os.path.isfile(os.path.join(path, "config.json")):
         what = "no such directory" if not os.path.isdir(path) else "no config.json in it"
@@ -273,7 +273,7 @@ def save_pretrained(
     """Write ``config.json``, ``model.safetensors`` (the params' dtype) and ``generation_config.json`` so
     that ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads the base model.
 
-    ``params["lora"]`` is ignored (merge it first with ``model.merge_lora`` if wanted). Tokenizer files
+    ``params["lora"]`` is ignored (merge it first with ``lora.merge_lora`` if wanted). Tokenizer files
     present in ``tokenizer_from`` are copied alongside. ``check`` is called after each tensor is gathered and each
     file written, and may raise to end the writing there (a stop: the caller removes what was written).
     """

@@ -16,7 +16,7 @@ when it is traced: a program lowered on a CPU for a GPU or a TPU (``tools/lower_
 On a mesh the kernel runs per shard (``shard_map``): rows split as the batch, heads as ``tp``, each shard its own
 kernel call.
 
-``decode_attention`` is the decode step's kernel (``model.decode_attend``, ``decode_attention: pallas``):
+``decode_attention`` is the decode step's kernel (``attention.decode_attend``, ``decode_attention: pallas``):
 ``jax.experimental.pallas.ops.gpu.decode_attention.gqa``, one query per row over the KV cache, split over the
 slots (flash-decoding), reading each row's visible range ``[start, end)`` only.
 

@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 from lspo_jax.config import LoraConfig, ModelConfig
 from lspo_jax.models import hf
-from lspo_jax.models.model import Params
+from lspo_jax.models.specs import Params
 
 _PREFIX = "base_model.model."
 _WEIGHT = ".weight"

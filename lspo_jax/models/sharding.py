@@ -3,7 +3,7 @@
 The mesh has three axes: ``data`` (pure data parallelism: whole replicas), ``fsdp`` (data parallelism
 whose replicas also split the weights and optimizer state, ZeRO-3 style) and ``tp`` (tensor parallelism:
 heads, MLP hidden units and vocabulary split across devices). The model names its dimensions logically
-(``model.logical_axes``: layers, vocab, embed, heads, ...); ``axes.LOGICAL_RULES`` is the only place
+(``specs.logical_axes``: layers, vocab, embed, heads, ...); ``axes.LOGICAL_RULES`` is the only place
 that says which mesh axes a logical axis is split over. Everything else (parameter, optimizer-state,
 batch and KV-cache layouts) derives from the rules, so it cannot drift apart.
 
@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from lspo_jax.config import ModelConfig
-from lspo_jax.models import model
+from lspo_jax.models import attention, specs
 from lspo_jax.models.axes import LOGICAL_RULES, MESH_AXES, logical_spec
 
 
@@ -115,8 +115,8 @@ def _without(rules: Sequence[tuple[str, tuple[str, ...]]], mesh_axis: str) -> tu
 
 # ------------------------------------------------------------------------------------------- params
 @functools.cache  # built per call of every pass otherwise; callers only read it
-def param_shardings(config: ModelConfig, mesh: Mesh, *, gather_fsdp: bool = False) -> model.Params:
-    """``NamedSharding`` for every parameter (``{"base", "lora"}``), from ``model.param_specs`` and the rules.
+def param_shardings(config: ModelConfig, mesh: Mesh, *, gather_fsdp: bool = False) -> specs.Params:
+    """``NamedSharding`` for every parameter (``{"base", "lora"}``), from ``specs.param_specs`` and the rules.
 
     ``gather_fsdp=True`` keeps weights whole across the ``fsdp`` axis (split over ``tp`` only): the decode
     layout, where re-gathering FSDP-split weights at every generated token would cost more traffic than
@@ -125,21 +125,21 @@ def param_shardings(config: ModelConfig, mesh: Mesh, *, gather_fsdp: bool = Fals
     rules = _without(LOGICAL_RULES, "fsdp") if gather_fsdp else LOGICAL_RULES
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, logical_spec(spec.shape, spec.axes, mesh, rules)),
-        model.param_specs(config),
-        is_leaf=lambda x: isinstance(x, model.ParamSpec),
+        specs.param_specs(config),
+        is_leaf=lambda x: isinstance(x, specs.ParamSpec),
     )
 
 
-def abstract_params(config: ModelConfig, mesh: Mesh) -> model.Params:
-    """``model.abstract_params`` with each leaf's sharding: a sharded init or restore target, no allocation."""
+def abstract_params(config: ModelConfig, mesh: Mesh) -> specs.Params:
+    """``specs.abstract_params`` with each leaf's sharding: a sharded init or restore target, no allocation."""
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        model.abstract_params(config),
+        specs.abstract_params(config),
         param_shardings(config, mesh),
     )
 
 
-def shard_params(params: model.Params, shardings: model.Params) -> model.Params:
+def shard_params(params: specs.Params, shardings: specs.Params) -> specs.Params:
     """Place ``params`` on the mesh; ``shardings`` may cover more subtrees (e.g. base + lora) than params hold."""
     return jax.device_put(params, _matching(shardings, params))
 
@@ -158,7 +158,7 @@ def opt_state_shardings(config: ModelConfig, mesh: Mesh, tx: optax.GradientTrans
     by_path = {
         _dict_keys(path): (sharding, spec.shape)
         for (path, spec), sharding in zip(
-            jax.tree_util.tree_leaves_with_path(model.abstract_params(config)),
+            jax.tree_util.tree_leaves_with_path(specs.abstract_params(config)),
             jax.tree.leaves(param_shardings(config, mesh)),
             strict=True,
         )
@@ -168,7 +168,7 @@ def opt_state_shardings(config: ModelConfig, mesh: Mesh, tx: optax.GradientTrans
         sharding, shape = by_path.get(_dict_keys(path), (None, None))
         return sharding if shape == leaf.shape else replicated(mesh)
 
-    abstract_state = jax.eval_shape(tx.init, model.abstract_params(config))
+    abstract_state = jax.eval_shape(tx.init, specs.abstract_params(config))
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state)
 
 
@@ -206,7 +206,7 @@ def kv_cache_sharding(config: ModelConfig, mesh: Mesh, rows: int) -> NamedShardi
     ``rows`` is the cache's row count: a count that does not divide leaves the rows whole.
     """
     shape = (rows, config.num_kv_heads, 1, config.head_dim)
-    return NamedSharding(mesh, logical_spec(shape, model.CACHE_AXES, mesh))
+    return NamedSharding(mesh, logical_spec(shape, attention.CACHE_AXES, mesh))
 
 
 def device_bytes(tree: Any) -> int:

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import sharding
-from lspo_jax.models.model import Params
+from lspo_jax.models.specs import Params
 from lspo_jax.rl import logprobs, losses, optim
 from lspo_jax.rl.optim import RLOptimConfig, SFTOptimConfig
 

@@ -32,8 +32,8 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError
 
 from lspo_jax import options
-from lspo_jax.models import hf, model, sharding
-from lspo_jax.models.model import Params
+from lspo_jax.models import attention, hf, sharding, specs
+from lspo_jax.models.specs import Params
 from lspo_jax.rl import checkpoint, corrections, distributed, losses, optim, packing, scaffold
 from lspo_jax.rl.checkpoint import TrainState
 from lspo_jax.rl.packing import Arrays, Rows
@@ -247,7 +247,7 @@ class Learner:
             return Placed(packing.mesh_rows(self.mesh, arrays, multiple=micro), micro)
         packed = packing.pack_rows(
             rows, keys, length, row_multiple=shards, rows_per_micro=self.rows_per_micro(length),
-            one_per_row=not model.packs_segments(self.policy.config),
+            one_per_row=not attention.packs_segments(self.policy.config),
         )  # fmt: skip
         return Placed(packing.mesh_rows(self.mesh, packed.arrays), packed.micro_batches, packed)
 
@@ -406,11 +406,11 @@ def initial_params(run: TrainConfig, config: Any, base: Params) -> Params:
     ``config.policy_lora`` must match), the policy adapter, a no-op at first (B = 0). The scaffold adapter's init key
     is the run's seed: the first step resets it anyway, but its shapes set the state's."""
     key = jax.random.key(run.seed)
-    params = {"base": base, "lora": model.init_lora(config, key)}
+    params = {"base": base, "lora": specs.init_lora(config, key)}
     if (config.policy_lora is not None) != (optim.rl_subtree(run.optim) == optim.POLICY):
         raise ValueError("optim.train: lora needs a model config with policy_lora, and only it has one")
     if config.policy_lora is not None:
-        params["policy"] = model.init_lora(config, jax.random.fold_in(key, 1), config.policy_lora)
+        params["policy"] = specs.init_lora(config, jax.random.fold_in(key, 1), config.policy_lora)
     return params
 
 

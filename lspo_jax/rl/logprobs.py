@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import model
-from lspo_jax.models.model import Params
+from lspo_jax.models.specs import Params
 
 
 # ------------------------------------------------------------------------------------ per-token math

@@ -40,7 +40,7 @@ import optax
 
 from lspo_jax import options
 from lspo_jax.config import ModelConfig
-from lspo_jax.models import model
+from lspo_jax.models import specs
 from lspo_jax.optim_config import AdamWConfig, RLOptimConfig, SFTOptimConfig  # noqa: F401 (optim's own config names)
 from lspo_jax.rl import logprobs, losses
 
@@ -415,12 +415,12 @@ def reset_adapter(
     *,
     sft: SFTOptimConfig = SFTOptimConfig(),
 ) -> tuple[Params, optax.MultiTransformState]:
-    """A fresh adapter (``model.init_lora``: A random, B = 0) and a fresh SFT optimizer state.
+    """A fresh adapter (``specs.init_lora``: A random, B = 0) and a fresh SFT optimizer state.
 
     The base params and the RL optimizer state are returned untouched. ``sft`` must be the config the
     optimizer was made with; a state of a different structure is an error rather than a silent mismatch.
     """
-    new_params = {**params, LORA: model.init_lora(config, key)}
+    new_params = {**params, LORA: specs.init_lora(config, key)}
     mask = jax.tree.map(lambda leaf_label: leaf_label == LORA, param_labels(new_params))
     fresh = optax.masked(adamw_transform(sft), mask).init(new_params)
     old = opt_state.inner_states[LORA]

@@ -83,7 +83,7 @@ def sft_slots(
 
 
 def pack_samples(prompts: Sequence[Sequence[int]], sample: Any, prompt_slots: int) -> Rows:
-    """Training rows from a ``sampler.SampleBatch``; prompt ``i`` owns rows ``i * n .. i * n + n - 1``."""
+    """Training rows from a ``samples.SampleBatch``; prompt ``i`` owns rows ``i * n .. i * n + n - 1``."""
     n = sample.n
     prompt_ids, prompt_mask = left_pad([prompts[row // n] for row in range(len(sample.lengths))], prompt_slots)
     response_mask = (np.arange(sample.tokens.shape[1])[None, :] < sample.lengths[:, None]).astype(np.int32)
@@ -152,7 +152,7 @@ class Packed:
     """Rows' real tokens in ``[rows, length]`` buffers: each source row one segment, whole, in one buffer row.
 
     ``arrays``: ``tokens``, ``segment_ids`` (1, 2, ... within a buffer row, 0 on empty slots), ``positions``
-    (restarting at 0 per segment, as ``model.attention_positions`` numbers a left-padded row) and the packed keys.
+    (restarting at 0 per segment, as ``attention.attention_positions`` numbers a left-padded row) and the packed keys.
     ``where[i, t]`` is the flat index into a ``[rows * length]`` buffer of source slot ``(i, t)``, -1 where that
     slot held no real token; ``unpack`` uses it to bring a per-token result back to the source layout.
     """

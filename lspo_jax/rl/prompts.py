@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from lspo_jax.tasks import data
+from lspo_jax.tasks import data_report
 
 
 class UpdateHook(Protocol):
@@ -63,7 +63,7 @@ class PromptOrder:
 
     def __init__(self, size: int, *, seed: int, shuffle: bool = True):
         if size == 0:
-            raise data.DataError("no training prompts left after loading; see the data report")
+            raise data_report.DataError("no training prompts left after loading; see the data report")
         self.size, self.seed, self.shuffle = size, seed, shuffle
         self.epoch, self.position = 0, 0
 

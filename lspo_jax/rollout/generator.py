@@ -12,8 +12,9 @@ from jax.sharding import Mesh
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import sharding
-from lspo_jax.models.model import Params
-from lspo_jax.rollout.sampler import Decoding, SampleBatch, generate_arrays
+from lspo_jax.models.specs import Params
+from lspo_jax.rollout.sampler import generate_arrays
+from lspo_jax.rollout.samples import Decoding, SampleBatch
 
 
 @dataclasses.dataclass(frozen=True)

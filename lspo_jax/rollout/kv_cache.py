@@ -1,5 +1,5 @@
 """The decoder's key/value cache as a plain pytree value: per layer ``{"k": [B, K, S, E], "v": [B, K, S, E]}``,
-or with the keys slots-last as ``"kT": [B, K, E, S]`` (``model.cache_key_name``: the leaf's name is its layout).
+or with the keys slots-last as ``"kT": [B, K, E, S]`` (``attention.cache_key_name``: the leaf's name is its layout).
 
 A tuple of L such dicts, one buffer per layer, so the unrolled decode step reads and writes each in place.
 Letters as in ``model.py`` (L layers, B rows, S cache slots, K key/value heads, E head dim). The cache is
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import axes
-from lspo_jax.models.model import CACHE_LEAF_AXES, Params, cache_key_name
+from lspo_jax.models.attention import CACHE_LEAF_AXES, cache_key_name
+from lspo_jax.models.specs import Params
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype: str | None = None) -> Params:

@@ -1,7 +1,7 @@
 """The sampler's programs for abstract inputs: what a ``sampler.generate`` call compiles, traced without allocating
 anything, to be lowered or compiled for any platform (``.lower(lowering_platforms=(...))``). How programs too big
-to run here are checked (``tools/lower_check.py``); a run never imports it. Beside the sampler, whose private
-programs and layouts it traces exactly as a call runs them.
+to run here are checked (``tools/lower_check.py``); a run never imports it. Beside the sampler, whose programs
+(``programs``) and weight layouts (``sampler_weights``) it traces exactly as a call runs them.
 """
 
 from __future__ import annotations
@@ -14,21 +14,13 @@ import jax.numpy as jnp
 
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import sharding
-from lspo_jax.models.model import Params, abstract_params
+from lspo_jax.models.specs import Params, abstract_params
 from lspo_jax.rollout.buckets import pow2_bucket
 from lspo_jax.rollout.kv_cache import grow_cache
-from lspo_jax.rollout.sampler import (
-    DEFAULT_CACHE_WINDOW,
-    MIN_PROMPT_BUCKET,
-    SamplingOptions,
-    _decode_segment,
-    _eos_array,
-    _layer_shardings,
-    _prefill,
-    _State,
-    _unstack,
-    window_ends,
-)
+from lspo_jax.rollout.programs import State, decode_segment, eos_array, prefill
+from lspo_jax.rollout.sampler import DEFAULT_CACHE_WINDOW, MIN_PROMPT_BUCKET, window_ends
+from lspo_jax.rollout.sampler_weights import layer_shardings, unstack_weights
+from lspo_jax.rollout.sampling import SamplingOptions
 
 
 def trace_call(
@@ -56,33 +48,33 @@ def trace_call(
     ends = window_ends(max_new_tokens, cache_window)
     params = _abstract_weights(config, mesh, adapter)
     spec, scalar = jax.ShapeDtypeStruct, jax.ShapeDtypeStruct((), jnp.float32)
-    key, eos = jax.eval_shape(jax.random.key, 0), spec(_eos_array(()).shape, jnp.int32)
+    key, eos = jax.eval_shape(jax.random.key, 0), spec(eos_array(()).shape, jnp.int32)
     # As ``_Call.prefill`` passes them: host prompts, mask, live rows and limits, then the key and the scalars.
     prompt_BP = spec((rows, slots), jnp.int32)
     inputs = (prompt_BP, prompt_BP, spec((rows,), bool), spec((rows,), jnp.int32))
     static = dict(options=options, n=n, window=ends[0], total_new=ends[-1])
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        traced = {"prefill": _prefill.trace(config, params, *inputs, key, scalar, scalar, eos, **static)}
+        traced = {"prefill": prefill.trace(config, params, *inputs, key, scalar, scalar, eos, **static)}
         first = traced["prefill"].out_info
         for end in ends if decode else ():
             grown = first._replace(cache=jax.eval_shape(functools.partial(grow_cache, length=slots + end), first.cache))
             state = _place(grown, _state_shardings(config, mesh, grown))
             args = (key, scalar, scalar, eos, spec((), jnp.int32))
-            traced[f"decode {slots + end}"] = _decode_segment.trace(config, params, state, *args, options=options)
+            traced[f"decode {slots + end}"] = decode_segment.trace(config, params, state, *args, options=options)
     return traced
 
 
 def _abstract_weights(config: ModelConfig, mesh: jax.sharding.Mesh, adapter: bool) -> Params:
-    """The weights the programs read (``_decode_weights``) as abstract arrays: the compute dtype, split per layer,
-    laid out over ``tp`` only; the adapter's too when ``adapter``."""
+    """The weights the programs read (``sampler_weights.decode_weights``) as abstract arrays: the compute dtype,
+    split per layer, laid out over ``tp`` only; the adapter's too when ``adapter``."""
     dtype = jnp.dtype(config.compute_dtype)
     keys = ("base", *(("policy",) if config.policy_lora else ()), *(("lora",) if adapter else ()))
     cast = {k: jax.tree.map(lambda a: a.update(dtype=dtype), abstract_params(config)[k]) for k in keys}
-    tree = jax.eval_shape(functools.partial(_unstack, config), cast)
+    tree = jax.eval_shape(functools.partial(unstack_weights, config), cast)
     stacked = sharding.param_shardings(config, mesh, gather_fsdp=True)
-    shardings = {"base": {**stacked["base"], "layers": _layer_shardings(stacked["base"]["layers"], config.num_layers)}}
+    shardings = {"base": {**stacked["base"], "layers": layer_shardings(stacked["base"]["layers"], config.num_layers)}}
     for key in keys[1:]:  # the policy adapter (LoRA RL) and the scaffold's, split per layer as the weights
-        shardings[key] = _layer_shardings(stacked[key], config.num_layers)
+        shardings[key] = layer_shardings(stacked[key], config.num_layers)
     return _place(tree, shardings)
 
 
@@ -91,7 +83,7 @@ def _place(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def _state_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, state: _State) -> _State:
+def _state_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, state: State) -> State:
     """Rows over the data axes, scalars replicated, the cache as ``sharding.kv_cache_sharding``."""
     rows = state.token_C.shape[0]
     by_rows, whole = sharding.batch_sharding(mesh, rows), sharding.replicated(mesh)

@@ -1,7 +1,7 @@
 """A vLLM rollout engine behind the sampler's interface, with in-place weight sync from the JAX params.
 
 ``VLLMSampler`` is created once per run, in the trainer's process, and returns the same
-``sampler.SampleBatch`` as ``sampler.generate_arrays``, so the trainer can use either engine::
+``samples.SampleBatch`` as ``sampler.generate_arrays``, so the trainer can use either engine::
 
     engine = VLLMSampler(model_dir, config, kv_cache_space_gib=1)            # CPU
     engine = VLLMSampler(model_dir, config, gpu_memory_utilization=0.3, dtype="bfloat16")  # GPU
@@ -9,31 +9,9 @@
     reroll = engine.generate_arrays(params, cliff_prompts, key=key2, max_new_tokens=512, n=16,
                                     eos_token_ids=eos, lora_scale=1.0)       # adapter on
 
-How the weights get there:
-
-* ``model_dir`` is a Hugging Face directory (``hf.save_pretrained`` plus a tokenizer) that gives vLLM the
-  architecture and the weights it starts with; after that, the weights come from the JAX params.
-* Every ``generate_arrays`` first makes sure the engine holds the weights of the params it was given: the
-  base for ``lora_scale == 0``, the merged ``W + (alpha / rank) * lora_scale * A B`` (``model.merge_lora``)
-  otherwise. What the engine holds is tracked per part (embeddings, final norm and head; the decoder layers)
-  by the identity of the JAX arrays it came from, so only a part whose arrays changed is pushed again:
-  after an RL update everything is; for an adapter-on re-roll only the layers are, and the next base call
-  restores them. That restore is lazy on purpose: in the LSPO loop the re-roll is followed by the RL update,
-  after which the layers have to be pushed again anyway. Params are treated as immutable (JAX arrays are);
-  a numpy tree written in place is not seen as changed (pass ``force=True`` to ``sync_weights``).
-* A push converts the arrays tensor by tensor, with no disk in between, to the names and layouts of
-  ``hf.to_hf_state_dict`` (through the same ``hf.rules`` of the model, restricted to the stale parts) and
-  hands them, as torch tensors, to vLLM's in-place ``reload_weights`` of the running model (modules given
-  nothing keep their weights), then resets the prefix cache so no KV block computed with the old weights
-  is reused. ``sync_weights`` returns the seconds it took; ``stats`` keeps the counts and times.
-* A tensor is the JAX array's own buffer, through DLPack, where the array sits on the engine's device (JAX's CPU
-  device beside vLLM's CPU build; the same GPU): vLLM's reload copies it into its parameters, and nothing is copied
-  on our side. Elsewhere (another device, a dtype DLPack refuses) it is a host numpy copy (``Handover``);
-  ``stats["sync_host_bytes"]`` counts the bytes of the last sync that took that path (0 on the device path).
-* In a job of several processes (one engine each, ``docs/multihost.md``) the params are sharded over every
-  process's devices: a sync first replicates each leaf whole onto this process's device (a collective, so every
-  process syncs at the same calls, as ``generate_arrays`` does), and each call's prompts are split into one block
-  per engine (``prompt_share``), sampled there and gathered back in prompt order on every process.
+How the weights get there is ``vllm_weights``: every ``generate_arrays`` first makes sure the engine holds
+the weights of the params it was given (the base, or base + adapter merged), pushing in place only the
+parts whose arrays changed, then resetting the prefix cache.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here before vLLM starts): the
 weight tensors are then handed over directly, where a separate engine process would have to serialise
@@ -77,16 +55,11 @@ model: both give our sampler's adapter-on greedy tokens, but a generate call wit
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
-import math
 import os
-import sys
 import time
 import warnings
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -95,227 +68,33 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from lspo_jax.config import ModelConfig
-from lspo_jax.models import hf
-from lspo_jax.models.model import Params, merge_lora
-from lspo_jax.rollout.sampler import PAD_ID, SampleBatch
+from lspo_jax.models.lora import merge_lora
+from lspo_jax.models.specs import Params
+from lspo_jax.rollout.samples import PAD_ID, SampleBatch
+from lspo_jax.rollout.vllm_weights import LAYERS, OUTER, Handover, Held, hf_tensors, push
 
 log = logging.getLogger(__name__)
 
+
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
-_LAYERS, _OUTER = "layers", "outer"  # the two parts tracked: decoder layers; embeddings, final norm, head
-# vLLM's in-place reload restores every module it was given nothing for, and says so at WARNING level for
-# each (and for buffers such as the rotary tables, which are never in a checkpoint); a partial push is
-# deliberate here, so those two messages are dropped while a push runs.
-_EXPECTED_RELOAD_MESSAGES = ("Failed to load weights", "Following weights were not loaded")
-
-
-class _DropExpectedReloadWarnings(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(m in str(record.msg) for m in _EXPECTED_RELOAD_MESSAGES)
-
-
-def check_model(config: ModelConfig) -> None:
-    """Refuse, before an engine starts, a model that vLLM's CPU attention cannot run (it would fail deep inside
-    engine start-up, after the rest of the run has loaded). On a GPU vLLM picks a backend that fits."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if config.head_dim not in sizes:
-        raise ValueError(f"vLLM's CPU attention does not support head_dim {config.head_dim} (it supports "
-                         f"{', '.join(map(str, sizes))}); use rollout.engine: jax")  # fmt: skip
-
-
-def route_logs(path: str) -> None:
-    """Send vLLM's log lines to ``path`` (a file in the run directory) and only its errors to the console, where
-    its INFO and WARNING lines would break into the progress bar.
-
-    vLLM applies its logging config at import and again when an engine starts; a config file of its own
-    (``VLLM_LOGGING_CONFIG_PATH``, written beside ``path``) is the setting both of them read.
-    """
-    config = {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-        "handlers": {
-            "file": {"class": "logging.FileHandler", "filename": os.path.abspath(path), "formatter": "plain"},
-            "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "level": "ERROR"},
-        },
-        "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
-    }
-    config_path = os.path.splitext(path)[0] + "_logging.json"
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=1)
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
-    # The same for the loggers vLLM has already made, by hand: dictConfig here would close every handler of the
-    # process, the user's own included.
-    logger = logging.getLogger("vllm")
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-    to_file = logging.FileHandler(os.path.abspath(path))
-    to_file.setFormatter(logging.Formatter(config["formatters"]["plain"]["format"]))
-    to_console = logging.StreamHandler(sys.stderr)
-    to_console.setLevel(logging.ERROR)
-    for handler in (to_file, to_console):
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-
-
-class _Held:
-    """What one part of the engine holds: weak references to the arrays it was pushed from, plus extras."""
-
-    def __init__(self, leaves: list[Any], extra: tuple = ()):
-        self.refs = [_weak(x) for x in leaves]
-        self.extra = extra
-
-    def matches(self, leaves: list[Any], extra: tuple = ()) -> bool:
-        if self.extra != extra or len(leaves) != len(self.refs):
-            return False
-        return all(ref is not None and ref() is x for ref, x in zip(self.refs, leaves, strict=True))
-
-
-def _weak(x: Any) -> weakref.ref | None:
-    try:
-        return weakref.ref(x)
-    except TypeError:  # an object without weak references never matches: it is pushed every time
-        return None
+# ``VLLMSampler.stats`` beside ``start_s`` and ``engines``, each at its value before the first sync or call.
+_COUNTERS = {
+    "syncs": 0,
+    "sync_s_total": 0.0,
+    "last_sync_s": 0.0,
+    "last_sync_tensors": 0,
+    "sync_s": 0.0,
+    "sync_host_bytes": 0,
+    "sync_host_bytes_total": 0,
+    "sync_dlpack_tensors": 0,
+    "sync_host_tensors": 0,
+    "last_engine_prompts": 0,
+    "engine_prompts_total": 0,
+}
 
 
 def _seed_from_key(key: jax.Array) -> int:
     return int(jax.random.bits(key, (), jnp.uint32)) >> 1  # 31 bits: room for the per-prompt offsets
-
-
-def _to_torch(array: np.ndarray, torch: Any) -> Any:
-    array = np.ascontiguousarray(array)
-    if not array.flags.writeable:  # torch warns on read-only buffers; the engine copies the tensor anyway
-        array = array.copy()
-    if array.dtype.name == "bfloat16":  # numpy's bfloat16 (ml_dtypes) is not a dtype torch reads
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
-_HF_LINEAR = "linear"  # hf.KeyRule's layout of a matrix stored transposed on the HF side
-
-
-class Handover:
-    """Turns each JAX array of a push into the torch tensor vLLM's reload is given, and counts how.
-
-    Where the array sits on the engine's device (``engine_device``: ``"cpu"``, or ``"cuda:N"``), the tensor is
-    the array's own buffer through DLPack: no copy on our side (vLLM's reload copies it into its parameters).
-    Anywhere else, or for an array DLPack refuses, the array goes through a host numpy copy, whose bytes are
-    counted in ``host_bytes`` (``tensors[path]`` counts the tensors of each path, ``"dlpack"`` and ``"host"``).
-    """
-
-    def __init__(self, torch: Any, engine_device: str):
-        self.torch, self.engine_device = torch, engine_device
-        self.host_bytes = 0
-        self.tensors = {"dlpack": 0, "host": 0}
-        self.fallback: str | None = None  # why the last array went through the host, if one did
-
-    def __call__(self, x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            reason = self._dlpack_refused(x)
-            if reason is None:
-                try:
-                    tensor = self.torch.from_dlpack(x)
-                except (BufferError, RuntimeError, TypeError) as err:  # a dtype or layout DLPack does not carry
-                    reason = f"DLPack refused {x.dtype}: {err}"
-                else:
-                    self.tensors["dlpack"] += 1
-                    return tensor
-            self.fallback = reason
-        host = np.asarray(x)
-        self.host_bytes += host.nbytes
-        self.tensors["host"] += 1
-        return _to_torch(host, self.torch)
-
-    def _dlpack_refused(self, x: jax.Array) -> str | None:
-        devices = x.sharding.device_set
-        if len(devices) != 1:
-            return "the array spans several devices"
-        device = next(iter(devices))
-        kind, _, index = self.engine_device.partition(":")
-        if device.platform == "cpu" and kind == "cpu":
-            return None
-        if device.platform in ("gpu", "cuda") and kind == "cuda" and int(index or 0) == device.local_hardware_id:
-            return None
-        return f"JAX's {device} is not the engine's {self.engine_device}"
-
-
-def _one_device(x: Any) -> Any:
-    """``x`` whole, on one device of this process, as few copies made as the layout allows: a one-device array as it
-    is, a replicated one's local copy, one sharded over this process's devices gathered onto its first. One sharded
-    over other processes' devices too is replicated over its mesh first (a collective: every process of the job
-    makes the same calls in the same order, as every process syncs its engine), so each process gets all of it;
-    reading it as host numpy would fail there (the array spans non-addressable devices)."""
-    if not isinstance(x, jax.Array):
-        return x
-    if len(x.sharding.device_set) == 1:
-        return x
-    if not x.is_fully_addressable:
-        if not isinstance(x.sharding, jax.sharding.NamedSharding):
-            return multihost_utils.process_allgather(x, tiled=True)  # host numpy: counted as host bytes
-        x = _replicator(x.sharding.mesh)(x)
-    if x.sharding.is_fully_replicated:
-        return x.addressable_data(0)
-    return jax.device_put(x, jax.local_devices()[0])
-
-
-@functools.lru_cache(maxsize=8)
-def _replicator(mesh: jax.sharding.Mesh) -> Callable[[jax.Array], jax.Array]:
-    return jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-
-
-def _jax_to_hf(rule: hf.KeyRule, x: Any) -> Any:
-    """``rule.to_hf`` in JAX ops, so a device array stays on its device (a transposed matrix is a new buffer there)."""
-    if rule.layout == _HF_LINEAR:
-        return x.reshape(math.prod(x.shape[: rule.n_in]), -1).T
-    shape = rule.hf_shape(x.shape)
-    return x if tuple(shape) == tuple(x.shape) else x.reshape(shape)
-
-
-def hf_tensors(
-    config: ModelConfig, base: Params, parts: set[str], *, dtype: Any, handover: Handover
-) -> Iterator[tuple[str, Any]]:
-    """``(hf_name, torch tensor)`` of the given parts (``"outer"``: embeddings, final norm, head; ``"layers"``) in
-    ``hf.to_hf_state_dict``'s names, layouts and order, one tensor at a time, each cast on device to ``dtype`` and
-    handed over by ``handover`` (DLPack where the array is on the engine's device). A leaf sharded over several
-    devices or processes is first gathered whole onto one device of this process (``_one_device``); a stacked layer
-    leaf once, then sliced per layer."""
-    want = jnp.dtype(dtype)
-    rules = hf.rules(config)  # the model's own rows: its family's weights, its head
-
-    def whole(rule: hf.KeyRule) -> Any:
-        x = base
-        for part in rule.path:
-            x = x[part]
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != want:
-            x = x.astype(want)  # before the gather: a narrower dtype moves fewer bytes
-        elif not isinstance(x, jax.Array) and np.issubdtype(np.asarray(x).dtype, np.floating):
-            x = np.asarray(x).astype(want)
-        return _one_device(x)
-
-    def tensor(rule: hf.KeyRule, x: Any) -> Any:
-        return handover(_jax_to_hf(rule, x) if isinstance(x, jax.Array) else rule.to_hf(np.asarray(x)))
-
-    outer = [r for r in rules if not r.layered]
-    if _OUTER in parts:
-        for rule in (r for r in outer if r.path == ("embed",)):
-            yield rule.hf, tensor(rule, whole(rule))
-    if _LAYERS in parts:
-        stacked = {rule.hf: whole(rule) for rule in rules if rule.layered}
-        for i in range(config.num_layers):
-            for rule in (r for r in rules if r.layered):
-                yield rule.hf.format(i=i), tensor(rule, stacked[rule.hf][i])
-        del stacked
-    if _OUTER in parts:
-        for rule in (r for r in outer if r.path != ("embed",)):
-            yield rule.hf, tensor(rule, whole(rule))
 
 
 def prompt_share(prompts: int, process_index: int, process_count: int) -> slice:
@@ -387,7 +166,7 @@ class VLLMSampler:
         )
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.dtype = self.llm.llm_engine.model_config.dtype  # a torch dtype
-        self._held: dict[str, _Held | None] = {_LAYERS: None, _OUTER: None}
+        self._held: dict[str, Held | None] = {LAYERS: None, OUTER: None}
         self._warned: set[str] = set()
         # Where the engine computes: a JAX array on the same device is handed over by DLPack (``Handover``).
         device = current_platform.device_type
@@ -395,17 +174,7 @@ class VLLMSampler:
         self.stats: dict[str, float] = {
             "start_s": time.perf_counter() - start,
             "engines": jax.process_count(),
-            "syncs": 0,
-            "sync_s_total": 0.0,
-            "last_sync_s": 0.0,
-            "last_sync_tensors": 0,
-            "sync_s": 0.0,
-            "sync_host_bytes": 0,
-            "sync_host_bytes_total": 0,
-            "sync_dlpack_tensors": 0,
-            "sync_host_tensors": 0,
-            "last_engine_prompts": 0,
-            "engine_prompts_total": 0,
+            **_COUNTERS,
         }
         log.info("vLLM engine on %s started in %.1f s", model_dir, self.stats["start_s"])
 
@@ -435,7 +204,7 @@ class VLLMSampler:
             layer_extra, merged = ("merged", scale), True
         stale = {
             part
-            for part, leaves, extra in ((_OUTER, outer_leaves, ()), (_LAYERS, layer_leaves, layer_extra))
+            for part, leaves, extra in ((OUTER, outer_leaves, ()), (LAYERS, layer_leaves, layer_extra))
             if force or self._held[part] is None or not self._held[part].matches(leaves, extra)
         }
         if not stale:
@@ -444,13 +213,13 @@ class VLLMSampler:
         tree = merge_lora(config, params, scale) if merged else base
         self._held = {part: None if part in stale else held for part, held in self._held.items()}
         handover = Handover(self._torch, self.engine_device)
-        count = self._push(self._hf_tensors(config, tree, stale, handover))
+        count = push(self.llm, self._hf_tensors(config, tree, stale, handover))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
-        if _OUTER in stale:
-            self._held[_OUTER] = _Held(outer_leaves)
-        if _LAYERS in stale:
-            self._held[_LAYERS] = _Held(layer_leaves, layer_extra)
+        if OUTER in stale:
+            self._held[OUTER] = Held(outer_leaves)
+        if LAYERS in stale:
+            self._held[LAYERS] = Held(layer_leaves, layer_extra)
         elapsed = time.perf_counter() - start
         self.stats["syncs"] += 1
         self.stats["sync_s_total"] += elapsed
@@ -477,26 +246,6 @@ class VLLMSampler:
         counts what went which way (a fresh one when not given)."""
         handover = handover or Handover(self._torch, self.engine_device)
         return hf_tensors(config, base, parts, dtype=str(self.dtype).removeprefix("torch."), handover=handover)
-
-    def _push(self, tensors: Iterator[tuple[str, Any]]) -> int:
-        count = 0
-
-        def counted():
-            nonlocal count
-            for item in tensors:
-                count += 1
-                yield item
-
-        loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
-        drop = _DropExpectedReloadWarnings()
-        for lg in loggers:
-            lg.addFilter(drop)
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
-        finally:
-            for lg in loggers:
-                lg.removeFilter(drop)
-        return count
 
     # ----------------------------------------------------------------------------------------- sampling
     def generate_arrays(

@@ -1,7 +1,7 @@
-"""What the policy is trained and judged on: prompts, gold answers and worked solutions (``data``, cached by
-``example_store``), the math verifier and its worker pool (``rewards``, ``verify_pool``), and the demo's
-generated column sums (``toy``), and the text helpers that grading, the judge and one-line errors share (``text``).
-Imports only the package's root."""
+"""What the policy is trained and judged on: prompts, gold answers and worked solutions (``data``: read from a
+source by ``sources``, rendered by ``templates``, counted in ``data_report``; cached by ``example_store``), the math
+verifier and its worker pool (``rewards``, ``verify_pool``), the demo's generated column sums (``toy``), and the text
+helpers that grading, the judge and one-line errors share (``text``). Imports only the package's root."""
 
 from lspo_jax import lazy_exports
 

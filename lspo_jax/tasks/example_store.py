@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from lspo_jax.config import cache_root
-from lspo_jax.tasks import data, rewards
+from lspo_jax.tasks import data, data_report, rewards, sources, templates
 from lspo_jax.tasks.text import error_cause
 from lspo_jax.train_config import DataConfig
 
@@ -73,11 +73,11 @@ def load_examples(
     seed: int = 0,
     max_rows: int | None = None,
     quiet: bool = False,
-) -> tuple[Sequence[data.Example], data.DataReport]:
+) -> tuple[Sequence[data.Example], data_report.DataReport]:
     """``data.load_examples``' examples and report, from the source's store (built on first use) for a file or
     directory, and in memory for a generated task or when ``config.cache_dir`` is null. Building a store, or
     rebuilding one found unreadable, is said on stderr unless ``quiet``."""
-    if data.is_generated(spec):
+    if sources.is_generated(spec):
         return data.load_examples(spec, tokenizer, config, seed=seed, max_rows=max_rows)
     log = None if quiet else sys.stderr
     directory = store_dir(config.cache_dir)
@@ -91,7 +91,7 @@ def load_examples(
 
 def _open_or_build(
     path: Path, spec: str, tokenizer: Any, config: DataConfig, max_rows: int | None, log: Any
-) -> tuple[Any, data.DataReport]:
+) -> tuple[Any, data_report.DataReport]:
     if path.is_dir():
         try:
             return open_store(path)
@@ -127,7 +127,7 @@ def store_key(spec: str, tokenizer: Any, config: DataConfig, max_rows: int | Non
     fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is None:
         return None
-    path, files = data.source_files(spec)
+    path, files = sources.source_files(spec)
     parts = {
         "format_version": FORMAT_VERSION,
         "files": [[str(f.relative_to(path)) if path.is_dir() else f.name, file_digest(f)] for f in files],
@@ -147,9 +147,9 @@ def _plain(value: Any) -> Any:
 def source_digest(spec: str) -> str | None:
     """One digest of a data source's files (names and bytes); None for a generated task. A resumed run compares it
     with its checkpoint's: a changed file would give another order of prompts at the same position."""
-    if data.is_generated(spec):
+    if sources.is_generated(spec):
         return None
-    path, files = data.source_files(spec)
+    path, files = sources.source_files(spec)
     return hashlib.sha256(json.dumps([[f.name, file_digest(f)] for f in files]).encode()).hexdigest()[:32]
 
 
@@ -158,7 +158,7 @@ def file_digest(path: Path) -> str:
         stat = path.stat()
         return _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     except OSError as err:
-        raise data.DataError(f"{path}: cannot be opened ({error_cause(err)})") from err
+        raise data_report.DataError(f"{path}: cannot be opened ({error_cause(err)})") from err
 
 
 @functools.lru_cache(maxsize=256)
@@ -189,7 +189,7 @@ def build(
     max_rows: int | None = None,
     into: Path | None = None,
     log: Any = None,
-) -> tuple[pa.Table | None, data.DataReport]:
+) -> tuple[pa.Table | None, data_report.DataReport]:
     """Read, check and encode the prompts of ``spec`` a chunk of rows at a time; the kept examples as an Arrow
     table, written to ``into`` (with the report beside it) when given, and the report.
 
@@ -197,8 +197,8 @@ def build(
     ``data.load_examples``; each distinct gold answer is parsed once. ``log`` gets a line every
     ``PROGRESS_S`` seconds.
     """
-    report = data.DataReport()
-    rows = data.iter_rows(spec, config, report=report, max_rows=max_rows)
+    report = data_report.DataReport()
+    rows = sources.iter_rows(spec, config, report=report, max_rows=max_rows)
     parses: dict[str, bool] = {}
     batches, writer, read = [], None, 0
     if into is not None:
@@ -255,9 +255,11 @@ def _chunks(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str
         yield chunk
 
 
-def _encode_chunk(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig, report: data.DataReport) -> Any:
+def _encode_chunk(
+    rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig, report: data_report.DataReport
+) -> Any:
     """The rows whose prompt passes the length policy, as a record batch; the solutions stay text."""
-    prompts = data.render_prompts(tokenizer, [data.prompt_text(r["problem"], config) for r in rows], config)
+    prompts = templates.render_prompts(tokenizer, [templates.prompt_text(r["problem"], config) for r in rows], config)
     kept = []
     for row, prompt in zip(rows, prompts, strict=True):
         if (prompt := data.checked_prompt(prompt, config, report)) is not None:
@@ -276,12 +278,12 @@ def _encode_chunk(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig
 
 
 # ----------------------------------------------------------------------------------------------- reading
-def open_store(path: Path) -> tuple[Any, data.DataReport]:
+def open_store(path: Path) -> tuple[Any, data_report.DataReport]:
     """A built store, memory-mapped, and its report; ``ValueError`` when its content is not what was written (its
     digest differs) or the two files disagree."""
     if content_digest(path) != (path / DIGEST_FILE).read_text().strip():
         raise ValueError("its files changed after it was built (their digest differs)")
-    report = data.DataReport(**json.loads((path / "report.json").read_text()))
+    report = data_report.DataReport(**json.loads((path / "report.json").read_text()))
     table = pa.ipc.open_file(pa.memory_map(str(path / "examples.arrow"))).read_all()
     if table.num_rows != report.kept or table.schema != _schema():
         raise ValueError(f"it holds {table.num_rows} examples of {report.kept}")
@@ -292,15 +294,15 @@ class SolutionEncoder:
     """``Example.encode`` for a store's examples: tokenise a solution on first use and apply the length policy,
     counting in the store's report; a solution that fails to tokenise is counted, listed and left out."""
 
-    def __init__(self, tokenizer: Any, config: DataConfig, report: data.DataReport):
+    def __init__(self, tokenizer: Any, config: DataConfig, report: data_report.DataReport):
         self.tokenizer, self.config, self.report = tokenizer, config, report
 
     def __call__(self, example: data.Example) -> np.ndarray | None:
         try:
-            ids = data.encode_texts(self.tokenizer, [example.solution])[0]
+            ids = templates.encode_texts(self.tokenizer, [example.solution])[0]
         except Exception as err:  # a tokenizer's own failure on one text: that row is no scaffold target
             self.report.solution_errors += 1
-            if len(self.report.row_errors) < data.MAX_LISTED:
+            if len(self.report.row_errors) < data_report.MAX_LISTED:
                 self.report.row_errors.append(f"id {example.id}: solution not tokenised ({error_cause(err)})")
             return None
         return data.fit_solution(ids, self.tokenizer.eos_token_id, self.config, self.report)

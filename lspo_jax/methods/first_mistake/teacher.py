@@ -170,7 +170,7 @@ class Judge:
 class SamplerGenerate:
     """``generate(prompt_texts) -> replies`` from a model in memory.
 
-    Prompts go through ``data.render_prompt`` (the chat template when the tokenizer has one) and are sampled
+    Prompts go through ``templates.render_prompt`` (the chat template when the tokenizer has one) and are sampled
     ``max_batch`` at a time by ``sampler.generate_arrays``, or by ``engine.generate_arrays(params, prompts,
     ...)`` when an engine such as ``VLLMSampler`` is given. ``temperature`` 0 decodes greedily; otherwise
     call c uses ``fold_in(key(seed), c)``. A prompt longer than ``max_prompt_tokens`` (default: the
@@ -203,7 +203,7 @@ class SamplerGenerate:
         self.calls = 0
 
     def __call__(self, prompt_texts: list[str]) -> list[str]:
-        from lspo_jax.tasks.data import render_prompt
+        from lspo_jax.tasks.templates import render_prompt
 
         prompts = [render_prompt(self.tokenizer, text) for text in prompt_texts]
         fits = [i for i, p in enumerate(prompts) if 0 < len(p) <= self.max_prompt_tokens]

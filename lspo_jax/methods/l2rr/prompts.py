@@ -30,7 +30,7 @@ from lspo_jax.methods.l2rr.draws import L2RRSampler
 from lspo_jax.methods.l2rr.target import TargetScorer, load_target
 from lspo_jax.rl.prompts import Draw
 from lspo_jax.rl.rounds import DrawResult, assemble_batch, collect_batch, sample_round
-from lspo_jax.tasks import data
+from lspo_jax.tasks import data_report
 from lspo_jax.train_config import TrainConfig
 
 
@@ -126,7 +126,7 @@ class L2RRPrompts:
 def check_enough_prompts(run: TrainConfig, examples: list[Any]) -> None:
     """A ``DataError`` unless the source has a step's worth of distinct prompts to draw."""
     if len(examples) < run.rollout.prompts_per_step:
-        raise data.DataError(f"l2rr draws rollout.prompts_per_step = {run.rollout.prompts_per_step} distinct "
+        raise data_report.DataError(f"l2rr draws rollout.prompts_per_step = {run.rollout.prompts_per_step} distinct "
                              f"prompts a step, but data.train {run.data.train} has {len(examples)} "
                              "usable ones")  # fmt: skip
 

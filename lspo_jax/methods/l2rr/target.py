@@ -19,7 +19,7 @@ from lspo_jax.methods.l2rr import config as l2rr_config
 from lspo_jax.methods.l2rr.config import PromptLossNorm, TargetLoss
 from lspo_jax.models import sharding
 from lspo_jax.rl import distributed, logprobs, losses, optim, packing
-from lspo_jax.tasks import benchmarks, data
+from lspo_jax.tasks import benchmarks, data_report
 from lspo_jax.train_config import TrainConfig
 
 Params = Any
@@ -276,7 +276,9 @@ def load_target(run: TrainConfig, config: Any, load_examples) -> TargetScorer:
     solved = [ex for ex in examples if ex.solution_ids is not None][: run.l2rr.target_limit]
     if not solved:  # a start-up error naming the file and what loading dropped, not a traceback from l2rr
         lost = report.losses()
-        raise data.DataError(f"l2rr.target {path}: no example with a worked solution" + (f"; {lost}" if lost else ""))
+        raise data_report.DataError(
+            f"l2rr.target {path}: no example with a worked solution" + (f"; {lost}" if lost else "")
+        )
     target = TargetSide.from_examples(
         config, solved, run.data.max_prompt_tokens, run.data.max_solution_tokens,
         kind=run.l2rr.target_loss, num_micro_batches=l2rr_config.target_micro_batches(run, len(solved)),
