@@ -34,21 +34,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from benchmarks.common import Context, Shapes
 from lspo_jax.config import ModelConfig
 from lspo_jax.models import hf, sharding
 from lspo_jax.models.specs import init_params
 from lspo_jax.rollout.vllm_sampler import VLLMSampler, prompt_share
 from lspo_jax.rollout.vllm_setup import check_model
 from lspo_jax.train_config import MeshSection
-
-if TYPE_CHECKING:  # gpu.py imports this module
-    from benchmarks.gpu import Context, Shapes
 
 HEADLINE_KEYS = (
     "vllm_engines",

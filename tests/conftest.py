@@ -70,8 +70,8 @@ _shared_compile_cache()
 
 # The training-loop tests' fixtures (a tiny policy, its config maker, a trained run), shared by the test_step_scaffold,
 # test_run_resume, test_run_failures and test_method_runs files, and the Hugging Face cache laid out for hub names
-# (``hub_cache``). pytest imports them after this file has run, so the environment and XLA flags above are set before
-# they import JAX.
+# (``hub_cache``), in tests/helpers (on the path by pyproject.toml's ``pythonpath``). pytest imports them after this
+# file has run, so the environment and XLA flags above are set before they import JAX.
 pytest_plugins = ("run_fixtures", "hub_cache")
 
 
@@ -228,27 +228,11 @@ def tiny_config():
 
 @pytest.fixture(scope="session")
 def tiny_params(tiny_config):
-    """Random ``{"base", "lora"}`` params of the tiny preset, laid out by ``abstract_params``.
+    """Random ``{"base", "lora"}`` params of the tiny preset, wider than ``init_params`` (``wide_params``: O(1)
+    logits); LoRA B is non-zero: a fresh adapter has B = 0, which would hide a wrong adapter formula in any test."""
+    from wide_params import wide_params
 
-    Drawn with numpy (no per-shape XLA compile of the JAX PRNG) and wider than ``init_params`` (std 0.15,
-    random norms and biases) so logits are O(1); LoRA B is non-zero: a fresh adapter has B = 0, which
-    would hide a wrong adapter formula in any test.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from lspo_jax.models.specs import abstract_params
-
-    rng = np.random.default_rng(0)
-
-    def draw(path, leaf):
-        name = jax.tree_util.keystr(path)
-        noise = rng.standard_normal(leaf.shape).astype(np.float32)
-        if "norm" in name:
-            return jnp.asarray(1.0 + 0.1 * noise)
-        return jnp.asarray((0.05 if "lora" in name else 0.15) * noise)
-
-    return jax.tree_util.tree_map_with_path(draw, abstract_params(tiny_config))
+    return wide_params(tiny_config, seed=0, lora_std=0.05)
 
 
 @pytest.fixture(scope="session")

@@ -210,7 +210,7 @@ def test_vllm_workers_one_per_gpu_and_their_environment():
     assert cpu["JAX_PLATFORMS"] == "cpu" and cpu["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # the caller's setting kept
     assert "CUDA_VISIBLE_DEVICES" not in cpu and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in cpu
     # JAX's share and vLLM's split the device as mesh.memory_fraction does: 1 - 0.2 - the 0.05 margin.
-    from benchmarks.gpu import Shapes
+    from benchmarks.common import Shapes
 
     spec = vllm_layout.worker_spec(Shapes(), 0, cpu=False)  # the GPU run's shapes: the paper's step
     assert (spec["dtype"], spec["jax_fraction"], spec["vllm_fraction"]) == ("bfloat16", 0.2, 0.75)
@@ -228,12 +228,12 @@ def test_only_out_of_memory_moves_to_the_next_remat_policy():
 
 HANGING_PROFILE = """
 import argparse, sys, time
-from benchmarks import gpu
-gpu.PROFILE_WATCHDOG_S = 1.0
+from benchmarks import common
+common.PROFILE_WATCHDOG_S = 1.0
 args = argparse.Namespace(no_profile=False, profile=None, soft_deadline=None, smoke=False)
-rec = gpu.Recorder({path!r}, "sampler", time.time())
+rec = common.Recorder({path!r}, "sampler", time.time())
 rec.set(sampler_b256={{"new_tokens_per_s": 123.0}})
-gpu.Context(args=args, shapes=gpu.Shapes(), rec=rec).profile_call("sampler_b256", lambda: time.sleep(600))
+common.Context(args=args, shapes=common.Shapes(), rec=rec).profile_call("sampler_b256", lambda: time.sleep(600))
 """
 
 

@@ -34,7 +34,7 @@ PARAM_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def checks() -> dict:
-    script = os.path.join(os.path.dirname(__file__), "sharded_checks.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "sharded_checks.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=os.environ.copy())
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)

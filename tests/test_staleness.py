@@ -198,7 +198,7 @@ def test_no_rollouts_are_drawn_ahead_once_a_stop_was_asked_for():
 @pytest.fixture(scope="module")
 def split_run():
     """``split_checks.py`` in a process of 4 CPU devices (this one started JAX with one): its JSON."""
-    script = os.path.join(os.path.dirname(__file__), "split_checks.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "split_checks.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(script), env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

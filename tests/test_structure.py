@@ -130,7 +130,7 @@ def test_the_repository_uses_the_package_where_it_lives_and_the_tests_import_the
     modules, never by a file's path."""
     repo = PACKAGE.parent
     modules = {module_name(path, PACKAGE) for path in PACKAGE.rglob("*.py")}
-    tests = [p for p in sorted(repo.glob("tests/*.py")) if p.name != "test_paths.py"]
+    tests = [p for p in sorted(repo.glob("tests/**/*.py")) if p.name != "test_paths.py"]
     scripts = sorted([*repo.glob("tools/*.py"), *repo.glob("benchmarks/*.py"), *tests])
     assert (
         len(tests) > 30

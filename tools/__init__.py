@@ -70,3 +70,19 @@ def write_json(path: str | None, result: Any) -> None:
 
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def model_sizes(items: list[str]) -> dict[str, int]:
+    """A tool's ``--model FIELD=INT`` options: the ``ModelConfig`` sizes they set, by field."""
+    import dataclasses
+
+    from lspo_jax.config import ModelConfig
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    sizes = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields or not value.isdigit():
+            raise ConfigError(f"--model {item!r}: expected FIELD=INT of a ModelConfig field, e.g. num_layers=4")
+        sizes[name] = int(value)
+    return sizes

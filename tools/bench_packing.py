@@ -32,7 +32,7 @@ from lspo_jax.train_config import ConfigError
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/bench_packing.py: run it from the repository root as python -m tools.bench_packing ...")
-from tools import SHARED_DATA, run_main, write_json  # noqa: E402
+from tools import SHARED_DATA, model_sizes, run_main, write_json  # noqa: E402
 
 PAPER = dict(rows=32 * 16, prompt_slots=1024, new_tokens=8192, devices=8, rows_per_micro=16)
 SMALL_MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
@@ -159,11 +159,7 @@ def cpu_shape(args, prompt_pool: np.ndarray, rng: np.random.Generator) -> dict:
     from lspo_jax.models import specs
 
     sizes = dict(SMALL_MODEL)
-    for item in args.model:
-        name, _, value = item.partition("=")
-        if name not in {f.name for f in dataclasses.fields(ModelConfig)} or not value.isdigit():
-            raise ConfigError(f"--model {item!r}: expected FIELD=INT of a ModelConfig field, e.g. num_layers=4")
-        sizes[name] = int(value)
+    sizes.update(model_sizes(args.model))
     try:
         config = ModelConfig.preset("tiny", **sizes)
     except ValueError as err:  # a size the model refuses

@@ -50,7 +50,7 @@ from lspo_jax.models.specs import count_params, init_params  # noqa: E402
 from lspo_jax.rollout import sampler  # noqa: E402
 from lspo_jax.rollout.kv_cache import cache_nbytes  # noqa: E402
 from lspo_jax.train_config import ConfigError  # noqa: E402
-from tools import run_main  # noqa: E402
+from tools import model_sizes, run_main  # noqa: E402
 
 HBM_BYTES_PER_S = 4.23e12  # H200 device memory read+write, measured (DESIGN.md section 3)
 GPU_DEFAULTS = dict(preset="deepseek-r1-distill-qwen-1.5b", batch="64,256", prompt_len=256, new_tokens=512)
@@ -366,12 +366,7 @@ def row_order(row: dict) -> tuple[int, int]:
 
 
 def model_config(args) -> ModelConfig:
-    sizes = {}
-    for item in args.model:
-        name, _, value = item.partition("=")
-        if name not in {f.name for f in dataclasses.fields(ModelConfig)} or not value.isdigit():
-            raise ConfigError(f"--model {item!r}: expected FIELD=INT of a ModelConfig field, e.g. num_layers=4")
-        sizes[name] = int(value)
+    sizes = model_sizes(args.model)
     try:
         return ModelConfig.preset(args.preset, param_dtype=args.dtype, compute_dtype=args.dtype, **sizes)
     except ValueError as err:  # an unknown preset, or a size the model refuses

@@ -126,15 +126,7 @@ def _bench(argv: list[str] | None) -> int:
     config = ModelConfig.preset(SHAPES[args.shape], param_dtype=args.dtype, compute_dtype=args.dtype)
     abstract = abstract_params(config)["base"]
     params = sum(x.size for x in jax.tree.leaves(abstract))
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    available = _available_bytes()
-    # The params, plus the largest tensor twice over (its transposed copy and, on the host path, its numpy copy).
-    largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract) if x.ndim == 2)
-    if available is not None and param_bytes + 2 * largest > 0.9 * available:
-        raise ConfigError(
-            f"--shape {args.shape} --dtype {args.dtype}: the params take {param_bytes / 1e9:.1f} GB and the sync up to "
-            f"{2 * largest / 1e9:.1f} GB more; {available / 1e9:.1f} GB is available (try --dtype bfloat16)"
-        )
+    param_bytes = _check_memory(args, abstract)
     device = jax.devices("cpu")[0]
     load_before = os.getloadavg()[0]
     print(
@@ -148,15 +140,7 @@ def _bench(argv: list[str] | None) -> int:
     build_rss = _peak_rss()
     print(f"params built in {build_s:.1f} s (peak resident memory so far {build_rss / 1e9:.2f} GB)")
 
-    warmup = {path: one_sync(config, base, args.dtype, path, torch) for path in PATHS}
-    print("warm-up: " + ", ".join(f"{p} {w['seconds']:.3f} s" for p, w in warmup.items()))
-    runs: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
-    for repeat in range(args.repeats):
-        for path in PATHS:
-            run = one_sync(config, base, args.dtype, path, torch)
-            runs[path].append(run)
-            print(f"repeat {repeat + 1} {path:<6} {run['seconds']:.3f} s, {run['host_bytes'] / 1e6:.1f} MB via host")
-
+    warmup, runs = _timed_syncs(config, base, args, torch)
     result: dict[str, Any] = {
         "shape": args.shape,
         "preset": SHAPES[args.shape],
@@ -168,31 +152,73 @@ def _bench(argv: list[str] | None) -> int:
         "warmup_s": {p: w["seconds"] for p, w in warmup.items()},
         "versions": {"jax": jax.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "machine": {"cores": os.cpu_count(), "arch": platform.machine(), "load_before": load_before},
-        "paths": {},
+        "paths": {path: _path_figures(path, runs[path]) for path in PATHS},
     }
-    for path in PATHS:
-        seconds = [r["seconds"] for r in runs[path]]
-        last = runs[path][-1]
-        result["paths"][path] = {
-            "engine_device": ENGINE_DEVICE[path],
-            "median_s": statistics.median(seconds),
-            "min_s": min(seconds),
-            "seconds": seconds,
-            "host_bytes": last["host_bytes"],
-            "tensor_bytes": last["tensor_bytes"],
-            "tensors": last["tensors"],
-            "tensors_by_path": last["by_path"],
-            "fallback": last["fallback"],
-        }
+    extra = _compare_paths(result)
+    result["machine"]["load_after"] = os.getloadavg()[0]
+    result["peak_rss_after_build_bytes"] = build_rss
+    result["peak_rss_bytes"] = _peak_rss()
+    _print_result(result, extra)
+    write_json(args.json, result)
+    return 0
+
+
+def _check_memory(args: argparse.Namespace, abstract: dict[str, Any]) -> int:
+    """The params' bytes, refused up front where they and the sync would not fit in the memory available."""
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    available = _available_bytes()
+    # The params, plus the largest tensor twice over (its transposed copy and, on the host path, its numpy copy).
+    largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract) if x.ndim == 2)
+    if available is not None and param_bytes + 2 * largest > 0.9 * available:
+        raise ConfigError(
+            f"--shape {args.shape} --dtype {args.dtype}: the params take {param_bytes / 1e9:.1f} GB and the sync up to "
+            f"{2 * largest / 1e9:.1f} GB more; {available / 1e9:.1f} GB is available (try --dtype bfloat16)"
+        )
+    return param_bytes
+
+
+def _timed_syncs(config: ModelConfig, base: dict[str, Any], args: argparse.Namespace, torch: Any):
+    """One untimed sync per path, then ``--repeats`` timed ones, the paths interleaved: (warm-up, runs) by path."""
+    warmup = {path: one_sync(config, base, args.dtype, path, torch) for path in PATHS}
+    print("warm-up: " + ", ".join(f"{p} {w['seconds']:.3f} s" for p, w in warmup.items()))
+    runs: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
+    for repeat in range(args.repeats):
+        for path in PATHS:
+            run = one_sync(config, base, args.dtype, path, torch)
+            runs[path].append(run)
+            print(f"repeat {repeat + 1} {path:<6} {run['seconds']:.3f} s, {run['host_bytes'] / 1e6:.1f} MB via host")
+    return warmup, runs
+
+
+def _path_figures(path: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One path's timed syncs: their seconds (median, min, each) and the last one's tensor counts and bytes."""
+    seconds = [r["seconds"] for r in runs]
+    last = runs[-1]
+    return {
+        "engine_device": ENGINE_DEVICE[path],
+        "median_s": statistics.median(seconds),
+        "min_s": min(seconds),
+        "seconds": seconds,
+        "host_bytes": last["host_bytes"],
+        "tensor_bytes": last["tensor_bytes"],
+        "tensors": last["tensors"],
+        "tensors_by_path": last["by_path"],
+        "fallback": last["fallback"],
+    }
+
+
+def _compare_paths(result: dict[str, Any]) -> float:
+    """The host/DLPack ratios into ``result``; returns the host path's extra median seconds."""
     host, dlpack = result["paths"]["host"], result["paths"]["dlpack"]
     result["host_over_dlpack_median"] = host["median_s"] / dlpack["median_s"]
     result["host_over_dlpack_min"] = host["min_s"] / dlpack["min_s"]
     extra = host["median_s"] - dlpack["median_s"]
     # What the host copies cost beyond the common work (casting, slicing layers, transposing), per byte copied.
     result["host_copy_gb_per_s"] = host["host_bytes"] / extra / 1e9 if extra > 0 else None
-    result["machine"]["load_after"] = os.getloadavg()[0]
-    result["peak_rss_after_build_bytes"] = build_rss
-    result["peak_rss_bytes"] = _peak_rss()
+    return extra
+
+
+def _print_result(result: dict[str, Any], extra: float) -> None:
     for path in PATHS:
         r = result["paths"][path]
         print(
@@ -207,8 +233,6 @@ def _bench(argv: list[str] | None) -> int:
         + (f", {rate:.2f} GB/s of host copy" if rate is not None else "")
     )
     print(f"peak resident memory {result['peak_rss_bytes'] / 1e9:.2f} GB")
-    write_json(args.json, result)
-    return 0
 
 
 if __name__ == "__main__":

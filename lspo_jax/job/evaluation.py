@@ -444,10 +444,10 @@ def sample_records(benchmark: str, examples: Sequence[Any], graded: Graded, toke
 VERSIONED = ("lspo_jax", "jax", "jaxlib", "transformers", "math-verify")  # the packages a score depends on
 
 
-def package_versions() -> dict[str, str | None]:
-    """The installed version of each of ``VERSIONED`` (None: not installed)."""
+def package_versions(names: Sequence[str] = VERSIONED) -> dict[str, str | None]:
+    """The installed version of each of ``names`` (None: not installed)."""
     versions = {}
-    for name in VERSIONED:
+    for name in names:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -35,7 +35,7 @@ from lspo_jax.tasks import toy
 K = 2  # rollouts per prompt in every run of the training-loop tests
 LONG_PROBLEM = "+".join("123456789") + "="  # 18 characters and BOS: over make_config's 16 prompt slots
 # What a user passes to lspo-train for a new run: the paper's recipe, its paths overridden.
-PAPER_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
+PAPER_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "lspo_deepmath_r1_distill_qwen_1p5b.yaml")
 
 
 def copy_tree(tree):

@@ -1,6 +1,7 @@
 """Greedy rollouts of one vLLM engine, or of one engine in each process of a two-process job, written to a file:
-``python tests/vllm_greedy_checks.py OUT`` (one process) or ``python tests/vllm_greedy_checks.py OUT PORT
-PROCESS_ID`` (one of two joined by ``jax.distributed``), run by ``test_vllm_multiprocess.py``.
+``python tests/helpers/vllm_greedy_checks.py OUT`` (one process) or
+``python tests/helpers/vllm_greedy_checks.py OUT PORT PROCESS_ID`` (one of two joined by ``jax.distributed``), run by
+``test_vllm_multiprocess.py``.
 
 Every process saves the same random float32 Qwen2 (``vllm_checks.CONFIG``, seed 0) to a directory of its own and
 starts an engine on it; ``VLLMSampler.generate_arrays`` samples the prompts greedily, each engine its block of them

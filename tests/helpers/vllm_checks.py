@@ -1,4 +1,4 @@
-"""vLLM engine checks, run by ``test_vllm.py`` in a fresh process: ``python tests/vllm_checks.py``.
+"""vLLM engine checks, run by ``test_vllm.py`` in a fresh process: ``python tests/helpers/vllm_checks.py``.
 
 After the engine's checks (and with their engine closed), the same process runs two LSPO steps of
 ``configs/demo.yaml`` with ``rollout.engine=vllm``: the result's ``train`` holds the run's train records and whether
@@ -26,12 +26,11 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from wide_params import wide_params
 
 from lspo_jax.config import LoraConfig, ModelConfig
 from lspo_jax.models import hf
-from lspo_jax.models.specs import abstract_params
 from lspo_jax.rl import logprobs
 from lspo_jax.rollout import sampler, samples
 from lspo_jax.tasks import toy
@@ -46,17 +45,8 @@ T = 0.7  # sampling temperature of the log-prob check
 
 
 def random_params(seed: int = 0, config: ModelConfig = CONFIG):
-    """O(1) logits (std 0.15, random norms and biases) and a non-zero adapter that changes the greedy output."""
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        name = jax.tree_util.keystr(path)
-        noise = rng.standard_normal(leaf.shape).astype(np.float32)
-        if "norm" in name:
-            return jnp.asarray(1.0 + 0.1 * noise)
-        return jnp.asarray((0.1 if "lora" in name else 0.15) * noise)
-
-    return jax.tree_util.tree_map_with_path(draw, abstract_params(config))
+    """O(1) logits (``wide_params``) and a non-zero adapter that changes the greedy output."""
+    return wide_params(config, seed, lora_std=0.1)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "lora_scale"))
@@ -110,32 +100,47 @@ def compare(engine_batch, jax_batch) -> dict:
     }
 
 
-def main(workdir: str) -> dict:
-    from lspo_jax.rollout.vllm_sampler import VLLMSampler, logprob_mismatch
+def greedy_kw() -> dict:
+    """The engine's greedy arguments, those of ``jax_greedy``."""
+    return dict(key=jax.random.key(0), max_new_tokens=NEW, greedy=True, temperature=1.0)
 
-    out: dict = {}
+
+def start_engine(workdir: str):
+    """The random params saved to ``workdir`` and an engine started on them; its start and warm-up times."""
+    from lspo_jax.rollout.vllm_sampler import VLLMSampler
+
     params = random_params()
     hf.save_pretrained(workdir, CONFIG, params)
     toy.char_tokenizer().save_pretrained(workdir)
-
     t0 = time.perf_counter()
     engine = VLLMSampler(workdir, CONFIG, kv_cache_space_gib=1, dtype="float32", max_model_len=512, seed=0)
-    out["time_engine_start"] = time.perf_counter() - t0
-    out["time_warmup"] = engine.warmup()
-    # The pushed tensors are exactly hf.to_hf_state_dict's, in its order.
+    out = {"time_engine_start": time.perf_counter() - t0, "time_warmup": engine.warmup()}
+    return engine, params, out
+
+
+def pushed_tensors(engine, params) -> dict:
+    """The pushed tensors are exactly hf.to_hf_state_dict's, in its order."""
     reference = list(hf.to_hf_state_dict(CONFIG, params))
     ours = list(engine._hf_tensors(CONFIG, params["base"], {"layers", "outer"}))
-    out["hf_names_equal"] = [k for k, _ in reference] == [k for k, _ in ours]
-    out["hf_values_equal"] = all(np.array_equal(a, b.numpy()) for (_, a), (_, b) in zip(reference, ours, strict=True))
+    return {
+        "hf_names_equal": [k for k, _ in reference] == [k for k, _ in ours],
+        "hf_values_equal": all(np.array_equal(a, b.numpy()) for (_, a), (_, b) in zip(reference, ours, strict=True)),
+    }
 
-    # Prompts: two short ones and one spanning two full KV blocks, so the prefix cache has blocks to reuse.
-    block = int(engine.llm.llm_engine.vllm_config.cache_config.block_size)
-    out["block_size"] = block
+
+def check_prompts(block: int) -> list[list[int]]:
+    """Two short prompts and one spanning two full KV blocks, so the prefix cache has blocks to reuse."""
     rng = np.random.default_rng(1)
     long_prompt = rng.integers(4, CONFIG.vocab_size, size=2 * block + 3).tolist()
-    prompts = [[toy.BOS_ID, 5, 6, 7, 8], [toy.BOS_ID, *range(20, 28)], [toy.BOS_ID, *long_prompt]]
+    return [[toy.BOS_ID, 5, 6, 7, 8], [toy.BOS_ID, *range(20, 28)], [toy.BOS_ID, *long_prompt]]
 
-    # 1. Sampled tokens' log-probs after a sync equal our teacher-forced ones (temperature T, n = 2).
+
+def sampled_checks(engine, params, prompts) -> dict:
+    """Sampled tokens' log-probs after a sync equal our teacher-forced ones (temperature T, n = 2); a key repeats
+    its samples, and a repeated call with the same params does not sync again."""
+    from lspo_jax.rollout.vllm_sampler import logprob_mismatch
+
+    out: dict = {}
     t0 = time.perf_counter()
     sampled = engine.generate_arrays(params, prompts, key=jax.random.key(1), max_new_tokens=NEW, temperature=T, n=2)
     out["time_generate_first"] = time.perf_counter() - t0
@@ -157,22 +162,28 @@ def main(workdir: str) -> dict:
     out["sampled"]["other_key_other_tokens"] = not np.array_equal(sampled.tokens, other.tokens)
     out["syncs_after_repeat_calls"] = engine.stats["syncs"]  # the params did not change: still 1
     out["cached_prompt_tokens_repeat"] = engine.stats["last_cached_prompt_tokens"]  # the long prompt's blocks
+    return out
 
-    # 2. Greedy equals our sampler's greedy, EOS included; then an update is followed, and undone exactly.
-    greedy_kw = dict(key=jax.random.key(0), max_new_tokens=NEW, greedy=True, temperature=1.0)
-    base_greedy = engine.generate_arrays(params, prompts, **greedy_kw)
+
+def greedy_checks(engine, params, prompts):
+    """Greedy equals our sampler's greedy, EOS included: the engine's base greedy batch and the comparisons."""
+    base_greedy = engine.generate_arrays(params, prompts, **greedy_kw())
     base_jax = jax_greedy(params, prompts)
-    out["base_greedy"] = compare(base_greedy, base_jax)
+    out: dict = {"base_greedy": compare(base_greedy, base_jax)}
     # EOS: row 0's first token that it has not emitted before, from its 4th on, so row 0 ends early there.
     row0 = base_jax.tokens[0].tolist()
     stop_at = next((i for i in range(3, NEW) if row0[i] not in row0[:i]), NEW - 1)
     eos = [row0[stop_at]]
     out["eos_stop_at"] = stop_at
-    out["eos_greedy"] = compare(engine.generate_arrays(params, prompts, eos_token_ids=eos, **greedy_kw),
+    out["eos_greedy"] = compare(engine.generate_arrays(params, prompts, eos_token_ids=eos, **greedy_kw()),
                                 jax_greedy(params, prompts, eos=eos))  # fmt: skip
     eos_jax = jax_greedy(params, prompts, eos=eos)
     out["eos_greedy"].update(lengths=eos_jax.lengths.tolist(), eos=eos_jax.eos.tolist())
+    return base_greedy, out
 
+
+def update_checks(engine, params, prompts, base_greedy) -> dict:
+    """An update is followed (greedy and sampled), and undone exactly when the old params come back."""
     base = params["base"]
     updated = {
         **params,
@@ -182,7 +193,8 @@ def main(workdir: str) -> dict:
             "layers": {**base["layers"], "up": base["layers"]["up"] * 1.5},
         },
     }
-    new_greedy = engine.generate_arrays(updated, prompts, **greedy_kw)
+    out: dict = {}
+    new_greedy = engine.generate_arrays(updated, prompts, **greedy_kw())
     out["update_sync_s"] = engine.stats["last_sync_s"]
     out["update_sync_tensors"] = engine.stats["last_sync_tensors"]
     out["cached_prompt_tokens_after_sync"] = engine.stats["last_cached_prompt_tokens"]
@@ -194,18 +206,21 @@ def main(workdir: str) -> dict:
     out["updated_sampled_logprobs"] = max_diff(
         new_sampled.logprobs, teacher_forced(updated, prompts, new_sampled, temperature=T), valid(new_sampled)
     )
-    restored = engine.generate_arrays(params, prompts, **greedy_kw)
+    restored = engine.generate_arrays(params, prompts, **greedy_kw())
     out["restored"] = {
         "tokens_equal": same_tokens(restored, base_greedy),
         "logprobs_exact": bool(np.array_equal(restored.logprobs, base_greedy.logprobs)),
         "sync_s": engine.stats["last_sync_s"],
     }
+    return out
 
-    # 3. Adapter on through merged weights equals our sampler's adapter-on greedy; the base comes back after.
+
+def adapter_checks(engine, params, prompts, base_greedy) -> dict:
+    """Adapter on through merged weights equals our sampler's adapter-on greedy; the base comes back after."""
     syncs = engine.stats["syncs"]
-    adapter = engine.generate_arrays(params, prompts, lora_scale=1.0, **greedy_kw)
+    adapter = engine.generate_arrays(params, prompts, lora_scale=1.0, **greedy_kw())
     adapter_jax = jax_greedy(params, prompts, lora_scale=1.0)
-    out["adapter_greedy"] = compare(adapter, adapter_jax)
+    out: dict = {"adapter_greedy": compare(adapter, adapter_jax)}
     out["adapter_greedy"]["differs_from_base"] = not np.array_equal(adapter.tokens, base_greedy.tokens)
     out["adapter_greedy"]["sync_s"] = engine.stats["last_sync_s"]
     out["adapter_greedy"]["sync_tensors"] = engine.stats["last_sync_tensors"]
@@ -217,7 +232,7 @@ def main(workdir: str) -> dict:
         teacher_forced(params, prompts, adapter_sampled, temperature=T, lora_scale=1.0),
         valid(adapter_sampled),
     )
-    after = engine.generate_arrays(params, prompts, **greedy_kw)
+    after = engine.generate_arrays(params, prompts, **greedy_kw())
     out["after_adapter"] = {
         "tokens_equal": same_tokens(after, base_greedy),
         "logprobs_exact": bool(np.array_equal(after.logprobs, base_greedy.logprobs)),
@@ -225,18 +240,40 @@ def main(workdir: str) -> dict:
         "sync_tensors": engine.stats["last_sync_tensors"],
         "syncs": engine.stats["syncs"] - syncs,  # merged in, base back: 2
     }
-    # Warm timings: merged adapter in and base back again (the merge's programs are compiled by now).
-    out["adapter_push_warm_s"] = engine.sync_weights(CONFIG, params, lora_scale=1.0)
-    out["base_restore_warm_s"] = engine.sync_weights(CONFIG, params)
+    return out
+
+
+def sync_timings(engine, params) -> dict:
+    """Warm timings: merged adapter in and base back again (the merge's programs are compiled by now)."""
+    out = {
+        "adapter_push_warm_s": engine.sync_weights(CONFIG, params, lora_scale=1.0),
+        "base_restore_warm_s": engine.sync_weights(CONFIG, params),
+    }
     t0 = time.perf_counter()
     out["forced_full_sync_s"] = engine.sync_weights(CONFIG, params, force=True)
     out["time_forced_sync_call"] = time.perf_counter() - t0
+    return out
+
+
+def main(workdir: str) -> dict:
+    """The engine checks in order (each sync and the prefix cache's stats follow from the calls before it)."""
+    engine, params, out = start_engine(workdir)
+    out.update(pushed_tensors(engine, params))
+    out["block_size"] = block = int(engine.llm.llm_engine.vllm_config.cache_config.block_size)
+    prompts = check_prompts(block)
+    out.update(sampled_checks(engine, params, prompts))
+    base_greedy, greedy = greedy_checks(engine, params, prompts)
+    out.update(greedy)
+    out.update(update_checks(engine, params, prompts, base_greedy))
+    out.update(adapter_checks(engine, params, prompts, base_greedy))
+    out.update(sync_timings(engine, params))
     out["stats"] = dict(engine.stats)
     engine.close()  # before a run in the same process starts its own
     return out
 
 
-DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO_CONFIG = os.path.join(ROOT, "configs", "demo.yaml")
 TRAIN_OVERRIDES = ["steps=2", "rollout.engine=vllm", "eval.limit=4", "eval.n=1", "eval.ks=[1]", "reward.workers=0",
                    "rollout.prompts_per_step=8", "scaffold.min_cliff_bucket=8"]  # fmt: skip
 

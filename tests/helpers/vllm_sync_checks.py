@@ -1,5 +1,5 @@
 """One process of a two-process job (joined by ``jax.distributed``, one CPU device each) that checks the vLLM engine's
-multi-process parts without vLLM: ``python tests/vllm_sync_checks.py PORT PROCESS_ID``, run by
+multi-process parts without vLLM: ``python tests/helpers/vllm_sync_checks.py PORT PROCESS_ID``, run by
 ``test_vllm_multiprocess.py``.
 
 The params are sharded over both processes' devices (``fsdp = 2``), so neither process can read them as host arrays.

@@ -1,7 +1,7 @@
 """Sharded-equals-unsharded checks on 8 CPU devices, run by ``test_sharding.py`` in a fresh process.
 
 The device count is fixed when JAX starts, and the pytest process has already started it with one device,
-so these checks run here: ``python tests/sharded_checks.py`` (it asks JAX for 8 CPU devices) prints one JSON
+so these checks run here: ``python tests/helpers/sharded_checks.py`` (it asks JAX for 8 CPU devices) prints one JSON
 object of measured numbers (largest differences, byte ratios, token matches) and the test file asserts on
 them. Everything runs in one process so JAX starts once.
 """
