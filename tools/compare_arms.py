@@ -51,7 +51,8 @@ import yaml
 from lspo_jax.job.compiles import use_cache
 from lspo_jax.job.config import load_config
 from lspo_jax.job.metrics_log import read_metrics
-from lspo_jax.job.run import surpass_distribution, train_run
+from lspo_jax.job.run import train_run
+from lspo_jax.job.summary import surpass_distribution
 from lspo_jax.train_config import ConfigError, apply_overrides, from_dict, to_dict
 from tools import tables
 
