@@ -15,6 +15,7 @@ import signal
 import jax
 import numpy as np
 import pytest
+from jax.experimental import multihost_utils
 from run_fixtures import (
     LONG_PROBLEM,
     PAPER_CONFIG,
@@ -33,9 +34,10 @@ from run_fixtures import (
 
 from lspo_jax.job import cli, errors, evaluation
 from lspo_jax.job import run as run_module
+from lspo_jax.job.build import AgreedVerifier
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import Run, RunStopped
-from lspo_jax.rl import train
+from lspo_jax.rl import staleness, train
 from lspo_jax.rl.checkpoint import Checkpointer, checkpoint_state
 
 # A new run of the paper's recipe (PAPER_CONFIG), its paths overridden: the paper's lengths (1024 + 8192 tokens) are
@@ -130,7 +132,7 @@ def test_sigterm_checkpoints_and_exits_with_the_resumable_status(tmp_path, make_
         os.kill(os.getpid(), signal.SIGTERM)
         return metrics
 
-    monkeypatch.setattr(run_module, "train_step", step_then_sigterm)
+    monkeypatch.setattr(staleness, "train_step", step_then_sigterm)  # the step as the run takes it
     config = write_config(tmp_path / "c.yaml", make_config(steps=5, checkpoint__every=10))
     with cli_verifier(monkeypatch, easy_rule):
         assert cli.train_main(["--config", config, "--out", str(tmp_path / "r")]) == errors.EXIT_STOPPED == 75
@@ -192,9 +194,9 @@ def test_a_verifier_of_several_processes_gives_process_0s_scores(monkeypatch):
         sent.append(np.asarray(x).tolist())
         return np.array([1.0, 0.0, 1.0], np.float32)
 
-    monkeypatch.setattr(run_module.multihost_utils, "broadcast_one_to_all", broadcast)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
     local = FakeVerifier(lambda response, gold, slot: False)
-    agreed = run_module.AgreedVerifier(local)
+    agreed = AgreedVerifier(local)
     assert agreed.score(["a", "b", "c"], ["1", "2", "3"]).tolist() == [1.0, 0.0, 1.0]
     assert sent == [[0.0, 0.0, 0.0]] and agreed.score([], []).tolist() == [] and len(sent) == 1
     agreed.close()  # the rest of the verifier's interface is the wrapped one's

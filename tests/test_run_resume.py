@@ -40,6 +40,7 @@ from lspo_jax.job.config import load_config
 from lspo_jax.job.export import export_checkpoint
 from lspo_jax.job.metrics_log import read_metrics
 from lspo_jax.job.run import Run
+from lspo_jax.job.summary import surpass_distribution
 from lspo_jax.models import model
 from lspo_jax.rl.checkpoint import Checkpointer, checkpoint_state
 from lspo_jax.tasks import toy
@@ -190,9 +191,9 @@ def test_the_per_step_surpass_rate_distribution_by_hand():
     # Steps 1 and 4 attempted no cliff and are left out; of the 4 that did, one at 0.0 and two at 1.0.
     pairs = [(0, None), (2, 0.0), (1, 1.0), (0, None), (4, 0.5), (3, 1.0)]
     train_records = [{"scaffold_attempted": n, "surpass_rate": rate} for n, rate in pairs]
-    spread = run_module.surpass_distribution(train_records)
+    spread = surpass_distribution(train_records)
     assert spread == {"steps": 4, "at_0": 0.25, "at_1": 0.5}
-    assert run_module.surpass_distribution(train_records[:1]) is None
+    assert surpass_distribution(train_records[:1]) is None
     summary = {"steps": 6, "seconds": 1.0, "stopped_early": False, "cliff_groups": 10, "scaffold_attempted": 10,
                "scaffold_no_solution": 0, "surpassed_groups": 5, "surpass_rate": 0.5, "rescue_pass_rate": 0.1,
                "rerolls_passed": 8, "rerolls": 80, "surpass_rate_per_step": spread}  # fmt: skip

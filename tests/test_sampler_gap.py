@@ -61,10 +61,10 @@ def test_a_sampler_left_with_step_0s_weights_stops_the_run_within_two_steps(tmp_
         learner, real = job.learner, job.learner.sample
         held["params"] = jax.tree.map(jnp.copy, learner.state.params)  # the updates donate the live ones
 
-        def sample(prompts, key, *, lora_scale, params=None, **kwargs):
-            if params is None and not lora_scale:  # the step's rollouts: the engine never got the new weights
-                params = held["params"]
-            return real(prompts, key, lora_scale=lora_scale, params=params, **kwargs)
+        def sample(prompts, key, *, lora_scale, **kwargs):
+            if not lora_scale:  # the step's rollouts: the engine never got the new weights
+                return learner.sample_from(held["params"], learner.generator, prompts, key, lora_scale=0.0, **kwargs)
+            return real(prompts, key, lora_scale=lora_scale, **kwargs)
 
         learner.sample = sample
 

@@ -42,7 +42,7 @@ def stale_run(tmp_path_factory, make_config, easy_rule):
 
     def prepare(job):
         base = lambda: {"base": copy_tree(job.learner.base_params()), "updated_steps": job.state.step}
-        wrap(job, "_sample_ahead", before=base, log=starts)
+        wrap(job.prefetcher, "sample_ahead", before=base, log=starts)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(staleness.Prefetch, "rows", rows)
@@ -75,8 +75,8 @@ def test_stale_rows_are_the_earlier_base_sampled_with_the_on_policy_key(stale_ru
     for (start, rows), step in zip(zip(starts, taken, strict=True), (1, 3), strict=True):
         key = jax.random.split(jax.random.fold_in(jax.random.key(job.run.seed), step))[0]
         base = jax.device_put(start["base"], jax.tree.map(lambda x: x.sharding, job.learner.base_params()))
-        again = job.learner.sample([ex.prompt_ids for ex in prompts[2 * step : 2 * step + 2]], key, lora_scale=0.0,
-                                   params=base)  # fmt: skip
+        step_prompts = [ex.prompt_ids for ex in prompts[2 * step : 2 * step + 2]]
+        again = job.learner.sample_from(base, job.learner.generator, step_prompts, key, lora_scale=0.0)
         for name in ("tokens", "mask", "sampler_logp"):
             np.testing.assert_array_equal(rows[name], again[name])
 
@@ -112,7 +112,7 @@ def test_rollouts_dropped_are_cut_short_and_never_used(make_config, tmp_path):
     class Endless:
         state = SimpleNamespace(step=3)
 
-        def sample(self, prompts, key, *, lora_scale, params, generator, cancel):
+        def sample_from(self, params, generator, prompts, key, *, lora_scale, cancel):
             seen.append(prompts)
             while not cancel():
                 time.sleep(0.005)
@@ -144,15 +144,15 @@ def test_the_push_is_in_the_samplers_compute_dtype(stale_run):
 
 
 def test_the_learner_hands_cancel_to_the_sampler(stale_run):
-    """``Learner.sample(cancel=...)`` reaches the JAX sampler: segments of 4 tokens, cancelled from the first, give
+    """``Learner.sample_from(cancel=...)`` reaches the JAX sampler: segments of 4 tokens, cancelled from the first, give
     rows of at most 4 response tokens, where the same call uncancelled runs past them."""
     from lspo_jax.rollout.generator import Generator
 
     learner = stale_run["job"].learner
     generator = Generator(learner.policy, learner.mesh, compact_every=4)
     prompts = [ex.prompt_ids for ex in stale_run["job"].examples[:2]]
-    call = lambda cancel: learner.sample(prompts, jax.random.key(1), lora_scale=0.0, generator=generator,
-                                         cancel=cancel)  # fmt: skip
+    call = lambda cancel: learner.sample_from(learner.state.params, generator, prompts, jax.random.key(1),
+                                              lora_scale=0.0, cancel=cancel)  # fmt: skip
     response = lambda rows: rows["mask"][:, learner.run.data.max_prompt_tokens :].sum(axis=1)
     assert response(call(lambda: True)).max() <= 4 < response(call(lambda: False)).max()
 
@@ -180,18 +180,13 @@ def test_staleness_refusals_name_both_keys(overrides, named):
 
 def test_no_rollouts_are_drawn_ahead_once_a_stop_was_asked_for():
     """A stop's checkpoint would drop the rollouts in flight and closing would wait for them: none start."""
-    from types import SimpleNamespace
-
-    from lspo_jax.job.run import Run
-
     run = load_config(None, ["rollout.max_staleness=1", "loss.tis_cap=2.0", "steps=10", "checkpoint.every=5"])
-    flag = lambda asked: SimpleNamespace(agreed=lambda: asked)
-    job = lambda step, stop: SimpleNamespace(run=run, state=SimpleNamespace(step=step), stop=stop)
-    # Steps 1..10 (state.step: the steps done before it) that sample the next one's rollouts during their update:
-    # all but the one a checkpoint follows (5) and the last (10).
-    assert [s for s in range(1, 11) if Run._ahead_due(job(s - 1, None))] == [1, 2, 3, 4, 6, 7, 8, 9]
-    assert [s for s in range(1, 11) if Run._ahead_due(job(s - 1, flag(False)))] == [1, 2, 3, 4, 6, 7, 8, 9]
-    assert not any(Run._ahead_due(job(s - 1, flag(True))) for s in range(1, 11))
+    # Steps 1..10 (done: the steps before it) that sample the next one's rollouts during their update: all but the
+    # one a checkpoint follows (5) and the last (10); none once a stop was asked for, nor at max_staleness 0.
+    assert [s for s in range(1, 11) if staleness.samples_ahead(run, s - 1, False)] == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert not any(staleness.samples_ahead(run, s - 1, True) for s in range(1, 11))
+    on_policy = load_config(None, ["steps=10", "checkpoint.every=5"])
+    assert not any(staleness.samples_ahead(on_policy, s - 1, False) for s in range(1, 11))
 
 
 # ------------------------------------------------------------------------------------------- split placement

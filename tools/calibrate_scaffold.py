@@ -24,7 +24,7 @@ import sys
 
 from lspo_jax.job.compiles import use_cache
 from lspo_jax.job.config import load_config
-from lspo_jax.job.run import surpass_distribution
+from lspo_jax.job.summary import surpass_distribution
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
     sys.exit("tools/calibrate_scaffold.py: run it from the repository root as python -m tools.calibrate_scaffold ...")

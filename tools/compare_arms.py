@@ -52,7 +52,8 @@ from lspo_jax.job.compiles import use_cache
 from lspo_jax.job.config import load_config
 from lspo_jax.job.config_io import apply_overrides, from_dict, to_dict
 from lspo_jax.job.metrics_log import read_metrics
-from lspo_jax.job.run import surpass_distribution, train_run
+from lspo_jax.job.run import train_run
+from lspo_jax.job.summary import surpass_distribution
 from lspo_jax.train_config import ConfigError
 from tools import tables
 

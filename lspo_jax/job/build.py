@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from safetensors import SafetensorError
 
@@ -138,14 +140,29 @@ def device_memory(mesh: Mesh) -> tuple[int | None, str]:
     )
 
 
+def run_meshes(run: TrainConfig) -> tuple[Mesh, Mesh | None]:
+    """The learner's mesh (``run_mesh``) and, with ``rollout.placement: split``, the sampler's (None colocated): its
+    devices as ``fsdp``, rows split over each one and whole layers on every device, as ``sharding.sampling_mesh``
+    lays out decoding. Both from one split of the devices (``split_devices``)."""
+    learner_devices, sampler_devices = split_devices(run)
+    mesh = _learner_mesh(run, learner_devices)
+    if sampler_devices is None:
+        return mesh, None
+    return mesh, sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=-1, tp=1), sampler_devices)
+
+
 def run_mesh(run: TrainConfig) -> Mesh:
     """The run's device mesh (``mesh`` section); disabled, the first device as a 1 x 1 x 1 mesh.
 
     ``mesh.enabled: null`` spans every device when JAX sees more than one.
     """
+    return _learner_mesh(run, split_devices(run)[0])
+
+
+def _learner_mesh(run: TrainConfig, learner_devices: list[jax.Device] | None) -> Mesh:
+    """``run_mesh`` on ``learner_devices``, a split placement's share (None: not split)."""
     enabled = run.mesh.enabled if run.mesh.enabled is not None else jax.device_count() > 1
     sizes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "tp": run.mesh.tp}
-    learner_devices = split_devices(run)[0]
     if learner_devices is not None:  # placement split: the mesh sizes are the learner's share's
         try:
             return sharding.make_mesh(sharding.MeshConfig(**sizes), learner_devices)
@@ -178,13 +195,6 @@ def split_devices(run: TrainConfig) -> tuple[list[jax.Device] | None, list[jax.D
                           f"{'sample' if count < 1 else 'learn'}; rollout.placement split needs two devices or more "
                           "and a share for each side")  # fmt: skip
     return devices[: len(devices) - count], devices[len(devices) - count :]
-
-
-def sampler_mesh(run: TrainConfig) -> Mesh | None:
-    """The sampler's mesh with ``rollout.placement: split``: its devices as ``fsdp`` (rows split over each one,
-    whole layers on every device, as ``sharding.sampling_mesh`` lays out decoding); None colocated."""
-    devices = split_devices(run)[1]
-    return None if devices is None else sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=-1, tp=1), devices)
 
 
 MEMORY_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -223,6 +233,34 @@ def make_verifier(run: TrainConfig) -> verify_pool.VerifierPool:
     return verify_pool.VerifierPool(
         workers=reward.workers, timeout=reward.timeout_s, require_think_close=reward.require_think_close
     )
+
+
+class AgreedVerifier:
+    """A verifier whose scores are process 0's on every process of a multi-host job.
+
+    Every host verifies the same responses, but a verification's time limit can run out on one host and not on
+    another. A host with other scores would find other cliffs and advantages, take another sequence of phases
+    and hang at the next collective; with process 0's scores everywhere the hosts stay in step.
+    """
+
+    def __init__(self, verifier: Any):
+        self.verifier = verifier
+
+    def score(self, responses: Sequence[str], golds: Sequence[str], **kwargs: Any) -> np.ndarray:
+        scores = np.asarray(self.verifier.score(responses, golds, **kwargs), np.float32)
+        if not len(scores):  # every host has the same count, so all skip the collective together
+            return scores
+        return np.asarray(multihost_utils.broadcast_one_to_all(scores))
+
+    def score_function(self, function: str, responses: Sequence[str], fields: Sequence[dict]) -> tuple[np.ndarray, Any]:
+        """A reward function's scores (``VerifierPool.score_function``), process 0's on every process alike."""
+        scores, stats = self.verifier.score_function(function, responses, fields)
+        if not len(scores):
+            return scores, stats
+        return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(scores, np.float32))), stats
+
+    def __getattr__(self, name: str) -> Any:  # stats, close, ... of the wrapped verifier
+        return getattr(self.verifier, name)
 
 
 class JaxEngine:

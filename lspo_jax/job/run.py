@@ -6,22 +6,24 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import importlib
 import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
+from lspo_jax import REMOVED_IN
 from lspo_jax.job import evaluation
 from lspo_jax.job.build import (
     ENGINES,
+    AgreedVerifier,
     check_cache_fits,
     check_positions,
     load_benchmarks,
@@ -31,23 +33,23 @@ from lspo_jax.job.build import (
     make_verifier,
     model_dir,
     prompt_source,
-    run_mesh,
-    sampler_mesh,
+    run_meshes,
     validation_specs,
 )
 from lspo_jax.job.compiles import CompileCount
-from lspo_jax.job.metrics_log import MetricsLog, NullLog, records_until, rewrite, wandb_options
+from lspo_jax.job.metrics_log import MetricsLog, NullLog, rewrite, wandb_options
 from lspo_jax.job.progress import Progress, arm_name
+from lspo_jax.job.resume import restore, resumed_records
 from lspo_jax.job.run_dir import check_resumable, model_shapes, new_run_refused, record_config, run_records
 from lspo_jax.job.run_lock import take_run_lock
 from lspo_jax.job.signals import StartupStopped, StopFlag
+from lspo_jax.job.summary import run_summary, seconds_so_far
 from lspo_jax.options import RolloutError
 from lspo_jax.rl import staleness, warmup
-from lspo_jax.rl.checkpoint import DIGEST, Checkpointer, CheckpointError, TrainState
+from lspo_jax.rl.checkpoint import Checkpointer, TrainState
 from lspo_jax.rl.learner import Learner
 from lspo_jax.rl.phases import Phases, StepAbandoned
 from lspo_jax.rl.step_record import GAP_KEY, step_rates
-from lspo_jax.rl.train import train_step
 from lspo_jax.tasks import data, example_store
 from lspo_jax.tasks.data_report import DataError, DataReport
 from lspo_jax.train_config import ConfigError, TrainConfig
@@ -62,34 +64,6 @@ class SamplerGapError(RolloutError):
     ``rollout.max_logprob_gap_steps`` steps in a row: it samples another policy than the one trained. A checkpoint
     was written first (the updates took the trainer's own log-probs as old_logp: the state is sound, the rows were
     off-policy)."""
-
-
-class AgreedVerifier:
-    """A verifier whose scores are process 0's on every process of a multi-host job.
-
-    Every host verifies the same responses, but a verification's time limit can run out on one host and not on
-    another. A host with other scores would find other cliffs and advantages, take another sequence of phases
-    and hang at the next collective; with process 0's scores everywhere the hosts stay in step.
-    """
-
-    def __init__(self, verifier: Any):
-        self.verifier = verifier
-
-    def score(self, responses: Sequence[str], golds: Sequence[str], **kwargs: Any) -> np.ndarray:
-        scores = np.asarray(self.verifier.score(responses, golds, **kwargs), np.float32)
-        if not len(scores):  # every host has the same count, so all skip the collective together
-            return scores
-        return np.asarray(multihost_utils.broadcast_one_to_all(scores))
-
-    def score_function(self, function: str, responses: Sequence[str], fields: Sequence[dict]) -> tuple[np.ndarray, Any]:
-        """A reward function's scores (``VerifierPool.score_function``), process 0's on every process alike."""
-        scores, stats = self.verifier.score_function(function, responses, fields)
-        if not len(scores):
-            return scores, stats
-        return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(scores, np.float32))), stats
-
-    def __getattr__(self, name: str) -> Any:  # stats, close, ... of the wrapped verifier
-        return getattr(self.verifier, name)
 
 
 class Run:
@@ -156,8 +130,9 @@ class Run:
         if run.rollout.max_staleness and jax.process_count() > 1:  # two threads' collectives could interleave
             raise ConfigError(f"rollout.max_staleness: {run.rollout.max_staleness} runs in one process only; this job "
                               f"has {jax.process_count()}")  # fmt: skip
-        mesh = run_mesh(run)  # a mesh that does not fit the devices is refused before the data loads
-        smesh = sampler_mesh(run)  # rollout.placement split: the sampler's own devices
+        # A mesh that does not fit the devices is refused before the data loads; smesh: rollout.placement split's
+        # sampler devices, None colocated.
+        mesh, smesh = run_meshes(run)
         engine = ENGINES.resolve(run.rollout.engine)
         if run.rollout.engine == "jax":  # vLLM pages its cache and batches what does not fit
             check_cache_fits(run, self.policy.config, mesh, validate=bool(validation_specs(run)))
@@ -175,7 +150,6 @@ class Run:
         self.prompts = prompt_source(run, self.examples, self.policy)
         self.history: list[dict[str, Any]] = []  # every record of the run, those before a resume included
         self.warmed: dict[str, Any] | None = None  # the SFT warm-up's record once it is done (``rl.warmup``)
-        self.ahead: staleness.Prefetch | None = None  # the next step's rollouts, sampling (rollout.max_staleness)
         # A policy judging itself reads the learner's base at each call.
         token_advantages = make_token_advantages(run, self.policy, lambda: self.learner.base_params(), mesh)
         verifier = make_verifier(run) if verifier is None else verifier
@@ -192,9 +166,9 @@ class Run:
             _close_after_failure(verifier, "verifier")
             raise
         try:
-            # Where rollouts sampled ahead are drawn (``rollout.placement``; its mesh made with the learner's, so a
-            # split the devices cannot make is refused before the data loads).
-            self.sampling = staleness.Sampling(self.learner, smesh) if run.rollout.max_staleness else None
+            # Rollouts sampled ahead of the update, and where (``rollout.placement``; its mesh made with the
+            # learner's, so a split the devices cannot make is refused before the data loads).
+            self.prefetcher = staleness.Prefetcher(self.learner, self.prompts, smesh)
             # The learner built (the engine started, a checkpoint restored), the longest part; the last point before
             # anything is written, so every process agrees here. A stop after it is the loop's (a checkpoint, 75).
             self._startup_point(agree=True)
@@ -254,59 +228,18 @@ class Run:
         self.checkpointer.save_state(self.state, meta, adapter=self.learner.adapter_lifetime.checkpointed)
 
     def source_state(self) -> dict[str, Any]:
-        """The prompt source's state a checkpoint keeps. Rollouts sampled ahead are not kept: the state from before
-        their draw is, so a resumed run draws those prompts again and samples them from the base it resumes."""
-        return self.prompts.state_dict() if self.ahead is None else self.ahead.snapshot
+        """The prompt source's state a checkpoint keeps (``Prefetcher.source_state``: from before the draw of any
+        rollouts sampled ahead, which a checkpoint does not keep)."""
+        return self.prefetcher.source_state()
 
     def _restore(self, fresh: TrainState, adapter: bool) -> TrainState:
         """The state of the newest readable checkpoint, in ``fresh``'s layout (``adapter``: whether it holds the
-        adapter); newer unreadable ones are set aside (and said so), so the run writes those steps again. The run's
-        records are taken up to that step: what followed it is redone."""
-        try:
-            state, meta, failures = self.checkpointer.restore_state(fresh, adapter=adapter)
-        except CheckpointError as err:
-            if self.unchecked_model is None:
-                raise
-            # One line a step, all alike: the newest step's cause, its first sentence (orbax's names the shapes).
-            first = str(err).split("; ")[0]
-            cause = first.partition(" is unreadable: ")[2].split(". ")[0] or first
-            raise ConfigError(f"--resume: the run's checkpoint does not fit the model at model.path "
-                              f"{self.run.model.path} ({self.unchecked_model}): {cause}; resume with the run's own "
-                              "model") from None  # fmt: skip
-        step = state.step
-        if self.writer and _holds_digest(self.checkpointer.directory, step) is False:
-            print(f"lspo-train: checkpoint step {step} carries no digest of its arrays ({DIGEST}: written by an older "
-                  "version, or removed): it was restored unchecked, and damaged bytes in it would go unnoticed",
-                  file=sys.stderr)  # fmt: skip
-        if step > self.run.steps:
-            raise ConfigError(
-                f"steps: {self.run.steps} is below the run's step {step} (its checkpoint); pass steps={step} or more"
-            )
-        if failures:
-            unreadable = [s for s in self.checkpointer.steps() if s > step]
-            if jax.process_count() > 1:  # every process has read before one moves the files
-                multihost_utils.sync_global_devices("lspo_jax: unreadable checkpoints found")
-            aside = self.checkpointer.set_aside(unreadable) if self.writer else self.checkpointer.directory
-            if self.writer:
-                for line in failures:
-                    print(f"lspo-train: {line}", file=sys.stderr)
-                print(f"lspo-train: resuming from step {step}, the newest readable checkpoint; the unreadable ones "
-                      f"are in {aside}", file=sys.stderr)  # fmt: skip
-        if self.writer and meta.get("data") not in (None, self.data_digest):
-            print(f"lspo-train: data.train {self.run.data.train} is not the data the run's checkpoint was trained on "
-                  f"(its files changed): the run goes on from its place in the old data's order, in the new data",
-                  file=sys.stderr)  # fmt: skip
-        records = os.path.join(self.out_dir, "metrics.jsonl")
-        if self.writer and not os.path.exists(records):
-            print(f"lspo-train: {records} is missing: the records of steps 1-{step} are lost, and the summary counts "
-                  f"the steps from {step + 1} on", file=sys.stderr)  # fmt: skip
-        say = (lambda line: print(f"lspo-train: {line}", file=sys.stderr)) if self.writer else None
-        self.history = records_until(records, step, say)
-        self.seconds_before = _seconds_so_far(self.out_dir)
+        adapter; ``resume.restore``), and the run's records up to that step: what followed it is redone."""
+        state, meta = restore(self.checkpointer, fresh, adapter, self.run, unchecked_model=self.unchecked_model,
+                              data_digest=self.data_digest, writer=self.writer)  # fmt: skip
         self.warmed = meta.get(warmup.RECORD_KIND)
-        if self.warmed is not None and not any(r["kind"] == warmup.RECORD_KIND for r in self.history):
-            # Killed between the warm-up's checkpoint and its record: the record is the checkpoint's copy.
-            self.history.insert(0, {"kind": warmup.RECORD_KIND, "step": 0, **self.warmed})
+        self.history = resumed_records(self.out_dir, state.step, self.warmed, writer=self.writer)
+        self.seconds_before = seconds_so_far(self.out_dir)
         if meta.get(self.prompts.meta_key) is not None:  # a run resumed with the other source starts it afresh
             self.prompts.load_state_dict(meta[self.prompts.meta_key])
         return state
@@ -355,8 +288,7 @@ class Run:
         asked for ends the validation before its next batch (``evaluation.ValidationStopped``), writing nothing."""
         if not any(self.held_out.values()):
             return None
-        if self.ahead is not None:  # the generator samples for one caller at a time
-            self.ahead.wait()
+        self.prefetcher.wait()  # the generator samples for one caller at a time
         self._expect(f"after validation's current batch at step {self.state.step}: its records are not written "
                      "(a resume validates again); then a checkpoint")  # fmt: skip
         if self.writer:
@@ -515,115 +447,32 @@ class Run:
     def one_step(self, stop: StopFlag | None = None) -> dict[str, Any]:
         """One training step, logged: the prompt source's draw, the step, the source's observation of it. A step
         abandoned by ``stop`` leaves the source as it found it, so a resume from the next checkpoint draws the
-        same prompts. With ``rollout.max_staleness: 1`` its draw and rows may come from the step before (``ahead``),
-        and it may start the next step's (``_sample_ahead``) just before its update (``rl.staleness``)."""
+        same prompts. With ``rollout.max_staleness: 1`` its draw and rows may come from the step before, and it may
+        start the next step's just before its update (``staleness.Prefetcher``)."""
         compiled = CompileCount()  # the step's programs compiled, in its record (compiles, time_compile)
-        key = self._step_key(self.state.step)
-        ahead, self.ahead, step = self.ahead, None, self.state.step
-        snapshot, phases = self.prompts.state_dict() if ahead is None else ahead.snapshot, Phases(stop)
-        start_next = self._sample_ahead if self._ahead_due() else None
-        try:
-            draw = self.prompts.next_batch(self.learner, key, phases) if ahead is None else ahead.draw
-            if ahead is None and self.sampling is not None and self.sampling.split:  # on-policy, on the sampler's
-                phases.check("sample")  # devices, waited for; a stop asked already abandons the step before it
-                ahead = staleness.Prefetch(self.learner, draw, snapshot, self.sampling)
-            result = train_step(self.learner, draw, phases, sampled=ahead, start_next=start_next)
-        except BaseException as err:
-            if ahead is not None:  # dropped: its thread ends before anything else samples or the run closes
-                ahead.drop()
-            if isinstance(err, StepAbandoned):  # before the update, so before this step sampled ahead
-                self.prompts.load_state_dict(snapshot)
-            raise
-        if self.ahead is not None:
-            self.ahead.mark_learner_done()
+        stopping = self.stop is not None and self.stop.agreed()  # each step on every process: a collective with several
+        draw, result, stale = self.prefetcher.step(Phases(stop), stopping=stopping)
         observed = self.prompts.observe(draw, result.observation)
-        metrics = {**result.metrics, **self._staleness_record(ahead, step), **step_rates(result.metrics), **observed,
-                   **compiled.since()}  # fmt: skip
+        metrics = {**result.metrics, **stale, **step_rates(result.metrics), **observed, **compiled.since()}
         self._write({"kind": "train", **metrics})
         return metrics
 
-    def _step_key(self, done: int) -> jax.Array:
-        """The key of the step that follows ``done`` steps: one function of the seed and the step, whether the step
-        samples its rollouts itself or the step before samples them ahead."""
-        return jax.random.fold_in(jax.random.key(self.run.seed), done)
-
-    def _ahead_due(self) -> bool:
-        """Whether this step samples the next one's rollouts during its update (``rollout.max_staleness: 1``): not
-        for a step a checkpoint follows on schedule, so a resumed run samples what an uninterrupted one did, and not
-        for the last step; nor once a stop was asked for (the run is single-process at k = 1, so the check is local):
-        the stop's checkpoint would drop those rollouts, and closing would wait for their sampling."""
-        after = self.state.step + 1
-        stopping = self.stop is not None and self.stop.agreed()
-        return (
-            bool(self.run.rollout.max_staleness)
-            and after < self.run.steps
-            and after % self.run.checkpoint.every != 0
-            and not stopping
-        )
-
-    def _sample_ahead(self) -> None:
-        """Draw the next step's prompts, with the key an on-policy run would give them, and start sampling them from
-        the base as it stands (``staleness.Prefetch``)."""
-        key = self._step_key(self.state.step + 1)
-        snapshot = self.prompts.state_dict()
-        draw = self.prompts.next_batch(self.learner, key, Phases())
-        self.ahead = staleness.Prefetch(self.learner, draw, snapshot, self.sampling)
-
-    def _staleness_record(self, ahead: staleness.Prefetch | None, step: int) -> dict[str, Any]:
-        """The step's ``rollout/staleness`` and overlap figures (``staleness.RECORD_KEYS``); none at
-        ``rollout.max_staleness: 0``, whose rows are all on-policy."""
-        if not self.run.rollout.max_staleness:
-            return {}
-        return staleness.on_policy_record() if ahead is None else ahead.record(step)
-
     def _summary(self, seconds: float, stopped: bool) -> dict[str, Any]:
-        """The whole run's figures, from its records (those logged before a resume included)."""
-        train = [r for r in self.history if r["kind"] == "train"]
-        totals = {key: sum(int(r.get(key) or 0) for r in train) for key in SUMMED}
-        # Rollouts drawn, every L2RR draw round's included (the update batch holds ``rollouts`` of them).
-        totals["rollouts_spent"] = sum(int(r.get("sampler/rollouts_step", r["rollouts"])) for r in train)
-        attempted = totals["scaffold_attempted"]
-        summary = {
-            "steps": self.state.step,
-            "stopped_early": stopped,
-            "seconds": round(self.seconds_before + seconds, 1),  # every session's, a resume's before it included
-            "seconds_session": round(seconds, 1),
-            **totals,
-            # The paper's definition: surpassed over the cliff groups the scaffold attempted (those with a
-            # worked solution); cliff groups without one are counted in scaffold_no_solution.
-            "surpass_rate": totals["surpassed_groups"] / attempted if attempted else None,
-            "rescue_pass_rate": totals["rerolls_passed"] / totals["rerolls"] if totals["rerolls"] else None,
-            "surpass_rate_per_step": surpass_distribution(train),
-            "held_out_before": self._held_out_at(0),
-            "held_out_after": None if stopped else self._held_out_at(self.state.step),
-            "held_out_data": self.held_out_data,
-            "nonfinite_updates": self.state.nonfinite_total,
-            "data": dataclasses.asdict(self.data_report),
-        }
-        if self.warmed is not None:
-            summary[warmup.RECORD_KIND] = self.warmed
+        """The whole run's figures (``summary.run_summary``), written to summary.json."""
+        summary = run_summary(self.history, self.state, stopped=stopped, seconds=seconds,
+                              seconds_before=self.seconds_before, held_out_data=self.held_out_data,
+                              data_report=self.data_report, warmed=self.warmed)  # fmt: skip
         if self.writer:
             self._check_lock()
             with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
         return summary
 
-    def _held_out_at(self, step: int) -> dict[str, dict] | None:
-        """Benchmark -> its validation figures at ``step``, from the run's records (None: not validated)."""
-        found = {
-            r["benchmark"]: {k: v for k, v in r.items() if k not in ("kind", "step", "benchmark")}
-            for r in self.history
-            if r["kind"] == "eval" and r["step"] == step
-        }
-        return found or None
-
     def close(self) -> None:
         """Close the learner (engine and verifier), the log and the checkpointer: each even if one before fails.
         Rollouts still sampling ahead are cut short at their next decode segment and dropped first."""
         try:
-            if self.ahead is not None:
-                self.ahead, ahead = None, self.ahead
-                ahead.drop()
+            self.prefetcher.close()
             self.learner.close()
         finally:
             try:
@@ -645,41 +494,6 @@ def _close_after_failure(part: Any, what: str) -> None:
         print(f"lspo-train: closing the {what} after a failed start also failed: {err}", file=sys.stderr)
 
 
-def _holds_digest(directory: str, step: int) -> bool | None:
-    """Whether checkpoint ``step``'s meta (orbax's ``STEP/meta/metadata``) holds the digest its restore checks the
-    arrays against; None when the file cannot be read."""
-    try:
-        with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
-            return DIGEST in json.load(f)
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def _seconds_so_far(out_dir: str) -> float:
-    """The wall time the run's earlier sessions spent, from the summary the last of them wrote (0 without one: a run
-    killed before its summary leaves its time uncounted)."""
-    try:
-        with open(os.path.join(out_dir, "summary.json")) as f:
-            return float(json.load(f).get("seconds") or 0.0)
-    except (OSError, ValueError, AttributeError):
-        return 0.0
-
-
-def surpass_distribution(train: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """How the per-step surpass rate spreads over the steps whose scaffold attempted a cliff: their number and
-    the shares at exactly 0 and 1 (the paper's figure: 31% of them at 0.0, 21% at 1.0); None without any."""
-    rates = [r["surpass_rate"] for r in train if r.get("scaffold_attempted") and r.get("surpass_rate") is not None]
-    if not rates:
-        return None
-    return {"steps": len(rates), "at_0": sum(x == 0 for x in rates) / len(rates),
-            "at_1": sum(x == 1 for x in rates) / len(rates)}  # fmt: skip
-
-
-# Train-record counts the summary adds up over the run.
-SUMMED = ("cliff_groups", "scaffold_attempted", "scaffold_no_solution", "surpassed_groups", "rerolls",
-          "rerolls_passed", "rollouts")  # fmt: skip
-
-
 def train_run(
     run: TrainConfig, out_dir: str, *, resume: bool = False, on_finish: Callable[[], None] | None = None,
     stop: StopFlag | None = None, callbacks: Sequence[Callable[[dict], Any]] = (),
@@ -695,3 +509,15 @@ def train_run(
         if on_finish is not None:
             on_finish()
         job.close()
+
+
+# Names that moved to a module of their own: the old path warns, then goes.
+MOVED = {"surpass_distribution": "lspo_jax.job.summary", "SUMMED": "lspo_jax.job.summary"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is {MOVED[name]}.{name}; the old path goes in {REMOVED_IN}", DeprecationWarning,
+                  stacklevel=2)  # fmt: skip
+    return getattr(importlib.import_module(MOVED[name]), name)

@@ -151,21 +151,26 @@ class Learner:
     # -------------------------------------------------------------------------------------- rollouts
     def sample(
         self, prompts: Sequence[Sequence[int]], key, *, lora_scale: float, n: int | None = None,
-        temperature: float | None = None, params: Params | None = None, generator: Generator | None = None,
-        cancel: Callable[[], bool] | None = None,
+        temperature: float | None = None, cancel: Callable[[], bool] | None = None,
     ) -> Rows:  # fmt: skip
         """``n`` (default ``group_size``) rollouts per prompt at ``temperature`` (default the rollout's), packed into
         fixed-shape rows, with ``sampler_logp`` (the engine's own log-prob of each sampled token, 0 on prompt
-        slots). ``params``: the weights to sample from (default the train state's; ``rl.staleness`` gives a copy of
-        an earlier base); ``generator``: where to sample (default the learner's; ``rl.staleness`` gives the sampler's
-        devices of a split placement); ``cancel``: asked between decode segments, True cuts the rows short
-        (``sampler.generate_arrays``), for rows that will be dropped."""
+        slots), from the train state's params on the learner's generator. ``cancel``: asked between decode
+        segments, True cuts the rows short (``sampler.generate_arrays``), for rows that will be dropped."""
+        return self.sample_from(self.state.params, self.generator, prompts, key, lora_scale=lora_scale, n=n,
+                                temperature=temperature, cancel=cancel)  # fmt: skip
+
+    def sample_from(
+        self, params: Params, generator: Generator, prompts: Sequence[Sequence[int]], key, *, lora_scale: float,
+        n: int | None = None, temperature: float | None = None, cancel: Callable[[], bool] | None = None,
+    ) -> Rows:  # fmt: skip
+        """``sample``'s rows from a snapshot of the weights, ``params``, on ``generator``'s devices: rollouts sampled
+        ahead of the update (``rl.staleness``) read a copy of an earlier base that the update cannot donate, on the
+        sampler's own devices with a split placement."""
         n = n or self.run.rollout.group_size
         decoding = self.decoding
         if temperature is not None and temperature != decoding.temperature:
             decoding = dataclasses.replace(decoding, temperature=temperature)
-        params = self.state.params if params is None else params
-        generator = self.generator if generator is None else generator
         options = dict(key=key, n=n, lora_scale=lora_scale, fallback=False, cancel=cancel)
         sample = generator.generate(params, prompts, decoding, **options)
         if self.vllm is not None:

@@ -93,7 +93,7 @@ def flag_adapter(job, verifier):
     def flag(*args, lora_scale=0.0, **kwargs):
         verifier.adapter_on = lora_scale > 0
 
-    sampling = getattr(job, "sampling", None)
+    sampling = job.prefetcher.sampling
     for generator in {job.learner.generator, sampling and sampling.generator} - {None}:
         wrap(generator, "generate", before=flag)
 

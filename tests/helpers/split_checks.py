@@ -54,7 +54,8 @@ def logged_run(make, out, rule, *, resume=False, stop_after=None, **overrides):
 
     def prepare(job):
         log["learner"] = ids(job.learner.state.params)
-        real_push = job.sampling.push
+        sampling = job.prefetcher.sampling
+        real_push = sampling.push
 
         def push(learner):
             log["bases"].append(copy_tree(learner.base_params()))  # on the host: the base the rows came from
@@ -62,9 +63,9 @@ def logged_run(make, out, rule, *, resume=False, stop_after=None, **overrides):
             log["pushed"].append(ids(copy))
             return copy, seconds
 
-        job.sampling.push = push
-        sampler_mesh = [d.id for d in job.sampling.generator.mesh.devices.flat]
-        wrap(job.sampling.generator, "generate", before=lambda params, *a, **k: log["sampled"].append(
+        sampling.push = push
+        sampler_mesh = [d.id for d in sampling.generator.mesh.devices.flat]
+        wrap(sampling.generator, "generate", before=lambda params, *a, **k: log["sampled"].append(
             {"params": ids(params), "mesh": sorted(sampler_mesh)}))  # fmt: skip
 
         def init(self, learner, draw, snapshot, sampling):
@@ -107,9 +108,9 @@ def main() -> None:
     # Step 2's rows (taken from the prefetch started during step 1) sampled again from the base before step 1's
     # update, on the sampler's mesh, with step 2's on-policy key.
     key = jax.random.split(jax.random.fold_in(jax.random.key(whole.run.seed), 1))[0]
-    sampling = staleness.Sampling(whole.learner, whole.sampling.generator.mesh)
+    sampling = staleness.Sampling(whole.learner, whole.prefetcher.sampling.generator.mesh)
     base = jax.device_put(log["bases"][1], sampling.layout)
-    again = whole.learner.sample(log["draws"][1], key, lora_scale=0.0, params=base, generator=sampling.generator)
+    again = whole.learner.sample_from(base, sampling.generator, log["draws"][1], key, lora_scale=0.0)
     result["whole"] = {"records": values(os.path.join(root, "whole")), "draws": log["draws"]}
     taken = log["taken"][1]  # step 2's rows: the second prefetch's
     result["again"] = {
