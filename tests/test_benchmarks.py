@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from lspo_jax.tasks import benchmarks, data, data_report, rewards, sources
+from lspo_jax.tasks import benchmarks, data_report, rewards, sources, templates
 
 
 @pytest.mark.parametrize("name, rows", [("math500", 500), ("aime24", 30), ("aime25", 30)])
@@ -111,7 +111,7 @@ def test_bench_packing_reads_the_packaged_prompts_where_the_data_folder_lacks_th
 
     # A prompt's "tokens" are its characters here: what is checked is which file is read, not the vocabulary.
     monkeypatch.setattr(qwen_vocab, "r1_tokenizer", lambda: None)
-    monkeypatch.setattr(data, "render_prompt", lambda tokenizer, text: list(text))
+    monkeypatch.setattr(templates, "render_prompt", lambda tokenizer, text: list(text))
     with open(benchmarks.packaged_file("aime24")) as f:
         packaged = [json.loads(line)["problem"] for line in f if line.strip()]
     lengths = bench_packing.r1_prompt_lengths(str(tmp_path), "aime24")  # nothing in tmp_path: the package's file

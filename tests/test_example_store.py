@@ -162,7 +162,7 @@ def test_a_solution_that_fails_to_tokenise_mid_run_is_counted_and_skipped(tmp_pa
             raise RuntimeError("the tokenizer gave up")
         return encode(tok, texts)
 
-    monkeypatch.setattr(data, "encode_texts", fails_on_row_4)
+    monkeypatch.setattr(templates, "encode_texts", fails_on_row_4)
     assert by_id["4"].solution_ids is None and by_id["2"].solution_ids is not None
     assert (report.solution_errors, report.solutions_encoded) == (1, 1)
     assert report.row_errors[-1] == "id 4: solution not tokenised (RuntimeError: the tokenizer gave up)"
