@@ -86,12 +86,18 @@ def test_the_mechanism_table_reads_each_runs_summary_and_sampler_records(tmp_pat
                ((1, 16), (2, 9))]  # fmt: skip
     with open(tmp_path / "ds_seed1" / "metrics.jsonl", "a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in sampler))
+    spliced = [{"kind": "train", "step": 1, "spliced_ratio_mean": 0.2, "spliced_grad_share": 0.5},
+               {"kind": "train", "step": 2, "spliced_ratio_mean": None, "spliced_grad_share": None},
+               {"kind": "train", "step": 3, "spliced_ratio_mean": 0.05, "spliced_grad_share": 0.1}]  # fmt: skip
+    with open(tmp_path / "lspo_seed1" / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in spliced))
     runs, _ = horizon_study.load(str(tmp_path), ["lspo", "ds"], [1])
     lines = horizon_study.mechanism_table(runs).splitlines()
-    # lspo: 50% surpassed, 25% verified, 256 / 2 = 128 rollouts a step, no sampler records, 2 minutes.
-    assert lines[2] == "| lspo | 1 | 10 | 50.0 | 25.0 | 128 | - | - | 2 |"
+    # lspo: 50% surpassed, 25% verified, 256 / 2 = 128 rollouts a step; over the 2 steps with spliced rows the ratio
+    # (0.2 + 0.05) / 2 = 0.125 and the gradient share (50 + 10) / 2 = 30%; no sampler records, 2 minutes.
+    assert lines[2] == "| lspo | 1 | 10 | 50.0 | 25.0 | 128 | 0.125 | 30.0 | - | - | 2 |"
     # ds: no scaffold; 600 / 2 = 300 rollouts a step; kept (16 + 9) / 2 = 12.5; one step short of 16 (at the bound).
-    assert lines[3] == "| ds | 1 | 4 | - | - | 300 | 12.5 | 1 | 1 |"
+    assert lines[3] == "| ds | 1 | 4 | - | - | 300 | - | - | 12.5 | 1 | 1 |"
 
 
 # The gain-against-cost traces at the horizon (step 200; the validation at 225 is past it): per run the frontier's

@@ -2,8 +2,8 @@
 protocol), value at the last validation and mean over the trained trace (steps > 0), over seeds, and each arm minus
 DAPO paired by seed; then, per run, what the frontier class did (its pass@k peak and where, its last value, the
 entropy of its sampled answers from start to end); then each arm's mechanism (cliff groups, the scaffold's surpass and
-re-roll pass rates, rollouts spent per step, dynamic sampling's kept groups and the steps it hit its bound, from each
-run's ``summary.json`` and training records); then, at the horizon, each arm's gain on the frontier class (pass@8,
+re-roll pass rates, rollouts spent per step, the spliced rows' mean importance ratio and gradient share, dynamic
+sampling's kept groups and the steps it hit its bound, from each run's ``summary.json`` and training records); then, at the horizon, each arm's gain on the frontier class (pass@8,
 coverage pass@256 where validation recorded a coverage pass, accuracy) against its cost on the learned 3-digit class
 (accuracy), each minus DAPO paired by seed; and per run of the LSPO family its adapter reliance (the mean over its
 steps of ``scaffold/adapter_reliance``) and its spliced rows' share of the gradient norm at steps 50 and 150
@@ -132,6 +132,8 @@ MECHANISM = (  # (column, digits): each a per-run figure from ``mechanism``
     ("surpassed %", 1),
     ("re-rolls verified %", 1),
     ("rollouts / step", 0),
+    ("spliced ratio", 3),
+    ("spliced grad share %", 1),
     ("kept groups / step", 1),
     ("steps at the bound", 0),
     ("minutes", 0),
@@ -140,11 +142,17 @@ MECHANISM = (  # (column, digits): each a per-run figure from ``mechanism``
 
 def mechanism(run: tables.RunTrace) -> dict[str, float]:
     """One finished run's mechanism figures; a figure its arm does not have (a surpass rate without the scaffold,
-    kept groups without dynamic sampling) is NaN."""
+    kept groups without dynamic sampling) is NaN. The spliced rows' figures are means over the steps that recorded
+    them: the token-mean importance ratio pi_theta / pi_theta+phi before any correction (``spliced_ratio_mean``) and
+    their share of the update's gradient norm (``spliced_grad_share``, with ``scaffold.grad_share: true``)."""
     with open(os.path.join(run.path, "summary.json")) as f:
         summary = json.load(f)
     train = [r for r in tables.read_metrics(os.path.join(run.path, "metrics.jsonl")) if r.get("kind") == "train"]
     kept = [r["sampler/kept"] for r in train if r.get("sampler/kept") is not None]
+
+    def step_mean(key: str, times: float = 1.0) -> float:  # over the steps that recorded it (spliced rows, or shares)
+        values = [r[key] for r in train if r.get(key) is not None]
+        return times * float(np.mean(values)) if values else math.nan
 
     def rate(key: str) -> float:
         return 100.0 * summary[key] if summary.get(key) is not None else math.nan
@@ -154,6 +162,8 @@ def mechanism(run: tables.RunTrace) -> dict[str, float]:
         "surpassed %": rate("surpass_rate"),
         "re-rolls verified %": rate("rescue_pass_rate"),
         "rollouts / step": summary["rollouts_spent"] / summary["steps"] if summary.get("steps") else math.nan,
+        "spliced ratio": step_mean("spliced_ratio_mean"),
+        "spliced grad share %": step_mean(GRAD_SHARE, 100.0),
         "kept groups / step": float(np.mean(kept)) if kept else math.nan,
         "steps at the bound": float(sum(r.get("sampler/filled", 0) > 0 for r in train)) if kept else math.nan,
         "minutes": summary.get("seconds", math.nan) / 60.0,
