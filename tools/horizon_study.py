@@ -1,16 +1,16 @@
-"""The horizon study's tables from finished runs: per held-out class and metric, each arm's peak (the paper's
-protocol), value at the last validation and mean over the trained trace (steps > 0), over seeds, and each arm minus
-DAPO paired by seed; then, per run, what the frontier class did (its pass@k peak and where, its last value, the
-entropy of its sampled answers from start to end); then each arm's mechanism (cliff groups, the scaffold's surpass and
-re-roll pass rates, rollouts spent per step, the spliced rows' mean importance ratio and gradient share, dynamic
-sampling's kept groups and the steps it hit its bound, from each run's ``summary.json`` and training records); then, at the horizon, each arm's gain on the frontier class (pass@8,
-coverage pass@256 where validation recorded a coverage pass, accuracy) against its cost on the learned 3-digit class
-(accuracy), each minus DAPO paired by seed; and per run of the LSPO family its adapter reliance (the mean over its
-steps of ``scaffold/adapter_reliance``) and its spliced rows' share of the gradient norm at steps 50 and 150
-(``spliced_grad_share``, recorded with ``scaffold.grad_share: true``) beside its transfer, and Pearson's r between
-those figures and the transfer, pooled, within seed and within arm. Nothing trains: the runs
-are ``OUT/ARM_seedSEED`` directories that ``tools.compare_arms`` wrote, and a run without ``summary.json``
-(unfinished) is left out and named.
+"""The horizon study's tables from finished runs: per held-out class and metric, each arm's peak (the paper's protocol),
+value at the last validation and mean over the trained trace (steps > 0), over seeds, and each arm minus DAPO paired
+by seed; then, per run, what the frontier class did (its pass@k peak and where, its last value, the entropy of its
+sampled answers from start to end); then each arm's mechanism (cliff groups, the scaffold's surpass and re-roll pass
+rates, rollouts spent per step, the spliced rows' mean importance ratio and gradient share, dynamic sampling's kept
+groups and the steps it hit its bound, from each run's ``summary.json`` and training records); then, at the horizon,
+each arm's gain on the frontier class (pass@8, coverage pass@256 where validation recorded a coverage pass, accuracy)
+against its cost on the learned 3-digit class (accuracy), each minus DAPO paired by seed; and per run of the LSPO
+family its adapter reliance (the mean over its steps of ``scaffold/adapter_reliance``) and its spliced rows' share of
+the gradient norm at steps 50 and 150 (``spliced_grad_share``, recorded with ``scaffold.grad_share: true``) beside
+its transfer, and Pearson's r between those figures and the transfer, pooled, within seed and within arm. Nothing
+trains: the runs are ``OUT/ARM_seedSEED`` directories that ``tools.compare_arms`` wrote, and a run without
+``summary.json`` (unfinished) is left out and named.
 
     .venv/bin/python -m tools.horizon_study --out runs/horizon --arms dapo lspo direct --seeds 42 43 44 45 46 \\
         [--horizon 200] [--metrics accuracy pass@8 gold_logprob] [--plot runs/horizon/study] [--json study.json] \\
