@@ -109,6 +109,8 @@ AT_200 = {
     ("lspo", 1): (0.50, 0.55, 0.20, 0.02, 0.85),
     ("lspo", 2): (0.40, None, 0.15, 0.04, 0.80),
 }
+# The beyond-reach class's coverage pass@256 at 200, where its pass ran (not in lspo seed 2).
+BEYOND_COVERAGE_200 = {("dapo", 1): 0.0, ("dapo", 2): 0.0, ("lspo", 1): 0.1}
 # The frontier's coverage pass@1 (the share of correct samples) at 200, where its pass ran; 0.01 at step 0.
 PASS1_AT_200 = {"dapo": 0.02, "lspo": 0.03}
 # (step, adapter reliance, spliced gradient share) of the lspo runs' training records; step 225 is past the horizon.
@@ -128,7 +130,8 @@ def write_horizon_run(root, arm, seed):
                            "coverage/pass@1_unbiased": 0.01},
                {"kind": "eval", "step": 0, "benchmark": "toy_heldout_3digit", "accuracy": 0.3},
                frontier | {"step": 200, "pass@8": p8, "accuracy": acc} | covered,
-               {"kind": "eval", "step": 200, "benchmark": "toy_heldout_4digit_cliff_beyond", "accuracy": beyond},
+               {"kind": "eval", "step": 200, "benchmark": "toy_heldout_4digit_cliff_beyond", "accuracy": beyond}
+               | ({"coverage/pass@256": BEYOND_COVERAGE_200[arm, seed]} if (arm, seed) in BEYOND_COVERAGE_200 else {}),
                {"kind": "eval", "step": 200, "benchmark": "toy_heldout_3digit", "accuracy": learned},
                frontier | {"step": 225, "pass@8": 1.0, "accuracy": 1.0, "coverage/pass@256": 1.0,
                            "coverage/pass@1_unbiased": 1.0}]  # fmt: skip
@@ -145,15 +148,17 @@ def test_gain_against_cost_and_reliance_at_the_horizon_by_hand(tmp_path, capsys)
             "pass@8", "--plot", str(tmp_path / "h"), "--json", str(tmp_path / "h.json")]  # fmt: skip
     assert horizon_study.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    # dapo: pass@8 30, 20; pass@256 50, 60; frontier accuracy 10, 5; beyond reach 0, 0; 3-digit 90, 80. No
-    # difference from itself.
+    # dapo: pass@8 30, 20; pass@256 50, 60; frontier accuracy 10, 5; beyond reach 0, 0 and its pass@256 0, 0;
+    # 3-digit 90, 80. No difference from itself.
     assert ("| dapo | 1 2 | 25.0 [20.0, 30.0] |  | 55.0 [50.0, 60.0] |  | 7.5 [5.0, 10.0] |  | 0.0 [0.0, 0.0] |  "
-            "| 85.0 [80.0, 90.0] |  |") in lines  # fmt: skip
+            "| 0.0 [0.0, 0.0] |  | 85.0 [80.0, 90.0] |  |") in lines  # fmt: skip
     # lspo: pass@8 50 - 30 and 40 - 20; pass@256 55 - 50 (seed 2 has none at 200, so over seed 1 alone); accuracy
-    # 20 - 10 and 15 - 5; beyond reach 2 - 0 and 4 - 0; 3-digit 85 - 90 and 80 - 80 -> -2.5 [-5.0, +0.0].
+    # 20 - 10 and 15 - 5; beyond reach 2 - 0 and 4 - 0, its pass@256 10 - 0 (seed 1 alone); 3-digit 85 - 90 and
+    # 80 - 80 -> -2.5 [-5.0, +0.0].
     want = (
         "| lspo | 1 2 | 45.0 [40.0, 50.0] | +20.0 [+20.0, +20.0] | 55.0 | +5.0 (seeds 1) | 17.5 [15.0, 20.0] "
-        "| +10.0 [+10.0, +10.0] | 3.0 [2.0, 4.0] | +3.0 [+2.0, +4.0] | 82.5 [80.0, 85.0] | -2.5 [-5.0, +0.0] |"
+        "| +10.0 [+10.0, +10.0] | 3.0 [2.0, 4.0] | +3.0 [+2.0, +4.0] | 10.0 | +10.0 (seeds 1) | 82.5 [80.0, 85.0] "
+        "| -2.5 [-5.0, +0.0] |"
     )
     assert want in lines
     assert not any(line.startswith("Values short of the horizon") for line in lines)  # every value is at 200
@@ -220,3 +225,29 @@ def test_runs_validated_at_n_4_say_why_pass_at_8_is_left_out(tmp_path, capsys):
            "pass@1, pass@4 (pass@k up to the eval.n they validated with: --metrics pass@4)" in captured.err  # fmt: skip
     assert "toy_3term_frontier, pass@8" not in captured.out and not (tmp_path / "band_pass8.png").exists()
     assert "The frontier class per run (pass@4 in %" in captured.out  # the largest k they hold, not an empty pass@8
+
+
+def test_an_earlier_studys_arm_joins_the_table_where_its_baseline_is_the_same(tmp_path, capsys):
+    for arm, seed in AT_200:
+        write_horizon_run(tmp_path, arm, seed)
+    common = ["--out", str(tmp_path), "--seeds", "1", "2", "--horizon", "200", "--metrics", "pass@8"]
+    assert horizon_study.main([*common, "--arms", "dapo", "lspo", "--json", str(tmp_path / "before.json")]) == 0
+    saved = json.loads((tmp_path / "before.json").read_text())
+    for f in saved["at_horizon"]["lspo"].values():  # an earlier study had no beyond-reach coverage column
+        del f["beyond-reach pass@256"]
+    (tmp_path / "before.json").write_text(json.dumps(saved))
+    capsys.readouterr()
+    earlier = f"{tmp_path / 'before.json'}:lspo=lspo_before"
+    assert horizon_study.main([*common, "--arms", "dapo", "--earlier", earlier]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # The earlier lspo's figures, as in the by-hand test above; its beyond-reach coverage column not recorded: "-".
+    want = (
+        "| lspo_before | 1 2 | 45.0 [40.0, 50.0] | +20.0 [+20.0, +20.0] | 55.0 | +5.0 (seeds 1) | 17.5 [15.0, 20.0] "
+        "| +10.0 [+10.0, +10.0] | 3.0 [2.0, 4.0] | +3.0 [+2.0, +4.0] | - | - | 82.5 [80.0, 85.0] | -2.5 [-5.0, +0.0] |"
+    )
+    assert want in lines
+    saved["at_horizon"]["dapo"]["2"]["frontier accuracy"] += 1.0  # not the runs this study's dapo is
+    (tmp_path / "before.json").write_text(json.dumps(saved))
+    assert horizon_study.main([*common, "--arms", "dapo", "--earlier", earlier]) == 2  # one line, exit 2
+    err = capsys.readouterr().err
+    assert "its dapo differs from this study's on seeds 2, so its lspo cannot be paired with it" in err

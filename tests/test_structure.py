@@ -227,6 +227,37 @@ def test_loop_functions_fit_on_a_screen(module):
     assert not long, f"{module}.py: functions over 60 lines: {long}"
 
 
+def too_long(root: Path, file_limit: int | None, function_limit: int) -> list[str]:
+    """``PATH: N lines`` for each module over ``file_limit`` and ``PATH:FUNCTION: N lines`` for each function over
+    ``function_limit`` under ``root``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text()
+        name = path.relative_to(root.parent)
+        if file_limit is not None and len(source.splitlines()) > file_limit:
+            found.append(f"{name}: {len(source.splitlines())} lines")
+        defs = [f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+        lengths = [(f"{name}:{f.name}", f.end_lineno - f.lineno + 1) for f in defs]  # a list: methods share names
+        found += [f"{where}: {n} lines" for where, n in lengths if n > function_limit]
+    return found
+
+
+def test_rooms_stay_small():
+    """A new capability gets a module of its own: no package module over 600 lines, no function over 60; the tests',
+    tools' and benchmarks' functions (tables of cases, argument parsers) up to 80."""
+    assert too_long(PACKAGE, 600, 60) == []
+    assert [line for d in ("tests", "tools", "benchmarks") for line in too_long(PACKAGE.parent / d, None, 80)] == []
+
+
+def test_the_size_check_counts_lines(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(60))  # a def line and 60 body lines: 61 lines
+    (tmp_path / "pkg" / "m.py").write_text(f"def long():\n{body}\n\n\ndef short():\n    pass\n")
+    assert too_long(tmp_path / "pkg", 600, 60) == ["pkg/m.py:long: 61 lines"]
+    # 61 + 2 blank lines + 2 of short(): 65 lines in the file.
+    assert too_long(tmp_path / "pkg", 64, 61) == ["pkg/m.py: 65 lines"]
+
+
 def test_one_program_per_pass_whatever_the_device_count():
     """No module forks a single-device path from the mesh path: one device is a 1 x 1 x 1 mesh, and the only
     test of a missing mesh is the default that supplies that one (``sharding.mesh_or_local``)."""

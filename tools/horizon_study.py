@@ -14,7 +14,11 @@ trains: the runs are ``OUT/ARM_seedSEED`` directories that ``tools.compare_arms`
 
     .venv/bin/python -m tools.horizon_study --out runs/horizon --arms dapo lspo direct --seeds 42 43 44 45 46 \\
         [--horizon 200] [--metrics accuracy pass@8 gold_logprob] [--plot runs/horizon/study] [--json study.json] \\
-        [--coverage-k 256] [--share-steps 50 150]
+        [--coverage-k 256] [--share-steps 50 150] [--earlier OLD.json:lspo=lspo_before ...]
+
+``--earlier JSON:ARM[=NAME]`` adds an arm of an earlier study's ``--json`` (its runs no longer on disk) to the
+gain-against-cost table and picture, when that study's baseline is this one's to the last digit on the seeds both
+hold (the same runs, or runs that reproduce them); otherwise it refuses, naming the seeds that differ.
 
 ``--plot PREFIX`` draws ``PREFIX_KEY.png`` per metric: each arm's mean curve over its seeds and their range (the
 seed band), one panel per class; and ``PREFIX_gain_cost.png``: per arm, its frontier gain against its 3-digit cost
@@ -34,6 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lspo_jax.train_config import ConfigError
 from tools import tables
 
 if not __package__:  # run by its path: the repository root, where the package ``tools`` is, is not on sys.path
@@ -194,12 +199,14 @@ STEPS = "steps"  # at_horizon's key for the step each column's value was read at
 def horizon_columns(k_metric: str, coverage_k: int) -> tuple[tuple[str, str, str], ...]:
     """``(column, class, metric)`` of the gain-against-cost table: the frontier's ``k_metric`` (pass@8), coverage
     pass@k (``coverage/pass@K``, where the runs recorded a coverage pass) and accuracy, the beyond-reach class's
-    accuracy, then the cost: the 3-digit accuracy (the last column)."""
+    accuracy and coverage pass@k (what a warm-up opened there, and what RL after it kept), then the cost: the 3-digit
+    accuracy (the last column)."""
     return (
         (f"frontier {k_metric}", FRONTIER, k_metric),
         (f"frontier pass@{coverage_k}", FRONTIER, f"coverage/pass@{coverage_k}"),
         ("frontier accuracy", FRONTIER, "accuracy"),
         ("beyond-reach accuracy", BEYOND, "accuracy"),
+        (f"beyond-reach pass@{coverage_k}", BEYOND, f"coverage/pass@{coverage_k}"),
         ("3-digit accuracy", LEARNED, "accuracy"),
     )
 
@@ -218,6 +225,36 @@ def at_horizon(run: tables.RunTrace, horizon: int | None, columns: Sequence[tupl
         out[column] = math.nan if value is None else 100.0 * value
         out[STEPS][column] = last.get("step")
     return out
+
+
+def earlier_arm(spec: str, figures: dict, baseline: str) -> tuple[str, dict[int, dict]]:
+    """``JSON:ARM[=NAME]``: ``ARM``'s figures at the horizon from an earlier study's ``--json``, under ``NAME``, so
+    that runs not on disk any more join the gain-against-cost table and picture. Paired with this study's baseline
+    only where they can be: the earlier study's baseline must equal this one's on every seed and column both hold
+    (the same runs, or runs that reproduce them), else nothing is read."""
+    path, _, arm_spec = spec.rpartition(":")
+    arm, _, name = arm_spec.partition("=")
+    if not path or not arm:
+        raise ConfigError(f"--earlier {spec!r}: expected JSON:ARM or JSON:ARM=NAME")
+    with open(path) as f:
+        saved = json.load(f).get("at_horizon", {})
+    if arm not in saved or baseline not in saved:
+        raise ConfigError(f"--earlier {spec}: {path} has no {arm if arm not in saved else baseline!r} at the horizon "
+                       f"(it has {', '.join(saved) or 'no arm'})")  # fmt: skip
+    ours, theirs = figures[baseline], {int(seed): _nan(f) for seed, f in saved[baseline].items()}
+    differ = sorted({seed for seed in ours.keys() & theirs.keys() for c, v in ours[seed].items()
+                     if c != STEPS and not math.isnan(v) and not math.isnan(theirs[seed].get(c, math.nan))
+                     and not math.isclose(v, theirs[seed][c], abs_tol=1e-9)})  # fmt: skip
+    if differ:
+        raise ConfigError(f"--earlier {spec}: its {baseline} differs from this study's on seeds "
+                         f"{' '.join(map(str, differ))}, so its {arm} cannot be paired with it")  # fmt: skip
+    unread = dict.fromkeys(next(iter(ours.values()), {}), math.nan)  # columns the earlier study did not have
+    return name or arm, {int(seed): unread | {STEPS: {}} | _nan(f) for seed, f in saved[arm].items()}
+
+
+def _nan(figures: dict) -> dict:
+    """A saved run's figures with JSON's None (a value not recorded) back to NaN."""
+    return {c: math.nan if v is None else v for c, v in figures.items()}
 
 
 def off_horizon(figures: dict, horizon: int | None) -> list[str]:
@@ -252,7 +289,10 @@ def gain_cost_table(figures: dict, baseline: str, columns: Sequence[str]) -> str
         for c in columns:
             row.append(spread([f[c] for f in runs.values()], 1))
             both = paired(figures, arm, baseline, c)
-            row.append("" if arm == baseline else spread(list(both.values()), 1, True) + _paired_on(both, runs))
+            if arm == baseline:
+                row.append("")
+            else:  # "-" where no seed recorded the column in both arms
+                row.append(spread(list(both.values()), 1, True) + _paired_on(both, runs) if both else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -465,6 +505,9 @@ def _study(argv: list[str] | None) -> int:
     p.add_argument("--coverage-k", type=int, default=256, help="the coverage pass@k in the gain-against-cost table")
     p.add_argument("--share-steps", type=int, nargs="+", default=[50, 150],
                    help="the steps whose spliced_grad_share the reliance table shows")  # fmt: skip
+    p.add_argument("--earlier", action="append", default=[], metavar="JSON:ARM[=NAME]",
+                   help="an arm's figures at the horizon from an earlier study's --json (runs no longer on disk), in "
+                        "the gain-against-cost table and picture; its baseline must equal this one's")  # fmt: skip
     args = p.parse_args(argv)
     runs, missing = load(args.out, args.arms, args.seeds)
     if not runs:
@@ -489,6 +532,7 @@ def _study(argv: list[str] | None) -> int:
     figures: dict[str, dict[int, dict]] = {}
     for run in runs:
         figures.setdefault(run.arm, {})[run.seed] = at_horizon(run, args.horizon, columns)
+    figures |= dict(earlier_arm(spec, figures, args.arms[0]) for spec in args.earlier)
     names = [c for c, _, _ in columns]
     where = "the last validation" if args.horizon is None else f"the last validation <= step {args.horizon}"
     print(f"\nFrontier gain against the 3-digit cost at {where} (%, mean over seeds [min, max]; minus {baseline} "
