@@ -251,3 +251,6 @@ def test_an_earlier_studys_arm_joins_the_table_where_its_baseline_is_the_same(tm
     assert horizon_study.main([*common, "--arms", "dapo", "--earlier", earlier]) == 2  # one line, exit 2
     err = capsys.readouterr().err
     assert "its dapo differs from this study's on seeds 2, so its lspo cannot be paired with it" in err
+    (tmp_path / "before.json").write_text("{not json")
+    assert horizon_study.main([*common, "--arms", "dapo", "--earlier", earlier]) == 2
+    assert "before.json is not a study's --json" in capsys.readouterr().err

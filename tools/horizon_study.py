@@ -237,11 +237,15 @@ def earlier_arm(spec: str, figures: dict, baseline: str) -> tuple[str, dict[int,
     if not path or not arm:
         raise ConfigError(f"--earlier {spec!r}: expected JSON:ARM or JSON:ARM=NAME")
     with open(path) as f:
-        saved = json.load(f).get("at_horizon", {})
+        try:
+            saved = json.load(f)
+        except ValueError as err:
+            raise ConfigError(f"--earlier {spec}: {path} is not a study's --json ({err})") from None
+    saved = saved.get("at_horizon", {}) if isinstance(saved, dict) else {}
     if arm not in saved or baseline not in saved:
         raise ConfigError(f"--earlier {spec}: {path} has no {arm if arm not in saved else baseline!r} at the horizon "
                        f"(it has {', '.join(saved) or 'no arm'})")  # fmt: skip
-    ours, theirs = figures[baseline], {int(seed): _nan(f) for seed, f in saved[baseline].items()}
+    ours, theirs = figures.get(baseline, {}), {int(seed): _nan(f) for seed, f in saved[baseline].items()}
     differ = sorted({seed for seed in ours.keys() & theirs.keys() for c, v in ours[seed].items()
                      if c != STEPS and not math.isnan(v) and not math.isnan(theirs[seed].get(c, math.nan))
                      and not math.isclose(v, theirs[seed][c], abs_tol=1e-9)})  # fmt: skip
